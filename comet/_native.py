@@ -1,0 +1,9 @@
+"""Loads comet._C (the compiled core) once; importing it registers torch.ops.comet.*."""
+try:
+    from comet import _C  # noqa: F401  (registers the TORCH_LIBRARY on import)
+except ImportError as e:  # pragma: no cover - only when the package was not built
+    raise ImportError(
+        "comet's compiled extension comet._C is missing or broken: install with "
+        "`pip install -e .` (or `make setup`) first. Original error: " + str(e)) from e
+
+__all__ = ["_C"]

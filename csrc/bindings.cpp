@@ -1,0 +1,51 @@
+// comet._C's Python surface besides the ops: creating, connecting and releasing symmetric heaps.
+// comet/symm.py drives these steps with group barriers in between.
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "cpu/symm_heap.h"
+
+namespace {
+
+using comet::cpu::find_heap;
+
+// A rank whose call fails before reaching an op kernel (e.g. a tensor on the wrong device) still
+// takes part in the metadata exchange, so every peer raises too instead of waiting.
+std::string fail_call(int64_t handle, int32_t op, const std::string& message) {
+  auto heap = find_heap(handle);
+  comet::CallMeta me{};
+  me.op = op;
+  me.world = heap->world();
+  me.group_hash = heap->group_hash();
+  me.error = 1;
+  std::strncpy(me.message, message.c_str(), sizeof(me.message) - 1);
+  const uint64_t e = heap->begin_call(me);
+  std::string v = heap->verdict(op == 0 ? "comet.moe_layer0" : "comet.moe_layer1");
+  heap->end_call(e);
+  return v;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "comet native core: symmetric heaps (the ops are under torch.ops.comet)";
+  m.def(
+      "heap_create",
+      [](int32_t rank, int32_t world, const std::string& job, int64_t group_hash, double timeout) {
+        return comet::cpu::register_heap(
+            std::make_shared<comet::cpu::SymmHeap>(rank, world, job, group_hash, timeout));
+      },
+      py::arg("rank"), py::arg("world"), py::arg("job"), py::arg("group_hash"), py::arg("timeout"));
+  m.def("heap_connect", [](int64_t h) { find_heap(h)->connect(); });
+  m.def("heap_unlink_own", [](int64_t h) { find_heap(h)->unlink_own(); });
+  m.def("heap_release", &comet::cpu::release_heap);
+  m.def("heap_set_timeout", [](int64_t h, double s) { find_heap(h)->set_timeout(s); });
+  m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
+#ifdef COMET_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

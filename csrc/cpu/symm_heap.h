@@ -1,0 +1,98 @@
+// The CPU backend of comet.symm: per rank a fixed header segment and a growable data segment, both
+// mapped by every rank of the group (one-sided reads and writes, NVSHMEM's model on one node), plus
+// the per-call protocol every op runs before its kernel:
+//
+//   begin_call: wait until every peer finished reading our memory in the previous call (so this
+//               call may overwrite it), publish this call's metadata, collect every peer's, and
+//               return the common verdict (an input error anywhere fails the call everywhere);
+//   reserve:    grow every rank's data segment together when the call needs more room;
+//   end_call:   announce "finished reading peers' memory for this call".
+//
+// Flags carry the call number (epoch), so nothing is reset between calls.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comet/exec_context.h"
+#include "comet/symm_layout.h"
+#include "shm_segment.h"
+
+namespace comet::cpu {
+
+// Thrown by every wait once any block of the same call failed, so the others stop quickly.
+struct Aborted {};
+
+class SymmHeap {
+ public:
+  SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_hash, double timeout_s);
+  ~SymmHeap();
+
+  // Set-up steps, each separated by a group barrier (done by the Python side).
+  void connect();     // map every peer's header
+  void unlink_own();  // every peer has mapped our header: drop its name
+
+  int32_t rank() const { return rank_; }
+  int32_t world() const { return world_; }
+  int64_t group_hash() const { return group_hash_; }
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double s) { timeout_s_ = s; }
+
+  RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
+  char* data(int32_t r) const { return data_[r]; }
+
+  // Per-call protocol (see above). begin_call returns the epoch; metas() then holds every rank's
+  // metadata. verdict() is empty when all ranks' calls agree.
+  uint64_t begin_call(CallMeta me);
+  const std::vector<CallMeta>& metas() const { return metas_; }
+  std::string verdict(const char* op_name) const;
+  void reserve(size_t bytes);
+  void end_call(uint64_t epoch);
+
+  // Spin until *flag >= epoch (acquire). Throws Aborted when `abort` is set, and a runtime_error
+  // naming the site after the timeout or when a peer process is gone.
+  void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index,
+            const std::atomic<bool>* abort = nullptr) const;
+
+  // A failed wait leaves peers in an unknown state: the heap refuses further calls.
+  void mark_broken(const std::string& why);
+  void check_usable() const;
+
+  // Local scratch that persists across calls (flags are epoch-valued, counters self-reset).
+  std::vector<uint64_t>& tile_flags() { return tile_flags_; }
+  std::vector<uint32_t>& tile_counts() { return tile_counts_; }
+  uint32_t* blocks_done() { return &blocks_done_; }
+
+ private:
+  std::string segment_name(int32_t r, const char* kind, uint64_t gen) const;
+  bool peer_alive(int32_t r) const;
+
+  int32_t rank_, world_;
+  std::string job_;
+  int64_t group_hash_;
+  double timeout_s_;
+  uint64_t epoch_ = 0;
+  uint64_t gen_ = 0;      // data segment generation, equal on every rank
+  size_t capacity_ = 0;   // data segment bytes, equal on every rank
+  ShmSegment own_header_;
+  std::vector<ShmSegment> peer_headers_;
+  std::vector<char*> headers_;
+  ShmSegment own_data_;
+  std::vector<ShmSegment> peer_data_;
+  std::vector<char*> data_;
+  std::vector<CallMeta> metas_;
+  std::string broken_;
+  std::vector<uint64_t> tile_flags_;
+  std::vector<uint32_t> tile_counts_;
+  uint32_t blocks_done_ = 0;
+};
+
+// Registry of live heaps: ops receive an integer handle (keeps op schemas plain and traceable).
+int64_t register_heap(std::shared_ptr<SymmHeap> heap);
+std::shared_ptr<SymmHeap> find_heap(int64_t handle);  // throws ValueError-style runtime_error
+void release_heap(int64_t handle);
+
+}  // namespace comet::cpu

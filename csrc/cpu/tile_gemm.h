@@ -1,0 +1,59 @@
+// The CPU stand-in for the CUTLASS mainloop: one output tile C[rows, n0:n0+cols] = A[rows] @ B^T,
+// B row-major [N, K] (an expert's weight), inputs of any ScalarKind, fp32 accumulation in a fixed
+// order (8 interleaved partial sums combined as a fixed tree), so results never depend on which
+// block computes a tile or when.
+#pragma once
+
+#include <vector>
+
+#include "comet/numeric.h"
+
+namespace comet::cpu {
+
+inline float dot_fixed_order(const float* a, const float* b, int64_t k) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
+  for (int l = 0; i < k; ++i, ++l) lane[l] += a[i] * b[i];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+inline void widen(const void* src, ScalarKind kind, int64_t offset, int64_t n, float* dst) {
+  if (kind == ScalarKind::F32) {
+    const float* s = static_cast<const float*>(src) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
+  if (kind == ScalarKind::BF16)
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_float(s[i]);
+}
+
+struct TileGemmArgs {
+  const void* a;     // [M, K]
+  ScalarKind a_kind;
+  const void* b;     // [N, K] of this expert
+  ScalarKind b_kind;
+  void* c;           // [M, N]
+  ScalarKind c_kind;
+  int64_t k, n;      // K, N (row strides of a/b and c)
+};
+
+// `scratch` is per-thread storage reused across tiles.
+inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
+                      std::vector<float>& scratch) {
+  scratch.resize(size_t((cols + 1) * g.k));
+  float* bt = scratch.data();
+  float* arow = bt + cols * g.k;
+  for (int64_t c = 0; c < cols; ++c) widen(g.b, g.b_kind, (col0 + c) * g.k, g.k, bt + c * g.k);
+  for (int64_t r = row0; r < row0 + rows; ++r) {
+    widen(g.a, g.a_kind, r * g.k, g.k, arow);
+    for (int64_t c = 0; c < cols; ++c)
+      store_from_float(g.c, r * g.n + col0 + c, g.c_kind, dot_fixed_order(arow, bt + c * g.k, g.k));
+  }
+}
+
+}  // namespace comet::cpu

@@ -1,0 +1,27 @@
+// Compile-target macros shared by every portable header of the engine.
+// The same headers are compiled by g++ (CPU backend, C++ unit tests) and by nvcc (CUDA kernels);
+// COMET_HD marks code that must run on both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define COMET_HD __host__ __device__ __forceinline__
+#define COMET_DEVICE_CODE 1
+#else
+#define COMET_HD inline
+#define COMET_DEVICE_CODE 0
+#endif
+
+namespace comet {
+
+// Element kinds the ops accept. The numbers are part of the symmetric-memory metadata that ranks
+// compare with each other, so they never change meaning.
+enum class ScalarKind : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+
+COMET_HD int32_t scalar_bytes(ScalarKind k) { return k == ScalarKind::F32 ? 4 : 2; }
+
+COMET_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace comet

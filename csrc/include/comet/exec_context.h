@@ -1,0 +1,51 @@
+// The execution context the comm programs are written against. A program is a template over Ctx;
+// the CPU backend (csrc/cpu/cpu_context.h) and the CUDA kernels (csrc/cuda/) each provide one.
+//
+//   int32_t block() const, blocks() const   this comm block's index / number of comm blocks
+//   int32_t thread() const, threads() const  thread rank in the block / threads per block
+//   void sync()                              block-wide barrier
+//   void copy(void* dst, const void* src, size_t bytes)
+//                                            cooperative copy by all threads of the block (16-byte
+//                                            vectors on the GPU); dst/src may be peer memory
+//   char* data(int32_t rank)                 base of a rank's symmetric data segment (own or peer)
+//   RankHeader* header(int32_t rank)         base of a rank's symmetric header
+//   void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index)
+//                                            block-wide: returns once *flag >= epoch (acquire);
+//                                            gives up with an error naming site/index after the
+//                                            buffer's timeout instead of hanging
+//   void fence_peers()                       make this thread's stores to peer memory visible to
+//                                            peers before a later release (system fence on GPU)
+//   void delay()                             stress hook: a random pause on the CPU, no-op on GPU
+#pragma once
+
+#include "comet/config.h"
+
+namespace comet {
+
+// What a wait was for, so a timeout can say which flag never arrived.
+enum class WaitSite : int32_t {
+  PeerDone = 0,      // a peer finishing the previous call (buffer reuse handshake)
+  PeerMeta = 1,      // a peer's call metadata
+  PeerData = 2,      // a peer's published source data
+  PeerMapped = 3,    // a peer mapping our new data segment
+  PeerGeneration = 4,// a peer's new data segment
+  RowTile = 5,       // layer0: an m-tile's rows dispatched (GEMM block waiting on comm blocks)
+  ColumnTile = 6,    // layer1: an n-tile finished (comm block waiting on GEMM blocks)
+  Partials = 7,      // layer1: a peer's partial sums of our tokens
+};
+
+inline const char* wait_site_name(WaitSite s) {
+  switch (s) {
+    case WaitSite::PeerDone: return "peer finishing the previous call";
+    case WaitSite::PeerMeta: return "peer call metadata";
+    case WaitSite::PeerData: return "peer source data";
+    case WaitSite::PeerMapped: return "peer mapping the new data segment";
+    case WaitSite::PeerGeneration: return "peer data segment generation";
+    case WaitSite::RowTile: return "layer0 m-tile rows (comm -> GEMM)";
+    case WaitSite::ColumnTile: return "layer1 n-tile (GEMM -> comm)";
+    case WaitSite::Partials: return "layer1 partial sums from peer";
+  }
+  return "?";
+}
+
+}  // namespace comet

@@ -1,0 +1,55 @@
+// The readiness protocol's memory operations: 64-bit flags written with release and read with
+// acquire, and a self-resetting arrival counter. One header for both targets: cuda::atomic_ref
+// (system scope, so peers writing through NVSHMEM peer pointers and the host observe it) on the
+// device, std::atomic_ref on the host (also valid on memory shared between processes, because
+// 64-bit atomics are lock-free there).
+//
+// Flags never get reset: each op call has a sequence number (epoch) and a flag means "ready for
+// every epoch <= its value". That is what makes back-to-back calls safe without a reset pass.
+#pragma once
+
+#include "comet/config.h"
+
+#if COMET_DEVICE_CODE
+#include <cuda/atomic>
+#else
+#include <atomic>
+#endif
+
+namespace comet {
+
+#if COMET_DEVICE_CODE
+using flag_ref = cuda::atomic_ref<uint64_t, cuda::thread_scope_system>;
+using count_ref = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>;
+namespace mo = cuda::std;
+#else
+using flag_ref = std::atomic_ref<uint64_t>;
+using count_ref = std::atomic_ref<uint32_t>;
+namespace mo = std;
+#endif
+
+COMET_HD void flag_release(uint64_t* flag, uint64_t value) {
+  flag_ref(*flag).store(value, mo::memory_order_release);
+}
+
+COMET_HD uint64_t flag_acquire(uint64_t* flag) {
+  return flag_ref(*flag).load(mo::memory_order_acquire);
+}
+
+COMET_HD uint64_t flag_relaxed(uint64_t* flag) {
+  return flag_ref(*flag).load(mo::memory_order_relaxed);
+}
+
+// Arrive on a counter shared by `expected` producers. The last arriver resets the counter (so the
+// next call starts from zero without a host pass) and publishes `epoch` on `flag` with release;
+// acq_rel on the counter chains every earlier producer's writes into that release.
+COMET_HD bool arrive_and_publish(uint32_t* counter, uint32_t expected, uint64_t* flag,
+                                 uint64_t epoch) {
+  uint32_t before = count_ref(*counter).fetch_add(1u, mo::memory_order_acq_rel);
+  if (before + 1u != expected) return false;
+  count_ref(*counter).store(0u, mo::memory_order_relaxed);
+  flag_release(flag, epoch);
+  return true;
+}
+
+}  // namespace comet

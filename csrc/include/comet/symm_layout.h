@@ -1,0 +1,101 @@
+// What each rank keeps in symmetric memory, identical on every rank so a peer's address is
+// (peer base + the same offset). Two pieces per rank:
+//   - a fixed header (flags and the metadata of the current call), created once per buffer;
+//   - a data segment, grown on demand, whose regions are laid out per call from values every rank
+//     agrees on after the metadata exchange (largest token count, hidden size, topk, experts).
+#pragma once
+
+#include "comet/config.h"
+
+namespace comet {
+
+enum class OpKind : int32_t { Layer0 = 0, Layer1 = 1 };
+
+// What a rank announces about its call; every rank checks that all ranks announced compatible
+// calls before any data moves (so a mismatch is an error on every rank, not a hang).
+struct CallMeta {
+  uint64_t epoch;
+  int32_t op;           // OpKind
+  int32_t world;
+  int64_t group_hash;   // identity of the group's member list
+  int32_t num_experts;
+  int32_t topk;
+  int32_t hidden;       // H: x's columns (layer0) / the output's columns (layer1)
+  int32_t cols;         // N0 (layer0) / N1, h's columns (layer1)
+  int32_t dtype;        // ScalarKind of x / h
+  int32_t error;        // nonzero: this rank's input was rejected; text in message
+  int64_t tokens;       // T on this rank
+  int64_t data_bytes;   // data segment bytes this rank's call needs
+  char message[240];
+};
+
+constexpr int kFlagStride = 8;  // uint64 words: one 64-byte line per flag, no false sharing
+
+// Header of one rank. Flags are written by their owner unless noted.
+struct RankHeader {
+  uint64_t meta_epoch[kFlagStride];  // meta of call `epoch` is readable
+  uint64_t data_epoch[kFlagStride];  // this rank's source data of call `epoch` is readable
+  uint64_t done_epoch[kFlagStride];  // this rank finished reading peers' memory for call `epoch`
+  uint64_t gen_ready[kFlagStride];   // data segment generation `gen` exists and may be mapped
+  uint64_t pid[kFlagStride];
+  CallMeta meta;
+  // Followed by world flags `arrive[s]` (written by rank s: its layer1 partials for this rank are
+  // complete for epoch) and world flags `mapped[s]` (written by rank s: it mapped this rank's data
+  // generation), each kFlagStride words apart.
+};
+
+COMET_HD size_t header_bytes(int32_t world) {
+  return sizeof(RankHeader) + size_t(2) * world * kFlagStride * sizeof(uint64_t);
+}
+COMET_HD uint64_t* header_arrive(RankHeader* h, int32_t source) {
+  return reinterpret_cast<uint64_t*>(h + 1) + size_t(source) * kFlagStride;
+}
+COMET_HD uint64_t* header_mapped(RankHeader* h, int32_t world, int32_t source) {
+  return reinterpret_cast<uint64_t*>(h + 1) + size_t(world + source) * kFlagStride;
+}
+
+COMET_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Regions of the data segment for one call. Unused regions of an op have size 0.
+struct DataRegions {
+  // layer0, written by the source rank: its send plan and its tokens
+  size_t bucket_off;  // int32 [E+1]
+  size_t send_slot;   // int32 [tmax*k]
+  size_t x;           // elem  [tmax, H]
+  // layer1, written by the source rank: its routing and weights
+  size_t ids;         // int32 [tmax*k]
+  size_t send_pos;    // int32 [tmax*k]
+  size_t weights;     // fp32  [tmax*k]
+  // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot
+  size_t recv;        // fp32  [partials, tmax, H]
+  size_t total;
+};
+
+// partials = min(k, W): a token's slots reach at most that many distinct ranks.
+COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
+                                  int32_t num_experts, int32_t world, int32_t elem_bytes) {
+  const size_t A = 256;  // every region starts on a 256-byte boundary (16-byte vector copies)
+  DataRegions r{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    size_t at = off;
+    off = align_up(off + bytes, A);
+    return at;
+  };
+  size_t slots = size_t(tmax) * topk;
+  if (op == OpKind::Layer0) {
+    r.bucket_off = take(size_t(num_experts + 1) * 4);
+    r.send_slot = take(slots * 4);
+    r.x = take(size_t(tmax) * hidden * elem_bytes);
+  } else {
+    int32_t partials = topk < world ? topk : world;
+    r.ids = take(slots * 4);
+    r.send_pos = take(slots * 4);
+    r.weights = take(slots * 4);
+    r.recv = take(size_t(partials) * tmax * hidden * 4);
+  }
+  r.total = off;
+  return r;
+}
+
+}  // namespace comet

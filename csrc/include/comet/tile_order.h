@@ -1,0 +1,78 @@
+// GEMM tile orders of the two fused kernels, parameterised by the tile shape (no fixed constants).
+//
+// A GEMM tile is (m-tile, n-tile); m-tiles never straddle experts: expert el's rows
+// [expert_off[el], expert_off[el+1]) are cut into ceil(rows / tile_m) m-tiles, numbered globally
+// expert-major. Tiles of both layers are numbered 0..num_mtiles*num_ntiles-1 in visit order, and
+// GEMM block g of n_gemm takes tiles g, g + n_gemm, ... (a static, deterministic assignment).
+//
+// layer0: m-tiles are visited by the ring distance of the farthest source among their rows
+// (0 = local only, then rows from the next rank, ...), ties in expert/row order; all n-tiles of an
+// m-tile follow each other. The comm blocks fill m-tiles in this same order, so the local tiles
+// can start at once while remote rows are still arriving.
+// layer1: column-major across all experts: n-tile 0 of every m-tile of every expert, then n-tile 1,
+// ... so a whole column slice of the output is finished early and its reduce-and-send can start.
+#pragma once
+
+#include "comet/config.h"
+#include "comet/layout.h"
+
+namespace comet {
+
+struct MTile {
+  int64_t row_begin;  // absolute first row
+  int32_t rows;       // <= tile_m
+  int32_t expert;     // local expert
+};
+
+COMET_HD int64_t count_mtiles(const int64_t* expert_off, int32_t experts_local, int32_t tile_m) {
+  int64_t n = 0;
+  for (int32_t el = 0; el < experts_local; ++el)
+    n += ceil_div(expert_off[el + 1] - expert_off[el], tile_m);
+  return n;
+}
+
+// Fills mtiles[count_mtiles(...)] in global (expert-major) numbering.
+COMET_HD void build_mtiles(const int64_t* expert_off, int32_t experts_local, int32_t tile_m,
+                           MTile* mtiles) {
+  int64_t t = 0;
+  for (int32_t el = 0; el < experts_local; ++el)
+    for (int64_t r = expert_off[el]; r < expert_off[el + 1]; r += tile_m) {
+      int64_t left = expert_off[el + 1] - r;
+      mtiles[t++] = MTile{r, int32_t(left < tile_m ? left : tile_m), el};
+    }
+}
+
+// Ring distance of the farthest source an m-tile needs (rows are ring-ordered inside an expert, so
+// that is the ring position of its last row).
+COMET_HD int32_t mtile_ring_distance(const MTile& mt, const int64_t* seg_off, int32_t world) {
+  return row_origin(seg_off, world, mt.expert, mt.row_begin + mt.rows - 1).ring_pos;
+}
+
+// layer0's m-tile visit order: a stable counting sort of m-tile ids by ring distance.
+// order[num_mtiles]; scratch[world + 1].
+COMET_HD void layer0_mtile_order(const MTile* mtiles, int64_t num_mtiles, const int64_t* seg_off,
+                                 int32_t world, int64_t* order, int64_t* scratch) {
+  for (int32_t p = 0; p <= world; ++p) scratch[p] = 0;
+  for (int64_t i = 0; i < num_mtiles; ++i)
+    ++scratch[mtile_ring_distance(mtiles[i], seg_off, world) + 1];
+  for (int32_t p = 0; p < world; ++p) scratch[p + 1] += scratch[p];
+  for (int64_t i = 0; i < num_mtiles; ++i)
+    order[scratch[mtile_ring_distance(mtiles[i], seg_off, world)]++] = i;
+}
+
+struct TileCoord {
+  int64_t mtile;  // global m-tile id
+  int32_t ntile;
+};
+
+// i-th tile visited by layer0, given layer0_mtile_order's output.
+COMET_HD TileCoord layer0_tile(int64_t i, const int64_t* mtile_order, int32_t num_ntiles) {
+  return TileCoord{mtile_order[i / num_ntiles], int32_t(i % num_ntiles)};
+}
+
+// i-th tile visited by layer1 (column-major across all experts).
+COMET_HD TileCoord layer1_tile(int64_t i, int64_t num_mtiles) {
+  return TileCoord{i % num_mtiles, int32_t(i / num_mtiles)};
+}
+
+}  // namespace comet

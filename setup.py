@@ -1,0 +1,53 @@
+"""Builds comet._C: the CPU backend always, the CUDA kernels when nvcc and a CUDA build of torch are
+present (COMET_CUDA=0 skips them, COMET_CUDA_ARCHS picks the targets, default "80;90a").
+No GPU is needed to build. See ../shared/TOOLCHAIN.md for why each flag is here."""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def want_cuda():
+    import torch
+
+    if os.environ.get("COMET_CUDA", "1") == "0":
+        return False
+    if torch.version.cuda is None or not rel("csrc/cuda/*.cu"):
+        return False
+    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    return shutil.which("nvcc") is not None or os.path.exists(
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+
+
+cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG", "-Wall", "-Wno-unused-function"]
+include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
+sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+
+if want_cuda():
+    from comet_build import cuda_extension  # build logic for the CUDA part lives beside this file
+
+    ext = cuda_extension(ROOT, sources, include_dirs, cxx_flags)
+else:
+    ext = cpp_extension.CppExtension(
+        "comet._C", sources, include_dirs=include_dirs, extra_compile_args=cxx_flags,
+        libraries=["rt"])
+
+setup(
+    name="comet-moe",
+    version="0.1.0",
+    description="Fine-grained computation-communication overlapping for MoE layers",
+    packages=find_packages(include=["comet", "comet.*"]),
+    python_requires=">=3.11",
+    install_requires=["torch==2.14.1", "numpy"],
+    extras_require={"test": ["pytest", "hypothesis"]},
+    ext_modules=[ext],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
