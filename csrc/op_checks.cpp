@@ -6,6 +6,9 @@ namespace comet {
 
 namespace {
 
+// torch's Python spelling (float32, int64, ...), which is what users wrote.
+std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
+
 std::string shape_str(const at::Tensor& t) {
   std::ostringstream s;
   s << t.sizes();
@@ -41,22 +44,22 @@ struct Checker {
     if (failed()) return false;
     auto d = t.scalar_type();
     return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf,
-                std::string(name) + " has dtype " + std::string(c10::toString(d)) +
+                std::string(name) + " has dtype " + dtype_name(d) +
                     "; supported: float32, bfloat16, float16");
   }
 
   bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
     if (failed()) return false;
     return type(t.scalar_type() == ref.scalar_type(),
-                std::string(name) + " has dtype " + c10::toString(t.scalar_type()) + " but " +
-                    ref_name + " has " + c10::toString(ref.scalar_type()) + "; they must match");
+                std::string(name) + " has dtype " + dtype_name(t.scalar_type()) + " but " +
+                    ref_name + " has " + dtype_name(ref.scalar_type()) + "; they must match");
   }
 
   bool int_dtype(const at::Tensor& t, const char* name, bool allow64) {
     if (failed()) return false;
     auto d = t.scalar_type();
     return type(d == at::kInt || (allow64 && d == at::kLong),
-                std::string(name) + " has dtype " + c10::toString(d) + "; expected " +
+                std::string(name) + " has dtype " + dtype_name(d) + "; expected " +
                     (allow64 ? "int32 or int64" : "int32"));
   }
 
@@ -136,7 +139,7 @@ CheckResult check_layer1(const Layer1Inputs& in, int64_t world, const LaunchShap
       c.tensor(in.topk_weights, "topk_weights", 2, device) &&
       c.type(in.topk_weights.scalar_type() == at::kFloat ||
                  in.topk_weights.scalar_type() == in.h.scalar_type(),
-             "topk_weights has dtype " + std::string(c10::toString(in.topk_weights.scalar_type())) +
+             "topk_weights has dtype " + dtype_name(in.topk_weights.scalar_type()) +
                  "; expected float32 or h's dtype") &&
       c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
               "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -45,9 +46,17 @@ void SymmHeap::connect() {
 
 void SymmHeap::unlink_own() { own_header_.unlink(); }
 
+// A peer process that is gone, or a zombie not yet reaped by its parent (e.g. a launcher that
+// is itself blocked), counts as dead.
 bool SymmHeap::peer_alive(int32_t r) const {
   const pid_t pid = pid_t(flag_relaxed(header(r)->pid));
-  return pid <= 0 || kill(pid, 0) == 0 || errno != ESRCH;
+  if (pid <= 0) return true;
+  if (kill(pid, 0) != 0) return errno != ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
 }
 
 void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index,

@@ -1,0 +1,737 @@
+"""Cost model for Comet's fused MoE operators: how to split a GPU between comm and GEMM blocks.
+
+Each of the two ops (``moe_layer0``: dispatch + first expert GroupGEMM; ``moe_layer1``: second
+GroupGEMM + weighted top-k reduce + combine) is one persistent kernel with one block per SM:
+``n_comm`` blocks move token rows between ranks, the other ``n_gemm = n_blocks - n_comm`` blocks run
+GEMM tiles, overlapped at tile granularity.  This module predicts the time of both parts and of
+their pipeline as a function of ``n_comm`` (and of the GEMM tile shape), so that
+:func:`choose_n_comm` can pick a split when nothing was measured.  It is pure Python (no torch, no
+compiled code) and cheap: a full search over ``n_comm`` takes milliseconds.
+
+The model, per rank and per layer (all times in seconds)
+-------------------------------------------------------
+Traffic (:func:`remote_rows`, :func:`local_rows`), uniform routing, top-k over distinct experts,
+``E_l = E / W`` local experts, every rank holding ``T`` tokens:
+
+* layer0 pulls one row of ``H`` elements per (token, slot) routed here from a remote rank:
+  ``R0 = T * k * (W - 1) / W`` rows; the ``T * k / W`` local rows are copied into the shared tensor
+  by the same comm blocks (HBM read + write).
+* layer1 sends one partial row of ``H`` elements per (token, remote destination rank):
+  ``R1 = T * (W - 1) * p_hit`` with ``p_hit = 1 - C(E - E_l, k) / C(E, k)`` the probability that a
+  token has at least one slot on a given rank, i.e. ``R1 = T * d`` with ``d`` the expected number of
+  distinct remote ranks per token.  Comm blocks also read all ``M = T * k`` GEMM output rows and
+  write the ``T * p_hit`` local partials (HBM); the home rank finally sums its partials (HBM).
+* ANCHORS.md's "comm ~ 2 * T * d * H * bytes / link_bw" is the two layers together: ``R0 + R1`` is
+  ``2 * T * d`` when a token's slots land on distinct ranks.
+* Measured counts replace the expectations: ``MoEShape.remote_rows`` (rows this rank moves over the
+  links for the layer) and ``MoEShape.expert_rows`` (GEMM rows per local expert).
+
+Comm (alpha-beta, :func:`comm_time`): a comm block moves ``block_link_gbs`` over the link (what one
+SM can keep in flight: Little's law, bytes in flight / remote latency), so the link bandwidth grows
+linearly with ``n_comm`` until it saturates at the achievable link bandwidth
+``link_gbs * link_eff``; likewise for the HBM-side work at ``2 * hbm / sm_count`` per block, capped
+at ``hbm * hbm_eff``::
+
+    remote(n) = remote_bytes / min(n * b_link, B_link),   local(n) = local_bytes / min(n * b_hbm, B_hbm)
+    layer0: comm(n) = alpha + local(n) + remote(n)        (ring order: local copy, then the pulls)
+    layer1: comm(n) = alpha + max(local(n), remote(n)) + final sum of partials at full HBM rate
+                                                          (read, reduce, store: one stream)
+
+It is non-increasing in ``n`` and constant from :func:`comm_saturation_blocks` on.
+
+GEMM (roofline with wave quantisation, :func:`gemm_time`): the grouped GEMM has
+``tiles = sum_e ceil(M_e / tile_m) * ceil(n_out / tile_n)`` output tiles, a tile costs
+``t_tile = 2 * tile_m * tile_n * K / (peak_flops * gemm_eff / sm_count)`` on one SM (padded rows
+cost like real ones), the GEMM blocks run ``waves = ceil(tiles / n_gemm)`` rounds, and the
+operands must stream from HBM, of which the GEMM blocks get their per-SM share (the comm blocks use
+HBM too)::
+
+    gemm(n) = max(waves(n) * t_tile, unique_bytes / (hbm * hbm_eff * n / sm_count))
+
+``unique_bytes`` counts each operand once (A rows, the local experts' weights, the output): tiles
+that share an operand run close together, so re-reads hit L2.  Both terms are non-increasing in
+``n``, hence so is ``gemm``: more SMs never make it slower.  ``n_out, K`` are ``N, H`` for layer0
+(``[M, H] x [H, N0]``) and ``H, N`` for layer1 (``[M, N1] x [N1, H]``).
+
+Pipeline (``fused``, :func:`predict`): a two-stage in-order pipeline (a two-machine flow shop);
+for chunks ``i`` with producer times ``p_i`` and consumer times ``c_i`` the makespan is
+``max_j (sum_{i<=j} p_i + sum_{i>=j} c_i)``, between ``max(P, C)`` and ``P + C``.  With ``K`` equal
+chunks it is ``max(P, C) + min(P, C) / K``: perfect overlap plus one non-overlappable head or tail
+chunk.
+
+* layer0: comm produces, GEMM consumes.  Chunks are the source ranks in ring order (local rows
+  first, so the GEMM starts on local tiles at once while remote rows are in flight), each cut into
+  pieces of about one M-tile per local expert; a chunk's GEMM share is proportional to its rows.
+  At least one tile time remains after the last row has arrived.
+* layer1: GEMM produces N-tile columns (column-major across all local experts); column ``c`` is
+  complete after ``ceil((c + 1) * tiles_per_column / n_gemm)`` waves; comm blocks then reduce and
+  send that column's slice of every row (``1 / columns`` of the comm work each), in order.
+
+``predict`` returns ``comm``, ``gemm`` (this split), ``fused``, ``sequential = comm + gemm`` (same
+split, no overlap), ``baseline = comm_full + gemm_full`` (unfused: each part alone on the whole
+GPU, one after the other, like torch + NCCL) and ``limit = max(comm_full, gemm_full)`` (perfect
+overlap with every SM serving both; no split reaches it).  Always
+``limit <= fused <= sequential``.
+
+What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
+tile is an input), L2 capacity, NVLink contention between ranks, load imbalance beyond the measured
+counts, launch overheads.  Constants marked "assumption" are to be calibrated by measurement; the
+measured autotuner (comet.tuner.tune) overrides the model wherever it has run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
+
+__all__ = [
+    "GpuSpec",
+    "GPUS",
+    "CPU",
+    "cpu_spec",
+    "get_spec",
+    "spec_from_device_name",
+    "MoEShape",
+    "DTYPE_BYTES",
+    "dtype_bytes",
+    "hit_probability",
+    "expected_distinct_ranks",
+    "expert_rows",
+    "remote_rows",
+    "local_rows",
+    "traffic_bytes",
+    "gemm_dims",
+    "gemm_tiles",
+    "comm_time",
+    "comm_saturation_blocks",
+    "gemm_time",
+    "predict",
+    "choose_n_comm",
+    "DEFAULT_TILE",
+]
+
+DEFAULT_TILE: Tuple[int, int] = (128, 128)
+
+# ----------------------------------------------------------------------------------------------
+# Hardware
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Per-GPU constants of the cost model (datasheet units; SI conversions as properties).
+
+    ``link_gbs`` is the per-GPU bandwidth in one direction (NVLink: half the datasheet's
+    bidirectional total; PCIe: half of the x16 bidirectional figure).  ``blocks_per_sm`` is the
+    co-residency assumption of the persistent kernel (one block per SM, as Comet's kernels use all
+    of an SM's shared memory), so at most ``sm_count * blocks_per_sm`` blocks can run at once.
+    """
+
+    name: str
+    sm_count: int
+    bf16_tflops: float  # dense tensor-core bf16/fp16 peak, TFLOP/s (no sparsity)
+    fp32_tflops: float  # non-tensor fp32 peak, TFLOP/s (used for float32 operands)
+    hbm_gbs: float  # device memory bandwidth, GB/s (1e9 B/s)
+    link_gbs: float  # peer link bandwidth per GPU per direction, GB/s
+    link_latency_us: float  # alpha: first remote row visible after this long (assumption)
+    link: str = "nvlink"
+    blocks_per_sm: int = 1
+    block_link_gbs: float = 12.0  # what one comm block moves over the link (assumption)
+    gemm_eff: float = 0.75  # fraction of tensor peak a tuned grouped GEMM mainloop reaches
+    hbm_eff: float = 0.80  # achievable fraction of HBM bandwidth
+    link_eff: float = 0.80  # achievable fraction of link bandwidth (DeepEP: ~160 of 200 GB/s on H800)
+    block_hbm_gbs: Optional[float] = None  # one block's HBM copy rate; default 2 * hbm / sm_count
+    source: str = ""
+
+    # -- derived, SI units --------------------------------------------------------------------
+    @property
+    def max_blocks(self) -> int:
+        return self.sm_count * self.blocks_per_sm
+
+    def peak_flops(self, nbytes: int = 2) -> float:
+        """FLOP/s of the whole GPU for operands of ``nbytes`` bytes (4: fp32, else tensor cores)."""
+        return (self.fp32_tflops if nbytes >= 4 else self.bf16_tflops) * 1e12
+
+    @property
+    def hbm_bw(self) -> float:
+        return self.hbm_gbs * 1e9 * self.hbm_eff
+
+    @property
+    def link_bw(self) -> float:
+        return self.link_gbs * 1e9 * self.link_eff
+
+    @property
+    def block_link_bw(self) -> float:
+        return self.block_link_gbs * 1e9
+
+    @property
+    def block_hbm_bw(self) -> float:
+        if self.block_hbm_gbs is not None:
+            return self.block_hbm_gbs * 1e9
+        return 2.0 * self.hbm_gbs * 1e9 / self.sm_count
+
+    @property
+    def alpha(self) -> float:
+        return self.link_latency_us * 1e-6
+
+    def scaled(self, sm_count: int) -> "GpuSpec":
+        """The same chip with ``sm_count`` SMs (e.g. a PCIe or MIG variant): flops scale with SMs."""
+        if sm_count == self.sm_count:
+            return self
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be >= 1, got {sm_count}")
+        f = sm_count / self.sm_count
+        return replace(
+            self,
+            sm_count=sm_count,
+            bf16_tflops=self.bf16_tflops * f,
+            fp32_tflops=self.fp32_tflops * f,
+            block_hbm_gbs=self.block_hbm_bw / 1e9,  # per-block rate is a property of the SM
+        )
+
+
+# Sources (figures as printed by NVIDIA; dense = without structured sparsity, i.e. half of the
+# "with sparsity" figure; NVLink per direction = half of the bidirectional total):
+GPUS: Dict[str, GpuSpec] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 tensor 312 TFLOPS dense, FP32 19.5,
+    # HBM2e 2,039 GB/s, NVLink 600 GB/s; NVIDIA A100 Tensor Core GPU Architecture whitepaper:
+    # 108 SMs.  Comm per block lower than Hopper's (no TMA, lower clock): assumption.
+    "a100": GpuSpec(
+        "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, block_link_gbs=8.0,
+        gemm_eff=0.80,
+        source="NVIDIA A100 datasheet (SXM4 80GB); A100 architecture whitepaper",
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity -> 989.5
+    # dense, FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s; NVIDIA H100 Tensor Core GPU Architecture
+    # whitepaper: 132 SMs on H100 SXM5.
+    "h100": GpuSpec(
+        "h100", 132, 989.5, 67.0, 3350.0, 450.0, 2.0,
+        source="NVIDIA H100 datasheet (SXM); H100 architecture whitepaper",
+    ),
+    # NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5): compute and HBM3 3.35 TB/s as H100 SXM,
+    # NVLink 400 GB/s (MoNTA table 5: 200 GB/s unidirectional; DeepEP measures ~155-160 GB/s).
+    "h800": GpuSpec(
+        "h800", 132, 989.5, 67.0, 3350.0, 200.0, 2.0,
+        source="NVIDIA H800 datasheet (SXM5); H100 architecture whitepaper (GH100, 132 SMs)",
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity, FP32 67,
+    # HBM3e 4.8 TB/s, NVLink 900 GB/s; same GH100 configuration as H100 SXM: 132 SMs.
+    "h200": GpuSpec(
+        "h200", 132, 989.5, 67.0, 4800.0, 450.0, 2.0,
+        source="NVIDIA H200 datasheet (SXM); H100 architecture whitepaper",
+    ),
+    # NVIDIA HGX H20 product brief: FP16/BF16 tensor 148 TFLOPS dense, FP32 44, HBM3 4.0 TB/s,
+    # NVLink 900 GB/s (MoNTA table 5: 450 GB/s unidirectional); 78 SMs as reported by the device
+    # (one of the SM counts flux/Comet's release hard-codes: 92/108/78/132).
+    "h20": GpuSpec(
+        "h20", 78, 148.0, 44.0, 4000.0, 450.0, 2.0,
+        source="NVIDIA HGX H20 product brief; device query (78 SMs)",
+    ),
+    # NVIDIA L20 datasheet: FP16/BF16 tensor 119.5 TFLOPS dense (239 with sparsity), FP32 59.8,
+    # GDDR6 864 GB/s, PCIe Gen4 x16 (64 GB/s bidirectional -> 32 GB/s per direction, no NVLink);
+    # 11,776 CUDA cores / 128 per Ada SM (NVIDIA Ada GPU architecture whitepaper) = 92 SMs.
+    # Peer traffic crosses PCIe: higher latency and lower per-block rate (assumptions).
+    "l20": GpuSpec(
+        "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", block_link_gbs=4.0,
+        link_eff=0.75,
+        source="NVIDIA L20 datasheet; Ada architecture whitepaper (128 cores/SM)",
+    ),
+}
+
+# Aliases accepted by get_spec().
+_ALIASES = {
+    "a100-sxm": "a100", "a100_sxm": "a100", "a100-80g": "a100", "sm80": "a100",
+    "h100-sxm": "h100", "h100_sxm": "h100", "sm90": "h100",
+    "h800-sxm": "h800", "h200-sxm": "h200",
+}
+
+
+def cpu_spec(
+    threads: Optional[int] = None,
+    gflops_per_thread: Optional[float] = None,
+    mem_gbs: Optional[float] = None,
+    measure: bool = False,
+) -> GpuSpec:
+    """Pseudo-spec of the CPU backend: OS threads play the blocks, shared memory the links.
+
+    A rough placeholder, used only to pick a default split on the CPU (where the kernels are run
+    for correctness, not speed).  ``threads`` (default: ``os.cpu_count()``, at least 2) plays the
+    SM count; every dtype computes in fp32 through the backend's portable tile GEMM.  Figures come
+    from the arguments, else the environment (``COMET_CPU_GFLOPS`` per thread,
+    ``COMET_CPU_MEM_GBS``), else a quick measurement when ``measure`` is true (a single-threaded
+    fp32 matmul and a memcpy through torch, ~0.1 s), else defaults of 8 GFLOP/s per thread and
+    10 GB/s.  Peer "links" are memcpy between processes' shared-memory segments: half the memory
+    bandwidth, ~3 GB/s per thread, 10 us to wake a waiting thread (assumptions).
+    """
+    if threads is None:
+        threads = os.cpu_count() or 2
+    threads = max(2, int(threads))
+    if gflops_per_thread is None and os.environ.get("COMET_CPU_GFLOPS"):
+        gflops_per_thread = float(os.environ["COMET_CPU_GFLOPS"])
+    if mem_gbs is None and os.environ.get("COMET_CPU_MEM_GBS"):
+        mem_gbs = float(os.environ["COMET_CPU_MEM_GBS"])
+    if measure and (gflops_per_thread is None or mem_gbs is None):
+        g, m = _measure_cpu()
+        gflops_per_thread = g if gflops_per_thread is None else gflops_per_thread
+        mem_gbs = m if mem_gbs is None else mem_gbs
+    gflops_per_thread = 8.0 if gflops_per_thread is None else float(gflops_per_thread)
+    mem_gbs = 10.0 if mem_gbs is None else float(mem_gbs)
+    tflops = threads * gflops_per_thread / 1e3
+    return GpuSpec(
+        name="cpu",
+        sm_count=threads,
+        bf16_tflops=tflops,
+        fp32_tflops=tflops,
+        hbm_gbs=mem_gbs,
+        link_gbs=mem_gbs / 2.0,
+        link_latency_us=10.0,
+        link="shm",
+        block_link_gbs=min(3.0, mem_gbs / 2.0),
+        block_hbm_gbs=min(3.0, mem_gbs / 2.0),
+        gemm_eff=1.0,
+        hbm_eff=1.0,
+        link_eff=1.0,
+        source="placeholder for the CPU backend (configurable / measured), not a datasheet",
+    )
+
+
+def _measure_cpu() -> Tuple[float, float]:
+    """(GFLOP/s of one thread's fp32 matmul, GB/s of a large copy), measured with torch."""
+    import torch  # only here: the module itself must not need torch
+
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = torch.randn(256, 256)
+        b = torch.randn(256, 256)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            torch.mm(a, b)
+            reps += 1
+        gflops = 2 * 256**3 * reps / (time.perf_counter() - t0) / 1e9
+        src = torch.empty(32 << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            dst.copy_(src)
+            reps += 1
+        mem = 2 * src.numel() * reps / (time.perf_counter() - t0) / 1e9
+    finally:
+        torch.set_num_threads(prev)
+    return gflops, mem
+
+
+# The default CPU pseudo-spec (see cpu_spec: a placeholder used to pick a default on the CPU).
+CPU: GpuSpec = cpu_spec()
+
+
+def spec_from_device_name(name: str) -> Optional[str]:
+    """Map a CUDA device name (``torch.cuda.get_device_name``) to a key of :data:`GPUS`, or None."""
+    n = name.upper().replace("NVIDIA", " ")
+    tokens = n.replace("-", " ").replace("_", " ").split()
+    # Most specific first: "H200" and "H20" share a prefix, as do "L20" and "L20S"-like names.
+    for key, pat in (("h200", "H200"), ("h800", "H800"), ("h100", "H100"), ("h20", "H20"),
+                     ("a100", "A100"), ("l20", "L20")):
+        if any(t == pat or t.startswith(pat) and not t[len(pat):len(pat) + 1].isdigit()
+               for t in tokens):
+            return key
+    return None
+
+
+def get_spec(arch: str, sm_count: Optional[int] = None) -> Optional[GpuSpec]:
+    """Spec for ``arch`` (a key of :data:`GPUS`, an alias, ``"cpu"`` or a device name), or None.
+
+    With ``sm_count`` given and different from the table's, the spec is scaled to it (CPU: the
+    number of threads).
+    """
+    a = str(arch).strip().lower()
+    if a == "cpu":
+        return cpu_spec(threads=sm_count) if sm_count else CPU
+    a = _ALIASES.get(a, a)
+    spec = GPUS.get(a)
+    if spec is None:
+        k = spec_from_device_name(arch)
+        spec = GPUS.get(k) if k else None
+    if spec is not None and sm_count:
+        spec = spec.scaled(int(sm_count))
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem shape and traffic
+# ----------------------------------------------------------------------------------------------
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of ``dtype`` ("bf16"/"fp16"/"fp32", torch names or a torch.dtype)."""
+    s = str(dtype).replace("torch.", "").lower()
+    s = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+         "float": "fp32"}.get(s, s)
+    if s not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of bf16, fp16, fp32")
+    return DTYPE_BYTES[s]
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One rank's view of one layer.
+
+    ``W`` ranks, ``E`` experts (``W`` divides ``E``), top-``k``, hidden size ``H`` (the width of
+    every row that crosses the links), ``N`` the per-expert GEMM size that is not ``H`` (layer0:
+    output columns ``N0``, e.g. ``2 * ffn`` for a gated FFN; layer1: reduction size ``N1 = ffn``),
+    ``T`` tokens per rank, ``dtype_bytes`` per element.  Optional measurements replace the
+    uniform-routing expectations: ``remote_rows`` (rows this rank moves over the links for this
+    layer: layer0 rows received, layer1 partial rows sent) and ``expert_rows`` (GEMM rows of each
+    local expert, ``E / W`` values).  ``partial_bytes`` is the element size of layer1's partial
+    rows (default: ``dtype_bytes``).
+    """
+
+    W: int
+    E: int
+    k: int
+    H: int
+    N: int
+    T: int
+    dtype_bytes: int = 2
+    remote_rows: Optional[float] = None
+    expert_rows: Optional[Tuple[float, ...]] = None
+    partial_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        for f in ("W", "E", "k", "H", "N"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"MoEShape.{f} must be >= 1, got {getattr(self, f)}")
+        if self.T < 0:
+            raise ValueError(f"MoEShape.T must be >= 0, got {self.T}")
+        if self.E % self.W:
+            raise ValueError(f"W={self.W} must divide E={self.E}")
+        if self.k > self.E:
+            raise ValueError(f"k={self.k} exceeds E={self.E}")
+        if self.expert_rows is not None:
+            object.__setattr__(self, "expert_rows", tuple(self.expert_rows))
+            if len(self.expert_rows) != self.E_local:
+                raise ValueError(
+                    f"expert_rows has {len(self.expert_rows)} entries, expected E/W={self.E_local}")
+
+    @property
+    def E_local(self) -> int:
+        return self.E // self.W
+
+    @property
+    def row_bytes(self) -> int:
+        return self.H * self.dtype_bytes
+
+
+def hit_probability(W: int, E: int, k: int) -> float:
+    """P(a token has at least one of its k distinct experts on a given rank) = 1 - C(E-E_l,k)/C(E,k)."""
+    el = E // W
+    if E - el < k:
+        return 1.0
+    return 1.0 - math.comb(E - el, k) / math.comb(E, k)
+
+
+def expected_distinct_ranks(W: int, E: int, k: int) -> float:
+    """Expected number of distinct ranks a token's top-k slots land on (uniform routing)."""
+    return W * hit_probability(W, E, k)
+
+
+def expert_rows(shape: MoEShape) -> Tuple[float, ...]:
+    """GEMM rows per local expert: measured, else ``W * T * k / E`` each (uniform routing)."""
+    if shape.expert_rows is not None:
+        return tuple(float(r) for r in shape.expert_rows)
+    return (shape.W * shape.T * shape.k / shape.E,) * shape.E_local
+
+
+def remote_rows(shape: MoEShape, layer: int, measured: Optional[float] = None) -> float:
+    """Rows of ``H`` elements this rank moves over the links for ``layer`` (see module doc).
+
+    layer0: ``T * k * (W - 1) / W`` rows received; layer1: ``T * (W - 1) * p_hit`` partial rows
+    sent.  ``measured`` (or ``shape.remote_rows``) overrides the expectation.
+    """
+    _check_layer(layer)
+    if measured is not None:
+        return float(measured)
+    if shape.remote_rows is not None:
+        return float(shape.remote_rows)
+    W, T = shape.W, shape.T
+    if layer == 0:
+        return T * shape.k * (W - 1) / W
+    return T * (W - 1) * hit_probability(W, shape.E, shape.k)
+
+
+def local_rows(shape: MoEShape, layer: int) -> float:
+    """Rows the comm blocks handle inside this GPU: layer0 local rows copied into the shared
+    tensor (``M - remote``); layer1 partial rows whose home is this rank (``T * p_hit``)."""
+    _check_layer(layer)
+    if layer == 0:
+        return max(0.0, sum(expert_rows(shape)) - remote_rows(shape, 0))
+    return shape.T * hit_probability(shape.W, shape.E, shape.k)
+
+
+def traffic_bytes(shape: MoEShape, layer: int, measured: Optional[float] = None) -> float:
+    """Bytes this rank moves over the links for ``layer``."""
+    return remote_rows(shape, layer, measured) * shape.H * _link_elem_bytes(shape, layer)
+
+
+def _link_elem_bytes(shape: MoEShape, layer: int) -> int:
+    if layer == 1 and shape.partial_bytes is not None:
+        return shape.partial_bytes
+    return shape.dtype_bytes
+
+
+def _check_layer(layer: int) -> None:
+    if layer not in (0, 1):
+        raise ValueError(f"layer must be 0 or 1, got {layer!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Comm
+# ----------------------------------------------------------------------------------------------
+
+
+def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int):
+    """(alpha, local HBM seconds, remote link seconds, tail seconds) for ``n_comm`` blocks."""
+    _check_layer(layer)
+    if n_comm < 1:
+        raise ValueError(f"n_comm must be >= 1, got {n_comm}")
+    eb = _link_elem_bytes(shape, layer)
+    r_bytes = remote_rows(shape, layer) * shape.H * eb
+    if layer == 0:
+        # local rows: read from this rank's input, written into the shared tensor
+        l_bytes = 2.0 * local_rows(shape, 0) * shape.row_bytes
+        tail = 0.0
+    else:
+        # read every GEMM output row, write the local partials
+        m = sum(expert_rows(shape))
+        l_bytes = m * shape.row_bytes + local_rows(shape, 1) * shape.H * eb
+        # the home rank sums its partials (local + received) at full HBM bandwidth
+        n_partials = local_rows(shape, 1) + remote_rows(shape, 1)
+        tail = (n_partials * shape.H * eb + shape.T * shape.row_bytes) / spec.hbm_bw
+    link_bw = min(n_comm * spec.block_link_bw, spec.link_bw)
+    hbm_bw = min(n_comm * spec.block_hbm_bw, spec.hbm_bw)
+    remote_s = r_bytes / link_bw if r_bytes > 0 else 0.0
+    local_s = l_bytes / hbm_bw if l_bytes > 0 else 0.0
+    alpha = spec.alpha if r_bytes > 0 else 0.0
+    return alpha, local_s, remote_s, tail
+
+
+def _comm_body(layer: int, local_s: float, remote_s: float) -> float:
+    """Streaming part of the comm work.  layer0 walks the sources in ring order, the local copy
+    first, then the remote pulls: the two add.  layer1 reads a GEMM output row, reduces and stores
+    the partial to its home rank in one stream: HBM reads and link stores overlap."""
+    return local_s + remote_s if layer == 0 else max(local_s, remote_s)
+
+
+def comm_time(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> float:
+    """Seconds the comm part of ``layer`` takes with ``n_comm`` blocks, alone (alpha-beta)."""
+    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, layer)
+    return alpha + _comm_body(layer, local_s, remote_s) + tail
+
+
+def comm_saturation_blocks(shape: MoEShape, spec: GpuSpec, layer: int) -> int:
+    """Smallest ``n_comm`` from which :func:`comm_time` no longer decreases (it is constant after)."""
+    _check_layer(layer)
+    hi = max(1, math.ceil(spec.link_bw / spec.block_link_bw - 1e-9),
+             math.ceil(spec.hbm_bw / spec.block_hbm_bw - 1e-9))
+    floor = comm_time(shape, spec, hi, layer)
+    for n in range(1, hi + 1):  # comm_time is non-increasing: the first n at the floor
+        if comm_time(shape, spec, n, layer) <= floor * (1 + 1e-12):
+            return n
+    return hi
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+def gemm_dims(shape: MoEShape, layer: int) -> Tuple[int, int]:
+    """(output columns, reduction size) of ``layer``'s per-expert GEMM."""
+    _check_layer(layer)
+    return (shape.N, shape.H) if layer == 0 else (shape.H, shape.N)
+
+
+def _tile(tile) -> Tuple[int, int]:
+    tm, tn = int(tile[0]), int(tile[1])
+    if tm < 1 or tn < 1:
+        raise ValueError(f"tile sizes must be >= 1, got {tile!r}")
+    return tm, tn
+
+
+def gemm_tiles(shape: MoEShape, layer: int, tile=DEFAULT_TILE) -> Tuple[int, int]:
+    """(tiles per N-column = sum_e ceil(M_e / tile_m), number of N-columns = ceil(n_out / tile_n))."""
+    tm, tn = _tile(tile)
+    n_out, _ = gemm_dims(shape, layer)
+    per_col = sum(math.ceil(r / tm - 1e-9) for r in expert_rows(shape) if r > 0)
+    return per_col, math.ceil(n_out / tn)
+
+
+def _tile_seconds(shape: MoEShape, spec: GpuSpec, layer: int, tile) -> float:
+    tm, tn = _tile(tile)
+    _, k_red = gemm_dims(shape, layer)
+    per_sm = spec.peak_flops(shape.dtype_bytes) * spec.gemm_eff / spec.sm_count
+    return 2.0 * tm * tn * k_red / per_sm
+
+
+def _gemm_unique_bytes(shape: MoEShape, layer: int) -> float:
+    n_out, k_red = gemm_dims(shape, layer)
+    m = sum(expert_rows(shape))
+    experts = sum(1 for r in expert_rows(shape) if r > 0)
+    return shape.dtype_bytes * (m * k_red + experts * n_out * k_red + m * n_out)
+
+
+def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFAULT_TILE) -> float:
+    """Seconds of ``layer``'s grouped GEMM on ``n_gemm`` SMs (roofline + wave quantisation)."""
+    if n_gemm < 1:
+        raise ValueError(f"n_gemm must be >= 1, got {n_gemm}")
+    per_col, cols = gemm_tiles(shape, layer, tile)
+    tiles = per_col * cols
+    if tiles == 0:
+        return 0.0
+    waves = math.ceil(tiles / n_gemm)
+    compute = waves * _tile_seconds(shape, spec, layer, tile)
+    memory = _gemm_unique_bytes(shape, layer) / (spec.hbm_bw * min(n_gemm, spec.sm_count) / spec.sm_count)
+    return max(compute, memory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline
+# ----------------------------------------------------------------------------------------------
+
+
+def _flow_shop(first: Sequence[float], second: Sequence[float]) -> float:
+    """Makespan of an in-order two-stage pipeline (chunk i: stage-1 time first[i], then second[i])."""
+    t1 = t2 = 0.0
+    for a, b in zip(first, second):
+        t1 += a
+        t2 = max(t2, t1) + b
+    return t2
+
+
+_MAX_CHUNKS = 512
+
+
+def _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
+    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, 0)
+    W = shape.W
+    loc = local_rows(shape, 0)
+    rem = remote_rows(shape, 0)
+    total_rows = loc + rem
+    if total_rows <= 0 or gemm <= 0:
+        return comm + gemm
+    tm, _ = _tile(tile)
+    piece = max(1.0, float(tm * shape.E_local))  # about one M-tile per local expert
+    cap = max(1, _MAX_CHUNKS // W)
+    c_times, g_times = [], []
+    # ring order: the local rank first, then d+1, d+2, ...
+    sources = [(loc, local_s, 0.0)]
+    if W > 1:
+        sources += [(rem / (W - 1), remote_s / (W - 1), alpha if s == 0 else 0.0) for s in range(W - 1)]
+    for rows, secs, lat in sources:
+        if rows <= 0:
+            continue
+        n = min(cap, max(1, math.ceil(rows / piece - 1e-9)))
+        for q in range(n):
+            c_times.append(secs / n + (lat if q == 0 else 0.0))
+            g_times.append(gemm * rows / total_rows / n)
+    fused = _flow_shop(c_times, g_times) + tail
+    # after the last row has landed at least one tile still has to run
+    fused = max(fused, comm + min(gemm, _tile_seconds(shape, spec, 0, tile)))
+    return fused
+
+
+def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
+    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, 1)
+    per_col, cols = gemm_tiles(shape, 1, tile)
+    tiles = per_col * cols
+    if tiles == 0 or gemm <= 0:
+        return comm + gemm
+    waves = math.ceil(tiles / n_gemm)
+    t_wave = gemm / waves
+    # group columns so that at most _MAX_CHUNKS chunks are simulated
+    group = max(1, math.ceil(cols / _MAX_CHUNKS))
+    n_chunks = math.ceil(cols / group)
+    per_chunk = _comm_body(1, local_s, remote_s) / cols
+    t = 0.0
+    for c in range(n_chunks):
+        last_col = min(cols, (c + 1) * group)
+        done = math.ceil(last_col * per_col / n_gemm) * t_wave
+        ncols = last_col - c * group
+        t = max(t, done) + per_chunk * ncols
+    return t + alpha + tail
+
+
+def predict(
+    shape: MoEShape,
+    spec: GpuSpec,
+    n_comm: int,
+    layer: int,
+    tile=DEFAULT_TILE,
+    *,
+    n_blocks: Optional[int] = None,
+) -> Dict[str, float]:
+    """Predicted seconds for ``layer`` with ``n_comm`` comm blocks (see the module doc).
+
+    ``n_blocks`` bounds the grid (co-residency); the GEMM gets ``min(spec.max_blocks, n_blocks) -
+    n_comm`` blocks.  Returns ``comm``, ``gemm``, ``fused``, ``sequential``, ``baseline``,
+    ``limit``, ``comm_full``, ``gemm_full`` (seconds) and ``n_comm``, ``n_gemm``.
+    """
+    _check_layer(layer)
+    total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
+    if total < 2:
+        raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
+    if not 1 <= n_comm <= total - 1:
+        raise ValueError(f"n_comm={n_comm} outside [1, {total - 1}]")
+    n_gemm = total - n_comm
+    comm = comm_time(shape, spec, n_comm, layer)
+    gemm = gemm_time(shape, spec, n_gemm, layer, tile)
+    comm_full = comm_time(shape, spec, spec.max_blocks, layer)
+    gemm_full = gemm_time(shape, spec, spec.sm_count, layer, tile)
+    if layer == 0:
+        fused = _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm)
+    else:
+        fused = _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm)
+    # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
+    fused = min(max(fused, comm, gemm), comm + gemm)
+    return {
+        "comm": comm,
+        "gemm": gemm,
+        "fused": fused,
+        "sequential": comm + gemm,
+        "baseline": comm_full + gemm_full,
+        "limit": max(comm_full, gemm_full),
+        "comm_full": comm_full,
+        "gemm_full": gemm_full,
+        "n_comm": n_comm,
+        "n_gemm": n_gemm,
+    }
+
+
+def choose_n_comm(
+    shape: MoEShape,
+    spec: GpuSpec,
+    layer: int,
+    max_blocks: Optional[int] = None,
+    tile=DEFAULT_TILE,
+) -> int:
+    """The ``n_comm`` in ``[1, blocks - 1]`` with the least predicted fused time (ties: smallest).
+
+    ``blocks = min(spec.max_blocks, max_blocks)``: the persistent kernel needs every block
+    co-resident, so ``max_blocks`` (if given) bounds the whole grid, comm and GEMM blocks together.
+    """
+    total = spec.max_blocks if max_blocks is None else min(spec.max_blocks, int(max_blocks))
+    if total < 2:
+        raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
+    best_n, best_t = 1, math.inf
+    for n in range(1, total):
+        t = predict(shape, spec, n, layer, tile, n_blocks=total)["fused"]
+        if t < best_t * (1 - 1e-12):
+            best_n, best_t = n, t
+    return best_n

@@ -1,0 +1,264 @@
+"""Command line front end of the autotuner.
+
+    python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
+
+It always prints, for both fused layers, the cost model's split and predicted times (clearly
+labelled: model, not measured).  On a GPU (or with ``--profile`` on the CPU backend) inside a
+torch.distributed job of ``--world`` ranks (e.g. ``torchrun --nproc-per-node 8 -m comet.tune ...``;
+a single rank needs no launcher) it then profiles candidate configs through the hooks in
+``comet.tuner.PROFILERS`` (filled in by the compiled ops), stores the winners in the tuning cache
+and prints them; without those hooks it says that profiling needs the compiled ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import perfmodel as pm
+from . import tuner as tn
+
+# Model shapes of the Comet evaluation (ANCHORS.md): hidden H, ffn per expert, experts E, topk k;
+# all three use a gated FFN, so layer0 produces N0 = 2 * ffn columns and layer1 reduces N1 = ffn.
+MODELS: Dict[str, Dict[str, object]] = {
+    "mixtral": dict(H=4096, ffn=14336, E=8, k=2, gated=True, title="Mixtral-8x7B"),
+    "qwen2": dict(H=2048, ffn=1408, E=64, k=4, gated=True, title="Qwen2-MoE"),
+    "phi3.5": dict(H=4096, ffn=6400, E=16, k=2, gated=True, title="Phi-3.5-MoE"),
+}
+_MODEL_ALIASES = {
+    "mixtral-8x7b": "mixtral", "mixtral8x7b": "mixtral",
+    "qwen2-moe": "qwen2", "qwen2moe": "qwen2", "qwen": "qwen2",
+    "phi3.5-moe": "phi3.5", "phi-3.5": "phi3.5", "phi-3.5-moe": "phi3.5", "phi35": "phi3.5",
+    "phi": "phi3.5",
+}
+
+
+def layer_dims(model: Dict[str, object]) -> Tuple[int, int]:
+    """(N0, N1) for a model preset: N0 = layer0 output columns, N1 = layer1 reduction size."""
+    ffn = int(model["ffn"])
+    return (2 * ffn if model.get("gated", True) else ffn), ffn
+
+
+def _parse_tile(s: str) -> Tuple[int, int]:
+    try:
+        m, n = s.lower().split("x")
+        return int(m), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tile must look like 128x128, got {s!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m comet.tune",
+        description="Choose the comm/GEMM block split of Comet's fused MoE layers: profile on a "
+                    "GPU, or show the cost model's choice without one.")
+    p.add_argument("--model", required=True,
+                   help=f"model preset: {', '.join(MODELS)} (or 'custom' with --hidden/--ffn/"
+                        f"--experts/--topk)")
+    p.add_argument("--world", type=int, required=True, help="expert-parallel ranks W")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--gpu", default=None,
+                   help=f"GPU to model: {', '.join(pm.GPUS)}, cpu, or 'all' (default: the local "
+                        f"GPU, else h800)")
+    p.add_argument("--sm-count", type=int, default=None, help="override the SM count")
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="co-residency bound on the whole grid (comm + GEMM blocks)")
+    p.add_argument("--tile", type=_parse_tile, default=pm.DEFAULT_TILE,
+                   help="GEMM tile MxN for the model (default 128x128)")
+    p.add_argument("--hidden", type=int, default=None, help="override H")
+    p.add_argument("--ffn", type=int, default=None, help="override the per-expert FFN size")
+    p.add_argument("--experts", type=int, default=None, help="override E")
+    p.add_argument("--topk", type=int, default=None, help="override k")
+    p.add_argument("--not-gated", action="store_true", help="N0 = ffn instead of 2 * ffn")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--profile", dest="profile", action="store_true", default=None,
+                   help="measure on the GPU (default when a GPU is present)")
+    g.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="cost model only")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--cache-dir", default=None,
+                   help=f"tuning cache directory (default ${tn.CACHE_ENV} or ~/.cache/comet)")
+    return p
+
+
+def resolve_model(args) -> Dict[str, object]:
+    name = _MODEL_ALIASES.get(args.model.lower(), args.model.lower())
+    if name == "custom":
+        model: Dict[str, object] = dict(H=None, ffn=None, E=None, k=None, gated=True, title="custom")
+    elif name in MODELS:
+        model = dict(MODELS[name])
+    else:
+        raise SystemExit(f"unknown --model {args.model!r}; choose from {', '.join(MODELS)} or custom")
+    for opt, field in (("hidden", "H"), ("ffn", "ffn"), ("experts", "E"), ("topk", "k")):
+        v = getattr(args, opt)
+        if v is not None:
+            model[field] = v
+    if args.not_gated:
+        model["gated"] = False
+    missing = [f for f in ("H", "ffn", "E", "k") if model[f] is None]
+    if missing:
+        raise SystemExit(f"--model custom needs --hidden, --ffn, --experts and --topk "
+                         f"(missing {missing})")
+    model["name"] = name
+    return model
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
+                max_blocks: Optional[int], tile, tuner: Optional[tn.Tuner] = None) -> str:
+    """The cost model's choice and predicted times for both layers, as printable text."""
+    n0, n1 = layer_dims(model)
+    nbytes = pm.DTYPE_BYTES[dtype]
+    H, E, k = int(model["H"]), int(model["E"]), int(model["k"])
+    rows: List[List[str]] = []
+    notes: List[str] = []
+    for layer, N in ((0, n0), (1, n1)):
+        shape = pm.MoEShape(W=world, E=E, k=k, H=H, N=N, T=tokens, dtype_bytes=nbytes)
+        n = pm.choose_n_comm(shape, spec, layer, max_blocks=max_blocks, tile=tile)
+        p = pm.predict(shape, spec, n, layer, tile, n_blocks=max_blocks)
+        m = sum(pm.expert_rows(shape))
+        n_out, k_red = pm.gemm_dims(shape, layer)
+        rows.append([
+            f"layer{layer}", f"{m:.0f}x{n_out}x{k_red}", str(p["n_comm"]), str(p["n_gemm"]),
+            f"{tile[0]}x{tile[1]}", f"{pm.remote_rows(shape, layer):.0f}",
+            _ms(p["comm"]), _ms(p["gemm"]), _ms(p["fused"]), _ms(p["baseline"]), _ms(p["limit"]),
+            f"{p['baseline'] / p['fused']:.2f}x" if p["fused"] > 0 else "-",
+        ])
+        if tuner is not None:
+            key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer)
+            cached = tuner.cache.get(key)
+            if cached is not None:
+                cfg, k2 = cached
+                notes.append(f"  layer{layer}: tuning cache has n_comm={cfg.n_comm} tile="
+                             f"{cfg.tile_m}x{cfg.tile_n} (measured, bucket T<={k2.tokens})")
+    d = pm.expected_distinct_ranks(world, E, k)
+    head = (f"Cost model, not measured -- {spec.name} ({spec.sm_count} SMs, "
+            f"{spec.peak_flops(nbytes) / 1e12:.4g} TFLOP/s {dtype}, HBM {spec.hbm_gbs:.0f} GB/s, "
+            f"{spec.link} {spec.link_gbs:.0f} GB/s per direction)\n"
+            f"{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} N1={n1} "
+            f"T={tokens} tokens/rank, {dtype}; expected distinct ranks per token {d:.2f}")
+    headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "remote rows", "comm ms",
+               "gemm ms", "fused ms", "unfused ms", "limit ms", "speedup"]
+    foot = ("comm/gemm: each part alone with this split; fused: pipelined; unfused: comm then "
+            "GEMM, each on the whole GPU; limit: max of the two on the whole GPU.")
+    return "\n".join([head, _table(headers, rows), foot, *notes])
+
+
+def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
+    """Measure both layers through comet.tuner.PROFILERS; returns an exit code."""
+    missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
+    if missing:
+        try:  # the ops module registers the hooks when it is imported with its extension built
+            import importlib
+
+            importlib.import_module("comet.ops")
+        except Exception as e:  # noqa: BLE001
+            print(f"profiling needs the compiled ops: importing comet.ops failed ({e!r}); "
+                  f"showing the cost model only.")
+            return 1
+        missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
+        if missing:
+            print(f"profiling needs the compiled ops: no profiler registered for {missing} "
+                  f"in comet.tuner.PROFILERS; showing the cost model only.")
+            return 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+            dist.init_process_group("nccl" if _cuda_available() else "gloo")
+        elif args.world != 1:
+            print(f"profiling needs {args.world} ranks: launch with torchrun --nproc-per-node "
+                  f"{args.world} -m comet.tune ...; showing the cost model only.")
+            return 1
+    if dist.is_initialized() and dist.get_world_size() != args.world:
+        print(f"--world {args.world} but the process group has {dist.get_world_size()} ranks")
+        return 2
+    n0, n1 = layer_dims(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for layer, N in ((0, n0), (1, n1)):
+        key = tn.TuneKey(arch, sm_count, args.dtype, args.world, int(model["E"]), int(model["k"]),
+                         int(model["H"]), N, args.tokens, layer)
+        shape = key.shape(args.tokens)
+        cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
+                         warmup=args.warmup, iters=args.iters)
+        if rank == 0:
+            print(f"layer{layer}: measured best n_comm={cfg.n_comm} tile={cfg.tile_m}x{cfg.tile_n} "
+                  f"(stored in {tuner.cache.path(arch)})")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.dtype = tn.normalize_dtype(args.dtype)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    if args.world < 1 or args.tokens < 0:
+        raise SystemExit("--world must be >= 1 and --tokens >= 0")
+    model = resolve_model(args)
+    if int(model["E"]) % args.world:
+        raise SystemExit(f"--world {args.world} must divide the expert count E={model['E']}")
+    tuner = tn.Tuner(args.cache_dir)
+
+    has_gpu = _cuda_available()
+    local_arch, local_sms = tn.detect_device()  # ("cpu", threads) without a GPU
+    if args.gpu is None:
+        if has_gpu and pm.get_spec(local_arch) is not None:
+            gpus = [local_arch]
+        else:
+            if has_gpu:
+                print(f"(local GPU {local_arch!r} is not in the model's table; modelling h800)")
+            else:
+                print("(no GPU here; modelling h800 -- choose another with --gpu)")
+            gpus = ["h800"]
+    elif args.gpu.lower() == "all":
+        gpus = list(pm.GPUS)
+    else:
+        gpus = [args.gpu]
+
+    for i, g in enumerate(gpus):
+        sms = args.sm_count if args.sm_count else (local_sms if has_gpu and g == local_arch else None)
+        spec = pm.get_spec(g, sms)
+        if spec is None:
+            raise SystemExit(f"unknown --gpu {g!r}; choose from {', '.join(pm.GPUS)}, cpu, all")
+        if i:
+            print()
+        print(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
+                          args.tile, tuner))
+
+    # Profile by default on a GPU; on the CPU backend only when asked (--profile).
+    profile = args.profile if args.profile is not None else has_gpu
+    if profile:
+        print()
+        rc = _profile(args, model, local_arch, args.sm_count or local_sms, tuner)
+        # failing to profile is an error only when profiling was asked for explicitly
+        return rc if args.profile else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
