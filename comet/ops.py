@@ -62,6 +62,7 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty(rows, w0.shape[1]),
+        x.new_empty(rows, x.shape[1]),
         torch.empty(world, num_experts // world, **i32),
         torch.empty(topk_ids.shape, **i32),
         torch.empty(rows, **i32),
@@ -105,7 +106,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, group=None, n_comm: int | N
     buf = buffer or symm.buffer_for(group)
     device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids})
     cfg = launch_config(device, n_comm, tile)
-    y0, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
+    y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
         x, w0, topk_ids, int(num_experts), buf.handle, *cfg)
     return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl)
 

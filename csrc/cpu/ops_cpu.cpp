@@ -88,7 +88,8 @@ auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
   }
 }
 
-using Layer0Result = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Layer0Result =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
@@ -168,7 +169,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
             tile_gemm(t, mt.row_begin, mt.rows, col0, std::min<int64_t>(tile_n, N0 - col0), tmp);
           });
         });
-    return {y0, recv_counts, send_pos, row_source, row_token, row_slot};
+    return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
   });
 }
 
