@@ -72,7 +72,12 @@ __all__ = [
     "moe_dist",
 ]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, except float64 (CPU gradient checks), which accumulates in fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 #: One row of a destination rank's dispatch layout: token ``token`` of source rank ``source``,
 #: top-k slot ``slot``, routed to local expert ``local_expert`` of the destination rank.
@@ -219,7 +224,7 @@ def dispatch_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: float32, bfloat16, float16, float64")
 
 
 def _check_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, rank: int) -> None:
@@ -279,12 +284,13 @@ def _expert_gemm(a: torch.Tensor, row_experts: torch.Tensor, w: torch.Tensor) ->
 
     Rows of one expert are contiguous in the dispatch layout; one fp32 matmul per local expert.
     """
-    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32)
-    af = a.float()
+    acc = acc_dtype(a.dtype)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=acc)
+    af = a.to(acc)
     for le in range(w.shape[0]):
         idx = (row_experts == le).nonzero().reshape(-1)
         if idx.numel() > 0:
-            out[idx] = af[idx] @ w[le].float().t()
+            out[idx] = af[idx] @ w[le].to(acc).t()
     return out
 
 
@@ -296,9 +302,9 @@ def _combine(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     dropped slots skipped (masked, so a NaN/inf weight on a dropped slot cannot leak in).
     """
     T, k, H = partials.shape
-    w = topk_weights.float()
+    w = topk_weights.to(partials.dtype)
     valid = topk_ids >= 0
-    out = torch.zeros(T, H, dtype=torch.float32)
+    out = torch.zeros(T, H, dtype=partials.dtype)
     for j in range(k):
         term = w[:, j : j + 1] * partials[:, j, :]
         out = out + torch.where(valid[:, j : j + 1], term, torch.zeros_like(term))
@@ -424,7 +430,7 @@ def layer1_sim(
     outs = []
     for s in range(world):
         T, k = topk_ids_list[s].shape
-        partials = torch.zeros(T, k, H, dtype=torch.float32)
+        partials = torch.zeros(T, k, H, dtype=acc_dtype(dtype))
         for d, (src, tok, slot, _lexp) in enumerate(layouts):
             sel = (src == s).nonzero().reshape(-1)
             partials[tok[sel], slot[sel]] = partial_rows[d][sel]
@@ -527,14 +533,16 @@ class _DistPlan:
         self.row_experts = torch.tensor(lexp, dtype=torch.int64)
 
     def exchange(self, send: torch.Tensor, forward: bool) -> torch.Tensor:
-        """all_to_all_single of fp32 rows; ``forward`` = source -> dest, else dest -> source."""
+        """all_to_all_single of fp32 rows (fp64 rows stay fp64); ``forward`` = source -> dest,
+        else dest -> source."""
         import torch.distributed as dist
 
         in_splits, out_splits = (
             (self.send_splits, self.recv_splits) if forward else (self.recv_splits, self.send_splits)
         )
-        send = send.to(torch.float32).contiguous()
-        recv = torch.empty(sum(out_splits), send.shape[1], dtype=torch.float32)
+        wire = acc_dtype(send.dtype)
+        send = send.to(wire).contiguous()
+        recv = torch.empty(sum(out_splits), send.shape[1], dtype=wire)
         dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
         return recv
 
@@ -613,7 +621,7 @@ def layer1_dist(
     by_source[plan.perm] = partial_rows
     back = plan.exchange(by_source, forward=False)  # rows in this rank's send order
     T, k = topk_ids.shape
-    partials = torch.zeros(T, k, H, dtype=torch.float32)
+    partials = torch.zeros(T, k, H, dtype=acc_dtype(h.dtype))
     partials[plan.send_tokens, plan.send_slots] = back.reshape(-1, H)
     return _combine(partials, topk_weights, topk_ids).to(h.dtype)
 

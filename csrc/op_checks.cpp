@@ -40,12 +40,15 @@ struct Checker {
                                         " must be contiguous (call .contiguous())");
   }
 
+  // float64 only on the CPU backend (exact gradient checks); the GPU kernels take bf16/fp16/fp32.
   bool float_dtype(const at::Tensor& t, const char* name) {
     if (failed()) return false;
     auto d = t.scalar_type();
-    return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf,
+    const bool cpu = t.device().is_cpu();
+    return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || (cpu && d == at::kDouble),
                 std::string(name) + " has dtype " + dtype_name(d) +
-                    "; supported: float32, bfloat16, float16");
+                    (cpu ? "; supported: float32, bfloat16, float16, float64"
+                         : "; supported: float32, bfloat16, float16"));
   }
 
   bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
@@ -163,7 +166,12 @@ CheckResult check_layer1(const Layer1Inputs& in, int64_t world, const LaunchShap
 }
 
 ScalarKind scalar_kind(at::ScalarType t) {
-  return t == at::kFloat ? ScalarKind::F32 : t == at::kBFloat16 ? ScalarKind::BF16 : ScalarKind::F16;
+  switch (t) {
+    case at::kFloat: return ScalarKind::F32;
+    case at::kBFloat16: return ScalarKind::BF16;
+    case at::kDouble: return ScalarKind::F64;
+    default: return ScalarKind::F16;
+  }
 }
 
 }  // namespace comet

@@ -113,3 +113,18 @@ def test_stress_randomized(monkeypatch):
         tile = (int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)))
         results, inputs = run_layers(case, torch.float32, *split, tile, buffers=buffers[case.world])
         check_against_reference(case, torch.float32, results, inputs)
+
+
+def test_float64_on_cpu_accumulates_in_double():
+    """float64 (CPU backend only) exists for exact gradient checks: it must match a float64
+    reference far below fp32 rounding."""
+    case = cases_for(3)[3]
+    inputs = make_inputs(case, torch.float64)
+    inputs = (*inputs[:4], [w.double() for w in inputs[4]])
+    results, _ = run_layers(case, torch.float64, inputs=inputs)
+    xs, w0s, w1s, ids, wts = inputs
+    y0_ref = ref.layer0_sim(xs, w0s, ids, case.experts)
+    out_ref = ref.layer1_sim([r[2] for r in results], w1s, wts, ids, case.experts)
+    for r, res in enumerate(results):
+        torch.testing.assert_close(res[0], y0_ref[r], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(res[3], out_ref[r], atol=1e-12, rtol=1e-12)

@@ -527,7 +527,7 @@ def test_bad_shapes_and_dtypes():
     with pytest.raises(ValueError):  # wrong number of local experts
         ref.layer0_sim(xs, [w0s[0][:1], w0s[1]], ids, 4)
     with pytest.raises(ValueError):  # unsupported dtype
-        ref.layer0_sim([x.double() for x in xs], w0s, ids, 4)
+        ref.layer0_sim([x.to(torch.int32) for x in xs], w0s, ids, 4)
     with pytest.raises(ValueError):  # list lengths disagree with the world
         ref.layer0_sim(xs[:1], w0s, ids, 4)
     y0 = ref.layer0_sim(xs, w0s, ids, 4)

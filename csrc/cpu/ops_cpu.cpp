@@ -161,16 +161,104 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
         *heap, int32_t(n_comm), int32_t(n_gemm), stress_seed(epoch, d),
         [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
         [&](CpuContext& ctx, int32_t g) {
-          std::vector<float> tmp;
+          std::vector<float> tmp32;
+          std::vector<double> tmp64;
           layer0_gemm(ctx, g, int32_t(n_gemm), ga, [&](const MTile& mt, int32_t nt) {
             TileGemmArgs t{a.data_ptr(), kind, w0p + int64_t(mt.expert) * N0 * H * elem, kind,
                            y0.data_ptr(), kind, H, N0};
-            const int64_t col0 = int64_t(nt) * tile_n;
-            tile_gemm(t, mt.row_begin, mt.rows, col0, std::min<int64_t>(tile_n, N0 - col0), tmp);
+            const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
+            if (kind == ScalarKind::F64)
+              tile_gemm(t, mt.row_begin, mt.rows, col0, cols, tmp64);
+            else
+              tile_gemm(t, mt.row_begin, mt.rows, col0, cols, tmp32);
           });
         });
     return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
   });
+}
+
+// layer1 after the metadata exchange; Acc = float, or double for float64 inputs.
+template <class Acc>
+at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, const at::Tensor& w1,
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       const at::Tensor& send_pos, const at::Tensor& recv_counts,
+                       int64_t num_experts, int64_t n_comm, int64_t n_gemm, int64_t tile_m,
+                       int64_t tile_n) {
+  const int32_t W = heap.world(), d = heap.rank();
+  const int32_t E = int32_t(num_experts), El = E / W, k = int32_t(topk_ids.size(1));
+  const int64_t T = topk_ids.size(0), M = h.size(0), N1 = h.size(1), H = w1.size(1);
+  const ScalarKind kind = scalar_kind(h.scalar_type());
+  const at::ScalarType acc_type = sizeof(Acc) == 8 ? at::kDouble : at::kFloat;
+  const int64_t tmax = max_tokens(heap);
+  const DataRegions reg = data_regions(OpKind::Layer1, tmax, int32_t(H), k, E, W,
+                                       int32_t(h.element_size()), int32_t(sizeof(Acc)));
+  heap.reserve(std::max<size_t>(reg.total, 1));
+
+  // Publish this rank's routing, bucket positions and weights for the destinations.
+  char* mine = heap.data(d);
+  at::Tensor ids = topk_ids.to(at::kInt).contiguous();
+  at::Tensor weights = topk_weights.to(acc_type).contiguous();
+  if (T > 0) {
+    std::memcpy(mine + reg.ids, ids.data_ptr(), size_t(T * k) * 4);
+    std::memcpy(mine + reg.send_pos, send_pos.data_ptr(), size_t(T * k) * 4);
+    std::memcpy(mine + reg.weights, weights.data_ptr(), size_t(T * k) * sizeof(Acc));
+  }
+  flag_release(heap.header(d)->data_epoch, epoch);
+  for (int32_t s = 0; s < W; ++s) heap.wait(heap.header(s)->data_epoch, epoch, WaitSite::PeerData, s);
+
+  std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
+  build_dispatch_layout(recv_counts.data_ptr<int32_t>(), d, W, El, expert_off.data(),
+                        seg_off.data());
+  std::vector<SourceRouting<Acc>> src(static_cast<size_t>(W));
+  for (int32_t s = 0; s < W; ++s) {
+    const char* sd = heap.data(s);
+    src[s] = SourceRouting<Acc>{reinterpret_cast<const int32_t*>(sd + reg.ids),
+                                reinterpret_cast<const int32_t*>(sd + reg.send_pos),
+                                reinterpret_cast<const Acc*>(sd + reg.weights),
+                                heap.metas()[s].tokens};
+  }
+  int64_t slots = 0;
+  const int64_t entries = reduce_plan_size(src.data(), W, k, El, d, &slots);
+  std::vector<int32_t> e_src(static_cast<size_t>(entries)), e_tok(static_cast<size_t>(entries)),
+      e_part(static_cast<size_t>(entries));
+  std::vector<int64_t> e_begin(static_cast<size_t>(entries) + 1), s_row(static_cast<size_t>(slots));
+  std::vector<Acc> s_w(static_cast<size_t>(slots));
+  ReducePlan<Acc> plan{0, e_src.data(), e_tok.data(), e_part.data(), e_begin.data(), s_row.data(),
+                       s_w.data()};
+  build_reduce_plan(src.data(), W, k, El, d, seg_off.data(), plan);
+
+  const int64_t MT = count_mtiles(expert_off.data(), El, int32_t(tile_m));
+  std::vector<MTile> mtiles(static_cast<size_t>(MT));
+  build_mtiles(expert_off.data(), El, int32_t(tile_m), mtiles.data());
+  const int32_t NT = int32_t(ceil_div(H, tile_n));
+  auto& flags = heap.tile_flags();
+  auto& counts = heap.tile_counts();
+  if (int64_t(flags.size()) < NT) flags.resize(size_t(NT), 0);
+  if (int64_t(counts.size()) < NT) counts.resize(size_t(NT), 0);
+
+  at::Tensor c = at::empty({M, H}, h.options().dtype(acc_type));
+  at::Tensor out = at::empty({T, H}, h.options());
+  Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), int32_t(tile_n), NT, tmax, epoch, reg,
+                         c.data_ptr<Acc>(), flags.data(), plan,
+                         std::max<int64_t>(1, ceil_div(entries, 4 * n_comm)), heap.blocks_done(),
+                         T, ids.data_ptr<int32_t>(), out.data_ptr(), kind};
+  GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
+  const char* w1p = static_cast<const char*>(w1.data_ptr());
+  const int64_t elem = h.element_size();
+  const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
+  run_blocks(
+      heap, int32_t(n_comm), int32_t(n_gemm), stress_seed(epoch, d),
+      [&](CpuContext& ctx) { layer1_comm(ctx, la); },
+      [&](CpuContext& ctx, int32_t g) {
+        std::vector<Acc> tmp;
+        layer1_gemm(ctx, g, int32_t(n_gemm), ga, [&](const MTile& mt, int32_t nt) {
+          TileGemmArgs t{h.data_ptr(), kind, w1p + int64_t(mt.expert) * H * N1 * elem, kind,
+                         c.data_ptr(), c_kind, N1, H};
+          const int64_t col0 = int64_t(nt) * tile_n;
+          tile_gemm(t, mt.row_begin, mt.rows, col0, std::min<int64_t>(tile_n, H - col0), tmp);
+        });
+      });
+  return out;
 }
 
 at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::Tensor& topk_weights,
@@ -189,79 +277,11 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
-    const int32_t W = heap->world(), d = heap->rank();
-    const int32_t E = int32_t(num_experts), El = E / W, k = int32_t(topk_ids.size(1));
-    const int64_t T = topk_ids.size(0), M = h.size(0), N1 = h.size(1), H = w1.size(1);
-    const ScalarKind kind = scalar_kind(h.scalar_type());
-    const int64_t tmax = max_tokens(*heap);
-    const DataRegions reg =
-        data_regions(OpKind::Layer1, tmax, int32_t(H), k, E, W, int32_t(h.element_size()));
-    heap->reserve(std::max<size_t>(reg.total, 1));
-
-    // Publish this rank's routing, bucket positions and weights for the destinations.
-    char* mine = heap->data(d);
-    at::Tensor ids = topk_ids.to(at::kInt).contiguous();
-    at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
-    const size_t slot_bytes = size_t(T * k) * 4;
-    if (T > 0) {
-      std::memcpy(mine + reg.ids, ids.data_ptr(), slot_bytes);
-      std::memcpy(mine + reg.send_pos, send_pos.data_ptr(), slot_bytes);
-      std::memcpy(mine + reg.weights, weights.data_ptr(), slot_bytes);
-    }
-    flag_release(heap->header(d)->data_epoch, epoch);
-    for (int32_t s = 0; s < W; ++s) heap->wait(heap->header(s)->data_epoch, epoch, WaitSite::PeerData, s);
-
-    std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
-    build_dispatch_layout(recv_counts.data_ptr<int32_t>(), d, W, El, expert_off.data(),
-                          seg_off.data());
-    std::vector<SourceRouting> src(static_cast<size_t>(W));
-    for (int32_t s = 0; s < W; ++s) {
-      const char* sd = heap->data(s);
-      src[s] = SourceRouting{reinterpret_cast<const int32_t*>(sd + reg.ids),
-                             reinterpret_cast<const int32_t*>(sd + reg.send_pos),
-                             reinterpret_cast<const float*>(sd + reg.weights),
-                             heap->metas()[s].tokens};
-    }
-    int64_t slots = 0;
-    const int64_t entries = reduce_plan_size(src.data(), W, k, El, d, &slots);
-    std::vector<int32_t> e_src(static_cast<size_t>(entries)), e_tok(static_cast<size_t>(entries)), e_part(static_cast<size_t>(entries));
-    std::vector<int64_t> e_begin(size_t(entries) + 1), s_row(static_cast<size_t>(slots));
-    std::vector<float> s_w(static_cast<size_t>(slots));
-    ReducePlan plan{0, e_src.data(), e_tok.data(), e_part.data(), e_begin.data(), s_row.data(),
-                    s_w.data()};
-    build_reduce_plan(src.data(), W, k, El, d, seg_off.data(), plan);
-
-    const int64_t MT = count_mtiles(expert_off.data(), El, int32_t(tile_m));
-    std::vector<MTile> mtiles(static_cast<size_t>(MT));
-    build_mtiles(expert_off.data(), El, int32_t(tile_m), mtiles.data());
-    const int32_t NT = int32_t(ceil_div(H, tile_n));
-    auto& flags = heap->tile_flags();
-    auto& counts = heap->tile_counts();
-    if (int64_t(flags.size()) < NT) flags.resize(size_t(NT), 0);
-    if (int64_t(counts.size()) < NT) counts.resize(size_t(NT), 0);
-
-    at::Tensor c = at::empty({M, H}, h.options().dtype(at::kFloat));
-    at::Tensor out = at::empty({T, H}, h.options());
-    Layer1CommArgs la{d, W, El, k, int32_t(H), int32_t(tile_n), NT, tmax, epoch, reg,
-                      c.data_ptr<float>(), flags.data(), plan,
-                      std::max<int64_t>(1, ceil_div(entries, 4 * n_comm)), heap->blocks_done(),
-                      T, ids.data_ptr<int32_t>(), out.data_ptr(), kind};
-    GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
-    const char* w1p = static_cast<const char*>(w1.data_ptr());
-    const int64_t elem = h.element_size();
-    run_blocks(
-        *heap, int32_t(n_comm), int32_t(n_gemm), stress_seed(epoch, d),
-        [&](CpuContext& ctx) { layer1_comm(ctx, la); },
-        [&](CpuContext& ctx, int32_t g) {
-          std::vector<float> tmp;
-          layer1_gemm(ctx, g, int32_t(n_gemm), ga, [&](const MTile& mt, int32_t nt) {
-            TileGemmArgs t{h.data_ptr(), kind, w1p + int64_t(mt.expert) * H * N1 * elem, kind,
-                           c.data_ptr(), ScalarKind::F32, N1, H};
-            const int64_t col0 = int64_t(nt) * tile_n;
-            tile_gemm(t, mt.row_begin, mt.rows, col0, std::min<int64_t>(tile_n, H - col0), tmp);
-          });
-        });
-    return out;
+    if (h.scalar_type() == at::kDouble)
+      return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
+                                 recv_counts, num_experts, n_comm, n_gemm, tile_m, tile_n);
+    return layer1_body<float>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos, recv_counts,
+                              num_experts, n_comm, n_gemm, tile_m, tile_n);
   });
 }
 

@@ -124,7 +124,7 @@ std::string SymmHeap::verdict(const char* op_name) const {
   }
   const CallMeta& m0 = metas_[0];
   static const char* kOps[] = {"moe_layer0", "moe_layer1"};
-  static const char* kDtypes[] = {"float32", "bfloat16", "float16"};
+  static const char* kDtypes[] = {"float32", "bfloat16", "float16", "float64"};
   for (int32_t s = 1; s < world_; ++s) {
     const CallMeta& m = metas_[s];
     auto differ = [&](const char* what, auto a, auto b) {
@@ -139,7 +139,7 @@ std::string SymmHeap::verdict(const char* op_name) const {
     else if (m.hidden != m0.hidden) differ("the hidden size H", m0.hidden, m.hidden);
     else if (m.cols != m0.cols)
       differ(m0.op == 0 ? "N0 (rows of w0)" : "N1 (columns of h and w1)", m0.cols, m.cols);
-    else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype % 3], kDtypes[m.dtype % 3]);
+    else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype & 3], kDtypes[m.dtype & 3]);
     else continue;
     return msg.str();
   }

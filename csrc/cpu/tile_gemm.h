@@ -1,7 +1,7 @@
 // The CPU stand-in for the CUTLASS mainloop: one output tile C[rows, n0:n0+cols] = A[rows] @ B^T,
-// B row-major [N, K] (an expert's weight), inputs of any ScalarKind, fp32 accumulation in a fixed
-// order (8 interleaved partial sums combined as a fixed tree), so results never depend on which
-// block computes a tile or when.
+// B row-major [N, K] (an expert's weight), inputs of any ScalarKind, accumulation in Acc (fp32;
+// fp64 for float64 inputs) in a fixed order (8 interleaved partial sums combined as a fixed tree),
+// so results never depend on which block computes a tile or when.
 #pragma once
 
 #include <vector>
@@ -10,8 +10,9 @@
 
 namespace comet::cpu {
 
-inline float dot_fixed_order(const float* a, const float* b, int64_t k) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+template <class Acc>
+inline Acc dot_fixed_order(const Acc* a, const Acc* b, int64_t k) {
+  Acc lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= k; i += 8)
     for (int l = 0; l < 8; ++l) lane[l] += a[i + l] * b[i + l];
@@ -19,17 +20,9 @@ inline float dot_fixed_order(const float* a, const float* b, int64_t k) {
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-inline void widen(const void* src, ScalarKind kind, int64_t offset, int64_t n, float* dst) {
-  if (kind == ScalarKind::F32) {
-    const float* s = static_cast<const float*>(src) + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-    return;
-  }
-  const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-  if (kind == ScalarKind::BF16)
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
-  else
-    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_float(s[i]);
+template <class Acc>
+inline void widen(const void* src, ScalarKind kind, int64_t offset, int64_t n, Acc* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_as<Acc>(src, offset + i, kind);
 }
 
 struct TileGemmArgs {
@@ -43,16 +36,17 @@ struct TileGemmArgs {
 };
 
 // `scratch` is per-thread storage reused across tiles.
+template <class Acc>
 inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
-                      std::vector<float>& scratch) {
+                      std::vector<Acc>& scratch) {
   scratch.resize(size_t((cols + 1) * g.k));
-  float* bt = scratch.data();
-  float* arow = bt + cols * g.k;
+  Acc* bt = scratch.data();
+  Acc* arow = bt + cols * g.k;
   for (int64_t c = 0; c < cols; ++c) widen(g.b, g.b_kind, (col0 + c) * g.k, g.k, bt + c * g.k);
   for (int64_t r = row0; r < row0 + rows; ++r) {
     widen(g.a, g.a_kind, r * g.k, g.k, arow);
     for (int64_t c = 0; c < cols; ++c)
-      store_from_float(g.c, r * g.n + col0 + c, g.c_kind, dot_fixed_order(arow, bt + c * g.k, g.k));
+      store_as<Acc>(g.c, r * g.n + col0 + c, g.c_kind, dot_fixed_order(arow, bt + c * g.k, g.k));
   }
 }
 

@@ -5,7 +5,8 @@
 //     rank's receive buffer. The last comm block to finish tells every rank its partials are there.
 //  2. combine: once every rank's partials for this rank have arrived, sum each local token's at
 //     most min(k, W) partials in ascending partial slot (= ascending sending rank) and store the
-//     result in the output dtype. Every step has a fixed order, so results are bitwise
+//     result in the output dtype. Acc is the accumulator: float (fp32) everywhere, double only
+//     for float64 on the CPU backend. Every step has a fixed order, so results are bitwise
 //     reproducible whatever the block counts and timing.
 #pragma once
 
@@ -18,6 +19,7 @@
 
 namespace comet {
 
+template <class Acc>
 struct Layer1CommArgs {
   int32_t rank, world, experts_local, topk;
   int32_t hidden;       // H: columns of the GEMM output and of out
@@ -26,9 +28,9 @@ struct Layer1CommArgs {
   int64_t tmax;         // agreed token capacity: stride of the receive buffer slices
   uint64_t epoch;
   DataRegions regions;
-  const float* c;       // [M, H] local GEMM output
+  const Acc* c;         // [M, H] local GEMM output
   uint64_t* ntile_ready;// [num_ntiles] local flags, value = epoch when every tile of the column is done
-  ReducePlan plan;
+  ReducePlan<Acc> plan;
   int64_t entries_per_item;  // work granularity of phase 1
   uint32_t* blocks_done;     // local counter, self-resetting
   // phase 2
@@ -38,8 +40,8 @@ struct Layer1CommArgs {
   ScalarKind out_kind;
 };
 
-template <class Ctx>
-COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs& a) {
+template <class Ctx, class Acc>
+COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const int64_t chunks = ceil_div(a.plan.entries, a.entries_per_item);
   const int64_t items = chunks * a.num_ntiles;
   for (int64_t i = ctx.block(); i < items; i += ctx.blocks()) {
@@ -51,11 +53,11 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs& a) {
     const int32_t col0 = n * a.tile_n;
     const int32_t cols = a.hidden - col0 < a.tile_n ? a.hidden - col0 : a.tile_n;
     for (int64_t e = first; e < last; ++e) {
-      float* dst = reinterpret_cast<float*>(ctx.data(a.plan.entry_source[e]) + a.regions.recv) +
+      Acc* dst = reinterpret_cast<Acc*>(ctx.data(a.plan.entry_source[e]) + a.regions.recv) +
                    (int64_t(a.plan.entry_partial[e]) * a.tmax + a.plan.entry_token[e]) * a.hidden +
                    col0;
       for (int32_t c = ctx.thread(); c < cols; c += ctx.threads()) {
-        float acc = 0.f;
+        Acc acc = 0;
         for (int64_t s = a.plan.entry_begin[e]; s < a.plan.entry_begin[e + 1]; ++s)
           acc += a.plan.slot_weight[s] * a.c[a.plan.slot_row[s] * a.hidden + col0 + c];
         dst[c] = acc;
@@ -77,26 +79,26 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs& a) {
   }
 }
 
-template <class Ctx>
-COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs& a) {
+template <class Ctx, class Acc>
+COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   for (int32_t s = 0; s < a.world; ++s)
     ctx.wait(header_arrive(ctx.header(a.rank), s), a.epoch, WaitSite::Partials, s);
-  const float* recv = reinterpret_cast<const float*>(ctx.data(a.rank) + a.regions.recv);
+  const Acc* recv = reinterpret_cast<const Acc*>(ctx.data(a.rank) + a.regions.recv);
   const int64_t per_block = ceil_div(a.tokens, ctx.blocks());
   const int64_t t0 = per_block * ctx.block();
   const int64_t t1 = t0 + per_block < a.tokens ? t0 + per_block : a.tokens;
   for (int64_t t = t0; t < t1; ++t) {
     const int32_t parts = partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank).count;
     for (int32_t c = ctx.thread(); c < a.hidden; c += ctx.threads()) {
-      float acc = 0.f;
+      Acc acc = 0;
       for (int32_t p = 0; p < parts; ++p) acc += recv[(int64_t(p) * a.tmax + t) * a.hidden + c];
-      store_from_float(a.out, t * a.hidden + c, a.out_kind, acc);
+      store_as<Acc>(a.out, t * a.hidden + c, a.out_kind, acc);
     }
   }
 }
 
-template <class Ctx>
-COMET_HD void layer1_comm(Ctx& ctx, const Layer1CommArgs& a) {
+template <class Ctx, class Acc>
+COMET_HD void layer1_comm(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   layer1_reduce_send(ctx, a);
   layer1_combine(ctx, a);
 }

@@ -17,10 +17,13 @@
 namespace comet {
 
 // Element kinds the ops accept. The numbers are part of the symmetric-memory metadata that ranks
-// compare with each other, so they never change meaning.
-enum class ScalarKind : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+// compare with each other, so they never change meaning. F64 exists for the CPU backend only (exact
+// gradient checks); it accumulates in double.
+enum class ScalarKind : int32_t { F32 = 0, BF16 = 1, F16 = 2, F64 = 3 };
 
-COMET_HD int32_t scalar_bytes(ScalarKind k) { return k == ScalarKind::F32 ? 4 : 2; }
+COMET_HD int32_t scalar_bytes(ScalarKind k) {
+  return k == ScalarKind::F64 ? 8 : k == ScalarKind::F32 ? 4 : 2;
+}
 
 COMET_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -65,19 +65,25 @@ COMET_HD uint16_t float_to_f16(float f) {
   return uint16_t(sign | h);
 }
 
-// Load element i of a buffer of `kind` as float.
-COMET_HD float load_as_float(const void* p, int64_t i, ScalarKind kind) {
-  if (kind == ScalarKind::F32) return static_cast<const float*>(p)[i];
+// Load element i of a buffer of `kind` in the accumulator type Acc (float, or double for F64).
+template <class Acc>
+COMET_HD Acc load_as(const void* p, int64_t i, ScalarKind kind) {
+  if (kind == ScalarKind::F64) return Acc(static_cast<const double*>(p)[i]);
+  if (kind == ScalarKind::F32) return Acc(static_cast<const float*>(p)[i]);
   uint16_t b = static_cast<const uint16_t*>(p)[i];
-  return kind == ScalarKind::BF16 ? bf16_to_float(b) : f16_to_float(b);
+  return Acc(kind == ScalarKind::BF16 ? bf16_to_float(b) : f16_to_float(b));
 }
 
-// Store a float as element i of a buffer of `kind` (rounding to nearest even).
-COMET_HD void store_from_float(void* p, int64_t i, ScalarKind kind, float v) {
-  if (kind == ScalarKind::F32) {
-    static_cast<float*>(p)[i] = v;
+// Store an accumulator value as element i of a buffer of `kind` (rounding to nearest even).
+template <class Acc>
+COMET_HD void store_as(void* p, int64_t i, ScalarKind kind, Acc v) {
+  if (kind == ScalarKind::F64) {
+    static_cast<double*>(p)[i] = double(v);
+  } else if (kind == ScalarKind::F32) {
+    static_cast<float*>(p)[i] = float(v);
   } else {
-    static_cast<uint16_t*>(p)[i] = kind == ScalarKind::BF16 ? float_to_bf16(v) : float_to_f16(v);
+    const float f = float(v);
+    static_cast<uint16_t*>(p)[i] = kind == ScalarKind::BF16 ? float_to_bf16(f) : float_to_f16(f);
   }
 }
 

@@ -9,6 +9,7 @@
 
 namespace comet {
 
+template <class Acc>
 struct ReducePlan {
   int64_t entries;
   int32_t* entry_source;  // [entries]
@@ -16,14 +17,15 @@ struct ReducePlan {
   int32_t* entry_partial; // [entries] partial slot in the home rank's receive buffer
   int64_t* entry_begin;   // [entries+1] into slot_row / slot_weight
   int64_t* slot_row;      // [slots] row in the dispatch layout
-  float* slot_weight;     // [slots]
+  Acc* slot_weight;       // [slots]
 };
 
 // What one source published for layer1.
+template <class Acc>
 struct SourceRouting {
   const int32_t* ids;       // [tokens*k]
   const int32_t* send_pos;  // [tokens*k]
-  const float* weights;     // [tokens*k]
+  const Acc* weights;       // [tokens*k]
   int64_t tokens;
 };
 
@@ -35,7 +37,8 @@ COMET_HD bool token_has_local_slot(const int32_t* ids, int32_t k, int32_t expert
 }
 
 // Sizes of the plan: returns entries, writes the slot count.
-COMET_HD int64_t reduce_plan_size(const SourceRouting* src, int32_t world, int32_t k,
+template <class Acc>
+COMET_HD int64_t reduce_plan_size(const SourceRouting<Acc>* src, int32_t world, int32_t k,
                                   int32_t experts_local, int32_t rank, int64_t* slots) {
   int64_t entries = 0;
   *slots = 0;
@@ -51,9 +54,10 @@ COMET_HD int64_t reduce_plan_size(const SourceRouting* src, int32_t world, int32
 }
 
 // Fills a plan sized by reduce_plan_size. Entries go source-ascending, token-ascending.
-COMET_HD void build_reduce_plan(const SourceRouting* src, int32_t world, int32_t k,
+template <class Acc>
+COMET_HD void build_reduce_plan(const SourceRouting<Acc>* src, int32_t world, int32_t k,
                                 int32_t experts_local, int32_t rank, const int64_t* seg_off,
-                                ReducePlan& plan) {
+                                ReducePlan<Acc>& plan) {
   int64_t e = 0, sl = 0;
   for (int32_t s = 0; s < world; ++s)
     for (int64_t t = 0; t < src[s].tokens; ++t) {

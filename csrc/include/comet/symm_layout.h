@@ -65,15 +65,17 @@ struct DataRegions {
   // layer1, written by the source rank: its routing and weights
   size_t ids;         // int32 [tmax*k]
   size_t send_pos;    // int32 [tmax*k]
-  size_t weights;     // fp32  [tmax*k]
+  size_t weights;     // acc   [tmax*k]
   // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot
-  size_t recv;        // fp32  [partials, tmax, H]
+  size_t recv;        // acc   [partials, tmax, H]
   size_t total;
 };
 
-// partials = min(k, W): a token's slots reach at most that many distinct ranks.
+// partials = min(k, W): a token's slots reach at most that many distinct ranks. acc_bytes is the
+// accumulator size (4: fp32; 8: fp64 on the CPU backend).
 COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
-                                  int32_t num_experts, int32_t world, int32_t elem_bytes) {
+                                  int32_t num_experts, int32_t world, int32_t elem_bytes,
+                                  int32_t acc_bytes = 4) {
   const size_t A = 256;  // every region starts on a 256-byte boundary (16-byte vector copies)
   DataRegions r{};
   size_t off = 0;
@@ -91,8 +93,8 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     int32_t partials = topk < world ? topk : world;
     r.ids = take(slots * 4);
     r.send_pos = take(slots * 4);
-    r.weights = take(slots * 4);
-    r.recv = take(size_t(partials) * tmax * hidden * 4);
+    r.weights = take(slots * acc_bytes);
+    r.recv = take(size_t(partials) * tmax * hidden * acc_bytes);
   }
   r.total = off;
   return r;
