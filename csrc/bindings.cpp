@@ -28,6 +28,8 @@ std::string fail_call(int64_t handle, int32_t op, const std::string& message) {
 
 }  // namespace
 
+void bind_engine(pybind11::module_& m);  // engine_bindings.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "comet native core: symmetric heaps (the ops are under torch.ops.comet)";
@@ -43,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heap_release", &comet::cpu::release_heap);
   m.def("heap_set_timeout", [](int64_t h, double s) { find_heap(h)->set_timeout(s); });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
+  bind_engine(m);
 #ifdef COMET_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -1,0 +1,16 @@
+// A minimal check macro for the C++ unit tests (no test framework dependency).
+#pragma once
+#include <cstdio>
+#include <cstdlib>
+
+inline int g_failures = 0;
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                            \
+    }                                                                          \
+  } while (0)
+#define TEST_MAIN_END                                                          \
+  if (g_failures) std::fprintf(stderr, "%d check(s) failed\n", g_failures);    \
+  return g_failures ? 1 : 0;

@@ -1,0 +1,70 @@
+// Send plan, dispatch layout, m-tiles and tile orders on random worlds.
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "comet/layout.h"
+#include "comet/tile_order.h"
+
+using namespace comet;
+
+int main() {
+  std::mt19937 rng(1);
+  for (int iter = 0; iter < 500; ++iter) {
+    const int32_t W = 1 + rng() % 8, el = 1 + rng() % 3, E = W * el, k = 1 + rng() % 4;
+    std::vector<std::vector<int32_t>> ids(W), bucket(W), slot(W), pos(W);
+    std::vector<int64_t> tokens(W);
+    for (int32_t s = 0; s < W; ++s) {
+      tokens[s] = rng() % 10;
+      ids[s].resize(size_t(tokens[s] * k));
+      for (auto& v : ids[s]) v = int32_t(rng() % (E + 1)) - 1;
+      bucket[s].resize(size_t(E) + 1);
+      slot[s].resize(ids[s].size());
+      pos[s].resize(ids[s].size());
+      std::vector<int32_t> fill(static_cast<size_t>(E));
+      const int64_t rows = build_send_plan(ids[s].data(), tokens[s], k, E, bucket[s].data(),
+                                           slot[s].data(), pos[s].data(), fill.data());
+      CHECK(rows == std::count_if(ids[s].begin(), ids[s].end(), [](int32_t v) { return v >= 0; }));
+    }
+    for (int32_t d = 0; d < W; ++d) {
+      std::vector<int32_t> rc(size_t(W) * el);
+      for (int32_t s = 0; s < W; ++s)
+        for (int32_t e = 0; e < el; ++e) rc[s * el + e] = bucket[s][d * el + e + 1] - bucket[s][d * el + e];
+      std::vector<int64_t> eo(size_t(el) + 1), so(size_t(el) * (W + 1));
+      const int64_t M = build_dispatch_layout(rc.data(), d, W, el, eo.data(), so.data());
+      // every row exactly once, and rows of one (expert, source) contiguous in ring order
+      std::vector<int> seen(static_cast<size_t>(M), 0);
+      for (int32_t s = 0; s < W; ++s)
+        for (size_t i = 0; i < ids[s].size(); ++i) {
+          const int32_t e = ids[s][i];
+          if (e < 0 || e / el != d) continue;
+          const int64_t row = dispatch_row(so.data(), W, d, s, e % el, pos[s][i]);
+          CHECK(row >= eo[e % el] && row < eo[e % el + 1]);
+          CHECK(row_origin(so.data(), W, e % el, row).ring_pos == ring_position(d, s, W));
+          ++seen[size_t(row)];
+        }
+      CHECK(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
+      // tile orders
+      const int32_t tm = 1 + rng() % 5, nt = 1 + rng() % 3;
+      const int64_t mt = count_mtiles(eo.data(), el, tm);
+      std::vector<MTile> tiles(static_cast<size_t>(mt));
+      build_mtiles(eo.data(), el, tm, tiles.data());
+      std::vector<int64_t> order(static_cast<size_t>(mt)), scratch(size_t(W) + 1);
+      layer0_mtile_order(tiles.data(), mt, so.data(), W, order.data(), scratch.data());
+      int32_t last = 0;
+      std::vector<int> visits(size_t(mt * nt), 0);
+      for (int64_t i = 0; i < mt * nt; ++i) {
+        TileCoord tc = layer0_tile(i, order.data(), nt);
+        const int32_t dist = mtile_ring_distance(tiles[size_t(tc.mtile)], so.data(), W);
+        CHECK(dist >= last);  // local-only tiles first, then ring distance 1, 2, ...
+        last = dist;
+        ++visits[size_t(tc.mtile * nt + tc.ntile)];
+        TileCoord c1 = layer1_tile(i, mt);
+        CHECK(c1.ntile == i / mt && c1.mtile == i % mt);  // column-major
+      }
+      CHECK(std::all_of(visits.begin(), visits.end(), [](int v) { return v == 1; }));
+    }
+  }
+  TEST_MAIN_END
+}

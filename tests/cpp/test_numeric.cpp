@@ -1,0 +1,36 @@
+// fp32 <-> bf16/fp16 conversions of the engine (csrc/include/comet/numeric.h).
+#include <cmath>
+#include <cstring>
+
+#include "check.h"
+#include "comet/numeric.h"
+
+using namespace comet;
+
+int main() {
+  CHECK(float_to_bf16(1.0f) == 0x3f80);
+  CHECK(float_to_f16(1.0f) == 0x3c00);
+  CHECK(float_to_f16(65504.0f) == 0x7bff);
+  CHECK(float_to_f16(70000.0f) == 0x7c00);   // overflow -> inf
+  CHECK(float_to_f16(-2.0f) == 0xc000);
+  CHECK(float_to_f16(5.9604645e-8f) == 0x0001);  // smallest subnormal
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+  CHECK(std::isnan(f16_to_float(float_to_f16(NAN))));
+  // Round to nearest even: 1 + 2^-8 is halfway between two bf16 values, ties to even (1.0).
+  CHECK(float_to_bf16(1.0f + 1.0f / 256) == 0x3f80);
+  CHECK(float_to_bf16(1.0f + 3.0f / 256) == 0x3f82);
+  // Every fp16 value round-trips exactly through float.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t b = uint16_t(h);
+    const float f = f16_to_float(b);
+    if (std::isnan(f)) continue;
+    CHECK(float_to_f16(f) == b);
+  }
+  // Every bf16 value too.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = bf16_to_float(uint16_t(h));
+    if (std::isnan(f)) continue;
+    CHECK(float_to_bf16(f) == uint16_t(h));
+  }
+  TEST_MAIN_END
+}

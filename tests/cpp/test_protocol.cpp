@@ -1,0 +1,74 @@
+// The readiness protocol: self-resetting arrival counters under real concurrency, and the symmetric
+// heap's per-call handshake (metadata agreement, verdict on disagreement, data segment growth)
+// across ranks run as threads.
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "comet/flags.h"
+#include "cpu/symm_heap.h"
+
+using namespace comet;
+
+static void arrivals() {
+  constexpr int kThreads = 4, kRounds = 2000;
+  uint32_t counter = 0;
+  uint64_t flag = 0;
+  std::atomic<int> publishers{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t)
+    ts.emplace_back([&] {
+      for (int r = 1; r <= kRounds; ++r) {
+        // wait for the previous round to be published before arriving again (as the next call
+        // of a kernel starts only after the previous one ended)
+        while (flag_acquire(&flag) < uint64_t(r - 1)) std::this_thread::yield();
+        if (arrive_and_publish(&counter, kThreads, &flag, uint64_t(r))) ++publishers;
+      }
+    });
+  for (auto& t : ts) t.join();
+  CHECK(publishers.load() == kRounds);  // exactly one publisher per round
+  CHECK(flag == kRounds);
+  CHECK(counter == 0);
+}
+
+static void heap_handshake() {
+  constexpr int W = 3;
+  const std::string job = "ctest" + std::to_string(::getpid());
+  std::vector<std::unique_ptr<cpu::SymmHeap>> heaps;
+  for (int r = 0; r < W; ++r) heaps.push_back(std::make_unique<cpu::SymmHeap>(r, W, job, 7, 10.0));
+  for (auto& h : heaps) h->connect();
+  for (auto& h : heaps) h->unlink_own();
+  std::vector<std::string> verdicts(W);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < W; ++r)
+    ts.emplace_back([&, r] {
+      for (int call = 0; call < 50; ++call) {
+        CallMeta m{};
+        m.world = W;
+        m.group_hash = 7;
+        m.num_experts = 6;
+        m.topk = 2;
+        m.hidden = (call == 10 && r == 2) ? 9 : 8;  // one call where rank 2 disagrees
+        m.tokens = r + call;
+        const uint64_t e = heaps[r]->begin_call(m);
+        CHECK(e == uint64_t(call + 1));
+        const std::string v = heaps[r]->verdict("test");
+        if (call == 10) verdicts[r] = v;
+        else CHECK(v.empty());
+        heaps[r]->reserve(size_t(1000) * (call + 1));  // grows every call, collectively
+        char* mine = heaps[r]->data(r);
+        mine[0] = char(r + call);
+        heaps[r]->end_call(e);
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < W; ++r) CHECK(verdicts[r].find("disagree on the hidden size") != std::string::npos);
+}
+
+int main() {
+  arrivals();
+  heap_handshake();
+  TEST_MAIN_END
+}
