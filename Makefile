@@ -1,0 +1,54 @@
+# Two commands (see README):
+#   make demo   set up .venv and run the main job (a 4-rank Mixtral-shaped MoE layer through comet's ops)
+#   make test   set up .venv and run the whole test suite (C++ unit tests + pytest)
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+export CUDA_HOME ?= /usr/local/cuda
+export MAX_JOBS ?= 2
+
+# torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0 compiles the kernels against it, it runs on CPU too),
+# the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests.
+DEPS := torch==2.14.1 numpy ninja pybind11 pytest hypothesis nvidia-cutlass==4.2.0.0 \
+        nvidia-nvshmem-cu13==3.4.5 matplotlib
+
+.PHONY: setup build demo test test-cpp test-py test-gpu cuda-check bench clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(DEPS)
+	touch $@
+
+# Builds comet._C in place (incremental with ninja): the CPU backend always, the CUDA kernels when
+# nvcc is present (COMET_CUDA=0 skips them).
+build: $(VENV)/.deps
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+setup: build
+
+demo: setup
+	$(PY) -m comet.demo --world 4
+
+test-cpp:
+	cmake -S . -B cbuild -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+	cmake --build cbuild -j2
+	ctest --test-dir cbuild --output-on-failure
+
+test-py: setup
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+test: test-cpp test-py
+
+# GPU tests: skip without a GPU; on a machine with N GPUs: make test-gpu NGPU=N
+NGPU ?= 1
+test-gpu: setup
+	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q
+
+bench: setup
+	$(PY) bench/moe_layer.py
+	$(PY) bench/sweep_ncomm.py
+
+clean:
+	rm -rf build cbuild comet/_C*.so *.egg-info

@@ -1,0 +1,162 @@
+"""The main job: a Mixtral-shaped MoE layer (scaled down to fit a CPU) on W ranks through
+torch.ops.comet.moe_layer0 -> SwiGLU -> moe_layer1, checked against the pure-torch reference
+(torch.distributed all-to-all form), with the error and time per layer printed.
+
+    python -m comet.demo [--world 4] [--tokens 256] [--scale 16] [--dtype bf16] [--iters 3]
+
+Without a GPU it runs the CPU backend: W processes joined by torch.distributed (gloo on
+127.0.0.1), tokens exchanged through comet's shared-memory symmetric heap.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+MIXTRAL = dict(hidden=4096, ffn=14336, experts=8, topk=2)  # ../shared/ANCHORS.md
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def log(rank, msg):
+    if rank == 0:
+        print(f"[comet.demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _rank_main(rank, world, port, args, queue):
+    try:
+        queue.put((rank, _run(rank, world, port, args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+        queue.put((rank, {"error": f"{e!r}\n{traceback.format_exc()}"}))
+
+
+def _run(rank, world, port, args):
+    import torch.distributed as dist
+
+    import comet
+    from comet import reference as ref
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dtype = DTYPES[args.dtype]
+    H = MIXTRAL["hidden"] // args.scale
+    F = MIXTRAL["ffn"] // args.scale
+    E, k = MIXTRAL["experts"], MIXTRAL["topk"]
+    if E % world:
+        raise SystemExit(f"--world {world} must divide Mixtral's {E} experts")
+    el = E // world
+    g = torch.Generator().manual_seed(1234 + rank)
+    T = args.tokens + (rank * 17) % 31  # uneven token counts, as a real batch would have
+    x = torch.randn(T, H, generator=g).to(dtype)
+    router = torch.randn(H, E, generator=g) / H ** 0.5
+    topk_weights, topk_ids = ref.route(x.float() @ router, k, renormalize=True)
+    w0 = (torch.randn(el, 2 * F, H, generator=g) / H ** 0.5).to(dtype)   # gated: [gate; up]
+    w1 = (torch.randn(el, H, F, generator=g) / F ** 0.5).to(dtype)
+    log(rank, f"{world} ranks, H={H} ffn={F} (Mixtral / {args.scale}), E={E}, topk={k}, "
+              f"~{args.tokens} tokens/rank, {args.dtype}")
+
+    buf = comet.buffer_for()
+    times0, times1 = [], []
+    for it in range(args.iters + 1):  # the first iteration warms up (buffer growth, page faults)
+        dist.barrier()
+        t0 = time.perf_counter()
+        y0, layout = comet.moe_layer0(x, w0, topk_ids, num_experts=E, buffer=buf)
+        t1 = time.perf_counter()
+        h = ref.swiglu(y0)
+        t2 = time.perf_counter()
+        out = comet.moe_layer1(h, w1, topk_weights, layout, buffer=buf)
+        t3 = time.perf_counter()
+        if it:
+            times0.append(t1 - t0)
+            times1.append(t3 - t2)
+        log(rank, f"iteration {it}/{args.iters}{' (warm-up)' if it == 0 else ''}: "
+                  f"layer0 {1e3 * (t1 - t0):.1f} ms, layer1 {1e3 * (t3 - t2):.1f} ms")
+
+    log(rank, "checking against the reference (torch.distributed all_to_all_single)")
+    y0_ref = ref.layer0_dist(x, w0, topk_ids, E)
+    out_ref = ref.layer1_dist(h, w1, topk_weights, topk_ids, E)
+    moe_ref = ref.moe_dist(x, w0, w1, topk_ids, topk_weights, E)
+    err = lambda a, b: float((a.float() - b.float()).abs().max()) if a.numel() else 0.0  # noqa: E731
+    tol = TOL[dtype]
+    close = all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+                for a, b in ((y0, y0_ref), (out, out_ref), (out, moe_ref)))
+    return dict(tokens=T, close=close, rows=int(y0.shape[0]), err_layer0=err(y0, y0_ref),
+                err_layer1=err(out, out_ref), err_moe=err(out, moe_ref),
+                ms_layer0=1e3 * statistics.median(times0), ms_layer1=1e3 * statistics.median(times1),
+                scale=float(out_ref.float().abs().max()) if out_ref.numel() else 0.0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per rank (uneven around this)")
+    p.add_argument("--scale", type=int, default=16, help="divide Mixtral's hidden/ffn sizes by this")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args, queue), daemon=True)
+             for r in range(args.world)]
+    for pr in procs:
+        pr.start()
+    results, deadline = {}, time.monotonic() + args.timeout
+    try:
+        while len(results) < args.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SystemExit(f"comet.demo: timed out after {args.timeout} s")
+            try:
+                rank, res = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty
+                dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"comet.demo: rank(s) {dead} died") from None
+                continue
+            if "error" in res:
+                raise SystemExit(f"comet.demo: rank {rank} failed:\n{res['error']}")
+            results[rank] = res
+    finally:
+        for pr in procs:
+            pr.join(timeout=10)
+            if pr.is_alive():
+                pr.kill()
+
+    tol = TOL[DTYPES[args.dtype]]
+    backend = "CPU backend" + ("" if torch.cuda.is_available() else " (no GPU here)")
+    print(f"comet.demo: Mixtral-8x7B layer / {args.scale}, {args.world} ranks, {args.dtype}, {backend}")
+    print(f"{'rank':>4} {'tokens':>6} {'rows':>5} {'layer0 ms':>10} {'layer1 ms':>10} "
+          f"{'err layer0':>11} {'err layer1':>11} {'err moe':>10}")
+    for r in range(args.world):
+        d = results[r]
+        print(f"{r:>4} {d['tokens']:>6} {d['rows']:>5} {d['ms_layer0']:>10.1f} {d['ms_layer1']:>10.1f} "
+              f"{d['err_layer0']:>11.2e} {d['err_layer1']:>11.2e} {d['err_moe']:>10.2e}")
+    worst = max(max(d["err_layer0"], d["err_layer1"], d["err_moe"]) for d in results.values())
+    ok = all(d["close"] for d in results.values())
+    print(f"max abs error {worst:.3e}; within atol=rtol={tol:g} for {args.dtype} on every rank: "
+          f"{'OK' if ok else 'FAILED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), results=results, max_error=worst, ok=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
