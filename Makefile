@@ -10,7 +10,7 @@ export MAX_JOBS ?= 2
 
 # torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0 compiles the kernels against it, it runs on CPU too),
 # the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests.
-DEPS := torch==2.14.1 numpy ninja pybind11 pytest hypothesis nvidia-cutlass==4.2.0.0 \
+DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
         nvidia-nvshmem-cu13==3.4.5 matplotlib
 
 .PHONY: setup build demo test test-cpp test-py test-gpu cuda-check bench clean
