@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import pathlib
 import random
-import sys
-import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 
-def _import_pure(*names):
-    """Import pure-Python comet modules even when the compiled extension is not built.
-
-    comet/__init__.py loads comet._C; where that fails, a bare package object stands in for
-    ``comet`` while these modules load (they need nothing else) and is removed afterwards, so
-    other tests still see the real import error.
-    """
-    try:
-        importlib.import_module("comet")
-    except ImportError:
-        stub = types.ModuleType("comet")
-        stub.__path__ = [str(pathlib.Path(__file__).resolve().parents[1] / "comet")]
-        sys.modules["comet"] = stub
-        try:
-            return [importlib.import_module(f"comet.{n}") for n in names]
-        finally:
-            if sys.modules.get("comet") is stub:
-                del sys.modules["comet"]
-    return [importlib.import_module(f"comet.{n}") for n in names]
-
-
-(pm,) = _import_pure("perfmodel")
+from comet import perfmodel as pm  # noqa: E402
 
 PRESETS = {  # H, ffn, E, k (ANCHORS.md), gated FFN: N0 = 2 * ffn, N1 = ffn
     "mixtral": (4096, 14336, 8, 2),

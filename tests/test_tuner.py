@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import math
@@ -20,28 +19,9 @@ from hypothesis import strategies as st
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _import_pure(*names):
-    """Import pure-Python comet modules even when the compiled extension is not built.
-
-    comet/__init__.py loads comet._C; where that fails, a bare package object stands in for
-    ``comet`` while these modules load (they need nothing else) and is removed afterwards, so
-    other tests still see the real import error.
-    """
-    try:
-        importlib.import_module("comet")
-    except ImportError:
-        stub = types.ModuleType("comet")
-        stub.__path__ = [str(ROOT / "comet")]
-        sys.modules["comet"] = stub
-        try:
-            return [importlib.import_module(f"comet.{n}") for n in names]
-        finally:
-            if sys.modules.get("comet") is stub:
-                del sys.modules["comet"]
-    return [importlib.import_module(f"comet.{n}") for n in names]
-
-
-pm, tn, cli = _import_pure("perfmodel", "tuner", "tune")
+from comet import perfmodel as pm  # noqa: E402
+from comet import tuner as tn  # noqa: E402
+from comet import tune as cli  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from tests.dist_utils import run_ranks
@@ -361,11 +341,6 @@ def test_tune_agrees_across_two_gloo_ranks(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 # Runs comet.tune as __main__ with a stand-in package when comet/__init__ cannot import (no build).
-_STUB_LAUNCH = (
-    "import sys, types, runpy; s = types.ModuleType('comet'); s.__path__ = [sys.argv.pop(1)]; "
-    "sys.modules['comet'] = s; sys.argv[0] = 'comet.tune'; "
-    "runpy.run_module('comet.tune', run_name='__main__', alter_sys=True)"
-)
 
 
 def _run_cli(args, tmp_path):
@@ -375,11 +350,6 @@ def _run_cli(args, tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "comet.tune", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
-    if p.returncode != 0 and "comet._C" in p.stderr:
-        # the package itself does not import without its compiled extension: run the same
-        # module through a stand-in package (the CLI needs nothing compiled)
-        cmd = [sys.executable, "-c", _STUB_LAUNCH, str(ROOT / "comet"), *args]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     return p
 
 
