@@ -55,11 +55,12 @@ def test_matches_reference(case, dtype):
 @pytest.mark.parametrize("n_comm,n_gemm,tile", [(1, 1, (4, 4)), (2, 3, (8, 16)), (3, 2, (5, 7)),
                                                 (3, 1, (64, 64))])
 @pytest.mark.parametrize("case", [c for c in CASES if c.world in (3, 4)][:6] + [E6_ON_3], ids=str)
-def test_block_counts_and_tiles_bitwise_equal(case, n_comm, n_gemm, tile):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_counts_and_tiles_bitwise_equal(case, n_comm, n_gemm, tile, dtype):
     """Any split and tile shape gives the same bits as the baseline (fixed reduction order)."""
-    base, inputs = run_layers(case, torch.bfloat16, 1, 1, (8, 8))
-    other, _ = run_layers(case, torch.bfloat16, n_comm, n_gemm, tile, inputs=inputs)
-    check_against_reference(case, torch.bfloat16, other, inputs)
+    base, inputs = run_layers(case, dtype, 1, 1, (8, 8))
+    other, _ = run_layers(case, dtype, n_comm, n_gemm, tile, inputs=inputs)
+    check_against_reference(case, dtype, other, inputs)
     for a, b in zip(base, other):
         assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3])
 
