@@ -9,9 +9,10 @@ export CUDA_HOME ?= /usr/local/cuda
 export MAX_JOBS ?= 2
 
 # torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0 compiles the kernels against it, it runs on CPU too),
-# the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests.
+# the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests,
+# matplotlib for the benchmark plots, megatron-core (newest for Python 3.11) for comet.megatron.
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
-        nvidia-nvshmem-cu13==3.4.5 matplotlib
+        nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1
 
 .PHONY: setup build demo test test-cpp test-py test-gpu cuda-check bench clean
 

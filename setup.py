@@ -4,6 +4,7 @@ No GPU is needed to build. See ../shared/TOOLCHAIN.md for why each flag is here.
 import glob
 import os
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils import cpp_extension
@@ -32,6 +33,7 @@ include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
 
 if want_cuda():
+    sys.path.insert(0, ROOT)  # comet_build.py sits beside this file (not on sys.path under pip)
     from comet_build import cuda_extension  # build logic for the CUDA part lives beside this file
 
     ext = cuda_extension(ROOT, sources, include_dirs, cxx_flags)
@@ -47,7 +49,8 @@ setup(
     packages=find_packages(include=["comet", "comet.*"]),
     python_requires=">=3.11",
     install_requires=["torch==2.14.1", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
+                    "megatron": ["megatron-core==0.16.1"], "bench": ["matplotlib"]},
     ext_modules=[ext],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

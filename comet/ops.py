@@ -5,9 +5,11 @@ and is exchanged between ranks, so a bad input on one rank raises on every rank.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
+from comet import perfmodel as pm
 from comet import symm
 from comet._native import _C  # noqa: F401  (registers the ops)
 
@@ -77,10 +79,161 @@ def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_exper
     return h.new_empty(topk_ids.shape[0], w1.shape[1])
 
 
-def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None):
-    """(n_comm, n_gemm, tile_m, tile_n) for a call; explicit arguments win."""
-    tile_m, tile_n = tile or CPU_TILE
-    return (1 if n_comm is None else int(n_comm)), 1, int(tile_m), int(tile_n)
+# -- Launch configuration: the tuner's choice unless the caller says otherwise ---------------------
+#
+# Key: (arch, blocks, dtype, layer, W, E, k, H, N, token bucket), see comet.tuner.TuneKey.
+# * arch/blocks: the CUDA device's model name as comet.tuner.detect_device spells it and its SM
+#   count; on the CPU "cpu" and the per-rank thread budget ($COMET_CPU_BLOCKS, else
+#   max(2, cores // W): the ranks of a group share one host's cores). n_gemm: 0 on the GPU (every
+#   SM not used for comm), blocks - n_comm (at least 1) on the CPU.
+# * W, E, k, H, N, dtype: the op checks that every rank agrees on them.
+# * token bucket: the power of two >= the local token count T, or >= the count given to
+#   set_tuning_tokens(). Ranks whose T fall into different buckets may pick different configs.
+#   That is safe here: n_comm, n_gemm and the tile only shape a rank's own blocks and its own
+#   readiness flags (layer0 M-tiles, layer1 N-tile columns); what crosses ranks (token rows pulled
+#   from a peer's input, partial rows written into the home rank's receive buffer, one arrival
+#   flag per rank) does not depend on them (and on the CPU backend results are bitwise the same
+#   for any split and tile, see tests/test_ops_sim.py). It only costs speed (a collective runs at
+#   its slowest rank). Should a protocol signal per tile across ranks (e.g. NVSHMEM puts with
+#   per-tile signals between nodes), tiles must agree: set_tuning_tokens(T_max) with the same value
+#   on every rank takes T out of the key, so every rank looks up the same entry.
+# Cost: a few microseconds per call. The answer is memoised per shape here and reused while the
+# process-wide Tuner still memoises it (its tune/store/clear drop that); under torch.compile it is
+# taken at trace time (a constant of the graph; with dynamic shapes one graph per token bucket).
+
+_tuning_tokens: int | None = None
+_launch_memo: dict = {}
+_cuda_arch: dict = {}
+_cores: list = []
+
+
+def _cpu_cores() -> int:
+    if not _cores:  # os.cpu_count() costs microseconds: once per process
+        _cores.append(os.cpu_count() or 2)
+    return _cores[0]
+
+
+def set_tuning_tokens(tokens: int | None) -> None:
+    """Make the tuner's token bucket rank-independent: pick configs for `tokens` tokens per rank
+    (e.g. the batch's maximum; the same value on every rank) instead of each rank's own count.
+    None (the default) goes back to the local count."""
+    global _tuning_tokens
+    _tuning_tokens = None if tokens is None else max(0, int(tokens))
+
+
+def _token_bucket(t) -> int:
+    # Comparisons only, so a symbolic T under torch.compile guards on its bucket, not its value.
+    b = 1
+    while b < t:
+        b *= 2
+    return b
+
+
+def _static_int(v) -> int:
+    """v as a Python int; a symbolic size under torch.compile(dynamic=True) is specialised by
+    comparisons (int() would stay symbolic there)."""
+    if not torch.compiler.is_compiling():
+        return int(v)
+    lo, hi = 0, 1 << 31
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if v <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@torch.compiler.assume_constant_result
+def launch_choice(device_type: str, device_index, layer: int, world: int, num_experts: int,
+                  topk: int, hidden: int, n: int, token_bucket: int, dtype: str,
+                  n_comm=None, tile=None):
+    """(n_comm, n_gemm, tile_m, tile_n, source) that launch_config returns; source is the tuner's
+    ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were given,
+    or "fallback" when the shape is not one the tuner handles (the op's checks then report it)."""
+    from comet import tuner as tn
+
+    cpu = device_type != "cuda"
+    if cpu:
+        env = os.environ.get("COMET_CPU_BLOCKS", "")
+        blocks = int(env) if env.isdigit() and int(env) >= 2 else \
+            max(2, _cpu_cores() // max(1, world))
+        arch = "cpu"
+    else:
+        idx = torch.cuda.current_device() if device_index is None else int(device_index)
+        if idx not in _cuda_arch:
+            name = torch.cuda.get_device_name(idx)
+            sms = torch.cuda.get_device_properties(idx).multi_processor_count
+            _cuda_arch[idx] = (pm.spec_from_device_name(name) or tn._norm_arch(name), int(sms))
+        arch, blocks = _cuda_arch[idx]
+
+    def done(nc, tl, source):
+        nc = int(nc)
+        return nc, (max(1, blocks - nc) if cpu else 0), int(tl[0]), int(tl[1]), source
+
+    if n_comm is not None and tile is not None:
+        return done(n_comm, tile, "explicit")
+    default_tile = CPU_TILE if cpu else pm.DEFAULT_TILE
+    tuner = tn.default_tuner()
+    raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
+           tile)
+    hit = _launch_memo.get(raw)
+    # Valid while the tuner still memoises the same answer (tune/store/clear drop its memo).
+    if hit is not None and hit[1] is tuner and hit[2] in getattr(tuner, "_memo", ()):
+        return hit[0]
+    try:
+        key = tn.TuneKey(arch, blocks, dtype, world, num_experts, topk, hidden, n, token_bucket,
+                         layer)
+        cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
+    except Exception:  # noqa: BLE001 - never fail here: bad inputs are reported by the op itself
+        nc = 1 if cpu else max(1, round(0.2 * blocks))
+        return done(nc if n_comm is None else n_comm, tile or default_tile, "fallback")
+    if n_comm is not None:
+        source = "explicit n_comm"
+    elif tile is not None:
+        source += ", explicit tile"
+    result = done(cfg.n_comm if n_comm is None else n_comm, tile or cfg.tile, source)
+    _launch_memo[raw] = (result, tuner, (key, None, None, None, tuple(tile or default_tile)))
+    return result
+
+
+def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
+                  layer: int, world: int, num_experts: int, x, w, topk_ids):
+    """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
+    (comet.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
+
+    layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1];
+    topk_ids [T, k]. Malformed inputs get a fallback config (the op's checks report them).
+    """
+    if n_comm is not None and tile is not None:
+        return launch_choice(device.type, device.index, layer, world, 0, 0, 0, 0, 0, "",
+                             int(n_comm), (int(tile[0]), int(tile[1])))[:4]
+    shaped = topk_ids.dim() == 2 and x.dim() == 2 and w.dim() == 3
+    tokens = topk_ids.shape[0] if shaped else 0
+    if _tuning_tokens is not None:
+        tokens = _tuning_tokens
+    # Under torch.compile with dynamic shapes this specialises on H, N and k (fixed per model),
+    # while the token count only guards on its bucket.
+    hidden, n = ((x.shape[1], w.shape[1]) if layer == 0 else (w.shape[1], w.shape[2])) \
+        if shaped else (0, 0)
+    return launch_choice(device.type, device.index, layer, int(world), int(num_experts),
+                         _static_int(topk_ids.shape[1]) if shaped else 0, _static_int(hidden),
+                         _static_int(n), _token_bucket(tokens),
+                         str(x.dtype).replace("torch.", ""),
+                         None if n_comm is None else int(n_comm),
+                         None if tile is None else (int(tile[0]), int(tile[1])))[:4]
+
+
+def _buffer_for(buffer, group, t):
+    """The explicit buffer, else the group's buffer of the backend t lives on (CUDA tensors: the
+    NVSHMEM one of comet.symm_cuda when this build has CUDA kernels)."""
+    if buffer is not None:
+        return buffer
+    if isinstance(t, torch.Tensor) and t.device.type == "cuda" and _C.with_cuda:
+        from comet import symm_cuda
+
+        return symm_cuda.buffer_for(group, t.device)
+    return symm.buffer_for(group)
 
 
 def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -103,9 +256,10 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, group=None, n_comm: int | N
     x [T, H], w0 [E_local, N0, H], topk_ids [T, k] (int32/int64, -1 = dropped slot).
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
-    buf = buffer or symm.buffer_for(group)
+    buf = _buffer_for(buffer, group, x)
     device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids})
-    cfg = launch_config(device, n_comm, tile)
+    cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
+                        x=x, w=w0, topk_ids=topk_ids)
     y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
         x, w0, topk_ids, int(num_experts), buf.handle, *cfg)
     return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl)
@@ -118,11 +272,24 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, group=None, n_comm: int |
     h [M, N1] in `layout`'s dispatch layout, w1 [E_local, H, N1], topk_weights [T, k] (float32 or
     h's dtype). Returns out [T, H] on every rank for its own tokens.
     """
-    buf = buffer or symm.buffer_for(group)
+    buf = _buffer_for(buffer, group, h)
     if buf.handle != layout.buffer:
         buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
     device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
                                    "topk_ids": layout.topk_ids})
-    cfg = launch_config(device, n_comm, tile)
+    cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
+                        num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *cfg)
+
+
+# Backward formulas of both ops (torch.library.register_autograd), so the ops and these wrappers
+# are differentiable; imported last because comet.autograd builds on the definitions above.
+from comet import autograd as _autograd  # noqa: E402,F401
+
+
+# The autotuner's profiling hooks (comet.tuner.PROFILERS) measure these ops: registered here, so
+# that they exist exactly when the compiled ops do.
+from comet import profiling as _profiling  # noqa: E402
+
+_profiling.register()

@@ -1,0 +1,242 @@
+"""Comet's fused ops inside megatron-core's MoE layer (optional: needs megatron-core, e.g.
+``pip install megatron-core==0.16.1``).
+
+``CometMoELayer`` is a ``megatron.core.transformer.moe.moe_layer.MoELayer`` that keeps everything
+Megatron's layer owns -- the router (TopKRouter with its score function, group-limited routing,
+token dropping, aux/z losses, expert bias), the expert modules and their parameters (so state
+dicts and checkpoints are unchanged), shared experts -- and replaces only the data path:
+
+    Megatron                         CometMoELayer
+    route                            route (Megatron's router: probs [T, E], routing_map [T, E])
+    preprocess  (permute 1)          routing_map/probs -> topk_ids [T, k] (-1 = dropped), weights
+    dispatch    (all-to-all)         comet.moe_layer0: dispatch fused with the fc1 GEMM
+    routed_experts_compute           the activation (GLU / SwiGLU, clamp and offset as configured)
+    combine     (all-to-all)         comet.moe_layer1: fc2 GEMM + weighted top-k reduce + combine
+    postprocess (unpermute)          reshape, + shared experts
+
+The probabilities are applied in layer1's fp32 reduce (Megatron's experts apply them after the
+activation, before fc2: the same function, fc2 being linear and bias-free). Gradients flow to the
+router through the weights (comet.autograd), so the aux-loss and z-loss machinery attached to
+Megatron's probs keeps working.
+
+Expert weights are read from Megatron's own expert module on every forward, whichever it is:
+SequentialMLP (local_experts[i].linear_fc1/fc2.weight), GroupedMLP (weight1/weight2 in
+Megatron's grouped-GEMM layout) or TEGroupedMLP (linear_fc1/fc2.weight{i}); a checkpoint of
+Megatron's layer loads unchanged.
+
+``comet_moe_spec(spec)`` switches a layer or block spec (e.g. from get_gpt_layer_local_spec,
+get_gpt_layer_with_transformer_engine_spec or get_gpt_decoder_block_spec) to CometMoELayer, so a
+GPTModel built from it uses Comet in every MoE layer.
+
+Deferred weight gradients: with ``delay_wgrad=True`` (default: config.delay_wgrad_compute) the
+expert weight gradients of a backward are recorded and applied by ``backward_dw()``, as Megatron's
+schedules expect (comet.autograd.defer_weight_grads).
+
+Not supported (rejected at construction): expert tensor parallelism > 1, attention tensor
+parallelism > 1, MoE latent projections, padding expert inputs to capacity, router padding for
+quantization, FP8/FP4, shared-expert overlap with the dispatcher, biases in the experts, probs
+applied on the input.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+import comet
+from comet import autograd as cag
+
+__all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
+
+
+def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
+    """Megatron's router output -> comet's routing.
+
+    probs [T, E] (router probabilities, zero off the routing map), routing_map [T, E] bool ->
+    (topk_ids int64 [T, topk], topk_weights [T, topk] in probs' dtype). A token's selected experts
+    come in ascending id order; slots beyond its selected count (tokens dropped by capacity) are
+    -1 with weight 0. The weights are gathered from probs, so gradients reach the router."""
+    k = min(int(topk), routing_map.shape[1])
+    selected, ids = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)
+    ids, valid = ids[:, :k], selected[:, :k] > 0
+    weights = probs.gather(1, ids)
+    weights = torch.where(valid, weights, torch.zeros_like(weights))
+    ids = torch.where(valid, ids, torch.full_like(ids, -1))
+    return ids, weights
+
+
+def expert_weights(experts, num_local_experts: int, hidden_size: int):
+    """(w0 [E_local, N0, H], w1 [E_local, H, N1]) in comet's layout from Megatron's expert module:
+    differentiable views/stacks of its parameters (gradients land on them)."""
+    el = num_local_experts
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        w0 = torch.stack([e.linear_fc1.weight for e in experts.local_experts])
+        w1 = torch.stack([e.linear_fc2.weight for e in experts.local_experts])
+    elif hasattr(experts, "weight1") and hasattr(experts, "weight2"):  # GroupedMLP (grouped_gemm)
+        w0 = experts.weight1.view(el, hidden_size, -1).transpose(1, 2)
+        w1 = experts.weight2.view(el, -1, hidden_size).transpose(1, 2)
+    elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):  # TEGroupedMLP
+        w0 = torch.stack([getattr(experts.linear_fc1, f"weight{i}") for i in range(el)])
+        w1 = torch.stack([getattr(experts.linear_fc2, f"weight{i}") for i in range(el)])
+    else:
+        raise TypeError(f"comet.megatron: unsupported expert module {type(experts).__name__} "
+                        "(expected SequentialMLP, GroupedMLP or TEGroupedMLP)")
+    return w0.contiguous(), w1.contiguous()
+
+
+class CometMoELayer(MoELayer):
+    """Megatron's MoELayer with dispatch / expert compute / combine on Comet's fused ops.
+
+    Extra keyword arguments: ``buffer`` (a comet.Buffer for the expert-parallel group; default:
+    comet.buffer_for(ep_group), created on first forward), ``n_comm`` / ``tile`` (launch
+    overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                 buffer=None, n_comm=None, tile=None, delay_wgrad=None):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         pg_collection=pg_collection)
+        self._check_supported()
+        self.comet_buffer = buffer
+        self.comet_launch = dict(n_comm=n_comm, tile=tile)
+        if delay_wgrad is None:
+            delay_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
+        self.wgrad_queue = cag.DeferredWeightGrads() if delay_wgrad else None
+        self._hidden_shape = None
+
+    def _check_supported(self):
+        c = self.config
+        problems = []
+        if mcore_utils.get_pg_size(self.token_dispatcher.tp_group) != 1:
+            problems.append("expert tensor parallelism (expert_tensor_parallel_size > 1)")
+        if mcore_utils.get_pg_size(self.attn_tp_group) != 1:
+            problems.append("tensor parallelism (tensor_model_parallel_size > 1)")
+        if c.moe_latent_size:
+            problems.append("moe_latent_size")
+        if c.moe_pad_expert_input_to_capacity:
+            problems.append("moe_pad_expert_input_to_capacity")
+        if c.moe_router_padding_for_quantization:
+            problems.append("moe_router_padding_for_quantization")
+        if c.fp8 or getattr(c, "fp4", None):
+            problems.append("fp8/fp4")
+        if self.use_shared_expert and self.shared_expert_overlap:
+            problems.append("moe_shared_expert_overlap")
+        if c.add_bias_linear:
+            problems.append("add_bias_linear (expert biases)")
+        if c.moe_apply_probs_on_input:
+            problems.append("moe_apply_probs_on_input")
+        if problems:
+            raise ValueError("comet.megatron.CometMoELayer does not support: " + ", ".join(problems))
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _buffer(self):
+        if self.comet_buffer is None:
+            self.comet_buffer = comet.buffer_for(self.ep_group)
+        return self.comet_buffer
+
+    def _defer(self):
+        if self.wgrad_queue is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return cag.defer_weight_grads(self.wgrad_queue)
+
+    def _expert_weights(self, dtype):
+        w0, w1 = expert_weights(self.experts, self.num_local_experts, self.config.hidden_size)
+        return w0.to(dtype), w1.to(dtype)
+
+    def _activation(self, y: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.use_te_activation_func:
+            act = getattr(self.experts, "activation_func", None)
+            if act is None:
+                act = self.experts.local_experts[0].activation_func
+            return act(y).contiguous()
+        if c.gated_linear_unit:
+            gate, linear = torch.chunk(y, 2, dim=-1)
+            if (val := c.activation_func_clamp_value) is not None:
+                gate = gate.clamp(min=None, max=val)
+                linear = linear.clamp(min=-val, max=val)
+            return (c.activation_func(gate) * (linear + c.glu_linear_offset)).contiguous()
+        return c.activation_func(y).contiguous()
+
+    # -- the MoELayer steps ----------------------------------------------------------------------
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        """Flatten the tokens and turn Megatron's routing into comet's (ids, weights)."""
+        self._hidden_shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return tokens, routing_to_topk(probs, routing_map, self.config.moe_router_topk)
+
+    def dispatch(self, hidden_states, probs):
+        """Dispatch fused with the first expert GEMM (comet.moe_layer0)."""
+        topk_ids, topk_weights = probs
+        w0, _ = self._expert_weights(hidden_states.dtype)
+        with self._defer():
+            y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
+                                          num_experts=self.config.num_moe_experts,
+                                          buffer=self._buffer(), **self.comet_launch)
+        return y0, (layout, topk_weights)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        """The activation on the dispatched rows; fc2 runs fused with the combine."""
+        layout, topk_weights = probs
+        return (self._activation(hidden_states), layout, topk_weights), None
+
+    def combine(self, output):
+        """Second expert GEMM fused with the weighted top-k reduce and the combine
+        (comet.moe_layer1); the result is already on each token's home rank."""
+        h, layout, topk_weights = output
+        _, w1 = self._expert_weights(h.dtype)
+        if topk_weights.dtype not in (torch.float32, h.dtype):
+            topk_weights = topk_weights.float()
+        with self._defer():
+            return comet.moe_layer1(h, w1, topk_weights, layout, buffer=self._buffer(),
+                                    **self.comet_launch)
+
+    def postprocess(self, output, shared_expert_output):
+        output = output.view(self._hidden_shape)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output
+
+    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
+        """Apply the deferred expert weight gradients (delay_wgrad) and, if asked, the shared
+        experts' (Megatron's own backward_dw)."""
+        if routed_experts and self.wgrad_queue is not None:
+            self.wgrad_queue.compute()
+        if shared_experts and self.use_shared_expert and not self.shared_expert_overlap:
+            self.shared_experts.backward_dw()
+
+
+def comet_moe_spec(spec):
+    """A deep copy of a Megatron module spec (a layer ModuleSpec, a block spec with layer_specs, or
+    any nesting of them) with every MoELayer replaced by CometMoELayer. Use it for the
+    transformer_layer_spec of GPTModel to run all its MoE layers on Comet."""
+    spec = copy.deepcopy(spec)
+    _swap(spec, set())
+    return spec
+
+
+def _swap(obj, seen):
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, ModuleSpec):
+        if isinstance(obj.module, type) and issubclass(obj.module, MoELayer) and \
+                not issubclass(obj.module, CometMoELayer):
+            if obj.module is not MoELayer:
+                raise TypeError(f"comet_moe_spec: {obj.module.__name__} is a customised MoELayer; "
+                                "subclass CometMoELayer instead")
+            obj.module = CometMoELayer
+        _swap(obj.submodules, seen)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _swap(item, seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _swap(getattr(obj, f.name), seen)

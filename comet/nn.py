@@ -1,0 +1,217 @@
+"""comet.nn.MoE: a plain-PyTorch expert-parallel MoE feed-forward layer on comet's fused ops.
+
+    moe = comet.nn.MoE(hidden_size=1024, ffn_hidden_size=2816, num_experts=8, topk=2)
+    out = moe(x)                 # x [..., H] -> out [..., H]; moe.aux_loss holds the last aux loss
+    loss = criterion(out, y)     # the load-balancing loss gradient is already attached to `out`
+    loss.backward()
+    comet.nn.allreduce_gradients(moe)   # replicated (router) grads: average over the group
+
+* Router: fp32 linear gate -> softmax -> top-k (optionally renormalised so a token's k weights sum
+  to 1). The router weight is replicated on every rank of the expert-parallel group.
+* Load balancing (Switch Transformer / Megatron "aux_loss"):
+  aux = coeff * E * sum_e f_e * P_e, f_e = share of this rank's routed slots that chose e,
+  P_e = mean router probability of e over this rank's tokens. Its gradient is attached to the
+  output (like Megatron's MoEAuxLossAutoScaler), so `loss.backward()` includes it; the value is in
+  `moe.aux_loss` (detached) for logging. Scale it with `MoE.aux_loss_scale` when the main loss is
+  scaled (gradient accumulation, loss scaling).
+* Experts: gated SwiGLU, `silu(x W_gate^T) * (x W_up^T) W_down^T`. Rank r of a W-rank group holds
+  experts [r*E/W, (r+1)*E/W): w0 [E/W, 2F, H] (gate rows first, then up rows) and w1 [E/W, H, F].
+  layer0 = dispatch + W0 GEMM, the SwiGLU runs on the dispatched rows, layer1 = W1 GEMM + weighted
+  top-k reduce + combine (comet.moe_layer0/1); both ops are differentiable (comet.autograd).
+* Expert parameters carry `param.comet_expert_parallel = True` (and `allreduce = False`, the flag
+  Megatron's optimizer uses): each rank owns them and their gradients already contain every rank's
+  tokens, so data-parallel gradient averaging must skip them over the expert-parallel group.
+* Initialisation is deterministic from `seed` and independent of the group size: the router is
+  identical on every rank, and global expert e is the same tensor whichever rank holds it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import comet
+from comet import symm
+
+__all__ = ["MoE", "allreduce_gradients", "load_balancing_loss", "swiglu"]
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :N/2]) * y[:, N/2:] in fp32 (fp64 for float64), returned in y's dtype."""
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+    gate, up = y.to(acc).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(y.dtype)
+
+
+def load_balancing_loss(probs: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss E * sum_e f_e * P_e (without the coefficient).
+
+    probs [T, E] router probabilities (differentiable), topk_ids [T, k] (-1 = dropped, ignored).
+    f_e = fraction of routed slots sent to e, P_e = mean probability of e. 1.0 when perfectly
+    balanced; 0 for T = 0."""
+    T, k = topk_ids.shape
+    if T == 0:
+        return probs.sum() * 0.0
+    ids = topk_ids[topk_ids >= 0]
+    counts = torch.bincount(ids, minlength=num_experts).to(probs.dtype)
+    f = counts / max(T * k, 1)
+    return num_experts * torch.sum(f * probs.mean(0))
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out`; backward also sends `scale` into the aux loss (Megatron's
+    MoEAuxLossAutoScaler), so a loss built from `out` trains the router to balance."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoE(nn.Module):
+    """Expert-parallel top-k MoE with SwiGLU experts (see the module docstring).
+
+    Args:
+        hidden_size: H. ffn_hidden_size: F (per expert; w0 has 2F rows for gate and up).
+        num_experts: E (divisible by the group size). topk: k.
+        group: the expert-parallel process group (None: the default group if torch.distributed is
+            initialised, else a world of one). buffer: a comet.Buffer to use instead (e.g. from
+            Buffer.simulated_world); it defines the group.
+        renormalize: divide each token's top-k weights by their sum.
+        aux_loss_coeff: coefficient of the load-balancing loss (0 disables it).
+        dtype: dtype of the expert weights and activations (router stays fp32).
+        n_comm, tile: launch overrides passed to the ops (default: the tuner's choice).
+        seed, init_std: deterministic initialisation (normal(0, init_std); w1 scaled by
+            1/sqrt(2 * num_layers) as in GPT-2 when num_layers is given).
+    """
+
+    aux_loss_scale: float = 1.0
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, topk: int, *,
+                 group=None, buffer: symm.Buffer | None = None, renormalize: bool = False,
+                 aux_loss_coeff: float = 1e-2, dtype: torch.dtype | None = None,
+                 device=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
+                 seed: int = 0, init_std: float = 0.02, num_layers: int | None = None):
+        super().__init__()
+        if buffer is not None:
+            rank, world = buffer.rank, buffer.world
+        elif group is not None or (dist.is_available() and dist.is_initialized()):
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            rank, world = 0, 1
+        if num_experts % world:
+            raise ValueError(f"comet.nn.MoE: num_experts={num_experts} is not divisible by the "
+                             f"expert-parallel group size {world}")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"comet.nn.MoE: topk={topk} must be in [1, num_experts={num_experts}]")
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.num_experts, self.topk = int(num_experts), int(topk)
+        self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
+        self.group, self.buffer, self.n_comm, self.tile = group, buffer, n_comm, tile
+        self.rank, self.world = rank, world
+        self.num_local_experts = num_experts // world
+        self.expert_offset = rank * self.num_local_experts
+        self.seed, self.init_std = int(seed), float(init_std)
+        self.out_std = init_std / math.sqrt(2 * num_layers) if num_layers else init_std
+        factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device,
+                                dtype=torch.float32)
+        self.w0 = nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden_size,
+                                           hidden_size, **factory))
+        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, ffn_hidden_size,
+                                           **factory))
+        for p in (self.w0, self.w1):
+            p.comet_expert_parallel = True
+            p.allreduce = False
+        self.aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g) * self.init_std)
+        for le in range(self.num_local_experts):
+            ge = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * (self.expert_offset + le) + 1)
+            self.w0[le].copy_(torch.randn(self.w0.shape[1:], generator=ge) * self.init_std)
+            self.w1[le].copy_(torch.randn(self.w1.shape[1:], generator=ge) * self.out_std)
+
+    @torch.no_grad()
+    def load_global_experts(self, w0: torch.Tensor, w1: torch.Tensor) -> None:
+        """Copy this rank's slice of global expert weights w0 [E, 2F, H], w1 [E, H, F]."""
+        sl = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
+        self.w0.copy_(w0[sl])
+        self.w1.copy_(w1[sl])
+
+    def expert_parameters(self):
+        return [self.w0, self.w1]
+
+    def replicated_parameters(self):
+        return [p for p in self.parameters() if not getattr(p, "comet_expert_parallel", False)]
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor):
+        """x [T, H] -> (topk_weights fp32 [T, k], topk_ids int64 [T, k], probs fp32 [T, E])."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.topk, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids, probs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(f"comet.nn.MoE: input has {shape[-1]} features, expected "
+                             f"hidden_size={self.hidden_size}")
+        tokens = x.reshape(-1, self.hidden_size).to(self.w0.dtype).contiguous()
+        weights, ids, probs = self.route(tokens)
+        kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
+        y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts, **kw)
+        out = comet.moe_layer1(swiglu(y0), self.w1, weights, layout, **kw)
+        self.aux_loss = None
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux = self.aux_loss_coeff * load_balancing_loss(probs, ids, self.num_experts)
+            self.aux_loss = aux.detach()
+            out = _AttachAuxLoss.apply(out, aux, float(self.aux_loss_scale))
+        return out.reshape(shape).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, topk={self.topk}, world={self.world}, "
+                f"local_experts=[{self.expert_offset}, "
+                f"{self.expert_offset + self.num_local_experts}), renormalize={self.renormalize}, "
+                f"aux_loss_coeff={self.aux_loss_coeff}")
+
+
+def allreduce_gradients(module: nn.Module, group=None) -> None:
+    """Make a module's gradients those of the mean loss over the ranks of `group` (each rank's
+    loss being the mean over its own tokens): replicated parameters (router, and anything that is
+    not an expert weight) are averaged with all_reduce; expert-parallel weights already hold every
+    rank's contribution, so they are only divided by the group size. No-op without a group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    for p in module.parameters():
+        if getattr(p, "comet_expert_parallel", False):
+            if p.grad is not None:
+                p.grad.div_(world)
+        elif p.requires_grad:
+            if p.grad is None:  # every rank must take part in the all_reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+            p.grad.div_(world)

@@ -1,0 +1,54 @@
+"""Patches that let upstream megatron-core 0.16 run its MoE layer on CPU (gloo), for the tests
+only: comet.megatron itself never needs them.
+
+What upstream assumes a GPU for, and what replaces it here:
+* MoEAlltoAllTokenDispatcher creates a class-wide torch.cuda.Stream for its device-to-host copies
+  and synchronises through it (_maybe_dtoh_and_synchronize): a placeholder stream, and a CPU
+  version that converts the split sizes to numpy as upstream does, without streams.
+* moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, a name only defined
+  when Transformer Engine imports (NameError without it): defined as None, the torch.mm path.
+* Router.gating moves a CPU router weight to torch.cuda.current_device(), and the all-to-all
+  mapping allocates its output on torch.cuda.current_device(): current_device() answers "cpu".
+* Attention forks the CUDA RNG tracker around its dropout (whose states are CUDA generator
+  states): fork() does nothing (the tests run without dropout).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_applied = False
+
+
+class _NoStream:
+    """Stands in for the dispatcher's class-wide CUDA stream (never used on CPU)."""
+
+
+def _cpu_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def apply() -> None:
+    """Install the patches (idempotent). Call before building Megatron modules."""
+    global _applied
+    if _applied:
+        return
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    mcore_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+    _applied = True

@@ -1,0 +1,209 @@
+"""comet.megatron.CometMoELayer against upstream megatron-core's own MoELayer (alltoall token
+dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weights (Megatron's
+state dict loads unchanged), same input -> same output, input gradient and every parameter
+gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
+1 rank and expert parallelism over 2 ranks; the layer-spec helper in a GPT model.
+
+Upstream needs a few CPU patches (tests/megatron_cpu_patches.py); comet.megatron needs none.
+Skipped when megatron-core is not installed."""
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.dist_utils import run_ranks
+
+H, FFN, E, K = 16, 12, 4, 2
+
+
+def _setup(ep):
+    from tests import megatron_cpu_patches
+
+    megatron_cpu_patches.apply()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep,
+                                             create_gloo_process_groups=False)
+
+
+def _config(**over):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
+              moe_router_topk=K, moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN,
+              gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+              add_bias_linear=False, moe_token_dispatcher_type="alltoall",
+              use_cpu_initialization=True, bias_activation_fusion=False,
+              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.05,
+              gradient_accumulation_fusion=False, params_dtype=torch.float32,
+              hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.4,
+              expert_model_parallel_size=torch.distributed.get_world_size())
+    kw.update(over)
+    return TransformerConfig(**kw)
+
+
+def _layers(cfg, **comet_kw):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import build_module
+
+    from comet.megatron import CometMoELayer, comet_moe_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    upstream = build_module(spec.submodules.mlp, config=cfg)
+    comet_spec = comet_moe_spec(spec).submodules.mlp
+    comet_spec.params = dict(comet_spec.params, **comet_kw)
+    ours = build_module(comet_spec, config=cfg)
+    assert type(upstream) is MoELayer and type(ours) is CometMoELayer
+    ours.load_state_dict(upstream.state_dict(), strict=True)  # the same checkpoint format
+    return upstream, ours
+
+
+def _run(layer, x, v):
+    x = x.clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    (out * v).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _compare(upstream, ours, x, v, tag, atol=2e-6, rtol=1e-5, deferred=False):
+    out_u, dx_u, grads_u = _run(upstream, x, v)
+    out_c, dx_c, grads_c = _run(ours, x, v)
+    assert not hasattr(ours.token_dispatcher, "hidden_shape"), "Megatron's dispatcher was used"
+    assert out_u.abs().max() > 0.1, "weights too small for a meaningful comparison"
+    torch.testing.assert_close(out_c, out_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} out: {m}")
+    torch.testing.assert_close(dx_c, dx_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} dx: {m}")
+    if deferred:  # expert weight gradients wait for backward_dw
+        assert all(g is None for n, g in grads_c.items() if "experts" in n), tag
+        assert grads_c["router.weight"] is not None
+        ours.backward_dw()
+        grads_c = {n: p.grad for n, p in ours.named_parameters()}
+    assert grads_c.keys() == grads_u.keys()
+    for name, g in grads_u.items():
+        torch.testing.assert_close(grads_c[name], g, atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"{tag} d{name}: {m}")
+    return float((out_c.float() - out_u.float()).abs().max() / out_u.float().abs().max())
+
+
+def _one_rank_checks(rank, world):
+    _setup(1)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 3, H, generator=g)  # [seq, batch, hidden]
+    v = torch.randn(6, 3, H, generator=g)
+    diffs = {}
+
+    upstream, ours = _layers(_config())
+    diffs["dropless"] = _compare(upstream, ours, x, v, "dropless")
+
+    # token dropping: some (token, expert) pairs leave the routing map -> -1 slots in comet
+    cfg = _config(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
+    upstream, ours = _layers(cfg)
+    with torch.no_grad():
+        _, routing_map = ours.route(x)
+    assert (routing_map.sum(1) < K).any(), "the capacity case should drop some slots"
+    diffs["capacity"] = _compare(upstream, ours, x, v, "capacity")
+
+    # renormalised sigmoid scores with a top-k scaling factor, z-loss
+    cfg = _config(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.0,
+                  moe_z_loss_coeff=1e-3)
+    upstream, ours = _layers(cfg)
+    diffs["sigmoid"] = _compare(upstream, ours, x, v, "sigmoid")
+
+    # bf16 parameters and activations, fp32 router (Megatron's moe_router_dtype)
+    upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
+                                     moe_router_dtype="fp32"))
+    diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), "bf16", atol=2e-2,
+                             rtol=2e-2)
+
+    upstream, ours = _layers(_config(), delay_wgrad=True)
+    diffs["deferred"] = _compare(upstream, ours, x, v, "deferred", deferred=True)
+
+    diffs["gpt"] = _gpt_model_check()
+    return diffs
+
+
+def _gpt_model_check():
+    """A 2-layer GPT model built from comet_moe_spec(spec): every MoE layer is a CometMoELayer,
+    and with upstream's weights its logits and gradients match upstream's model."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from comet.megatron import CometMoELayer, comet_moe_spec
+
+    cfg = _config()
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    models = []
+    for s in (spec, comet_moe_spec(spec)):
+        torch.manual_seed(3)
+        models.append(GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32,
+                               max_sequence_length=8, position_embedding_type="rope"))
+    upstream, ours = models
+    assert sum(type(m) is MoELayer for m in upstream.modules()) == 2
+    assert sum(type(m) is CometMoELayer for m in ours.modules()) == 2
+    assert not any(type(m) is MoELayer for m in ours.modules())
+    ours.load_state_dict(upstream.state_dict(), strict=True)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(5))
+    position_ids = torch.arange(8).expand(2, 8)
+    mask = torch.tril(torch.ones(1, 1, 8, 8)) < 0.5
+    outs = []
+    for m in models:
+        logits = m(tokens, position_ids, mask)
+        logits.float().square().mean().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda msg, name=name: f"gpt d{name}: {msg}")
+    return float((outs[1][0] - outs[0][0]).abs().max() / outs[0][0].abs().max())
+
+
+def test_matches_megatron_moe_layer_one_rank():
+    diffs = run_ranks(_one_rank_checks, 1, timeout=150)[0]
+    assert set(diffs) == {"dropless", "capacity", "sigmoid", "bf16", "deferred", "gpt"}
+    print(diffs)
+
+
+def _two_rank_checks(rank, world):
+    _setup(world)
+    g = torch.Generator().manual_seed(11 + rank)  # each rank its own tokens
+    x = torch.randn(5 + 2 * rank, 2, H, generator=g)
+    v = torch.randn(5 + 2 * rank, 2, H, generator=g)
+    upstream, ours = _layers(_config())
+    assert ours.num_local_experts == E // world
+    return _compare(upstream, ours, x, v, f"ep2 rank {rank}")
+
+
+def test_matches_megatron_expert_parallel_two_ranks():
+    run_ranks(_two_rank_checks, 2, timeout=150)
+
+
+def test_comet_moe_spec_replaces_only_moe_layers():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from comet.megatron import CometMoELayer, comet_moe_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    swapped = comet_moe_spec(spec)
+    assert spec.submodules.mlp.module is MoELayer  # the original is untouched
+    assert swapped.submodules.mlp.module is CometMoELayer
+    assert swapped.submodules.self_attention.module is spec.submodules.self_attention.module
+    dense = get_gpt_layer_local_spec()
+    assert comet_moe_spec(dense).submodules.mlp.module is dense.submodules.mlp.module
+
+
+def test_routing_to_topk():
+    from comet.megatron import routing_to_topk
+
+    probs = torch.tensor([[0.0, 0.6, 0.0, 0.4], [0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
+                         requires_grad=True)
+    ids, w = routing_to_topk(probs, probs.detach() > 0, 2)
+    assert ids.tolist() == [[1, 3], [0, -1], [-1, -1]]
+    p = probs.detach()
+    assert torch.equal(w, torch.stack([torch.stack([p[0, 1], p[0, 3]]), torch.stack([p[1, 0], p[2, 0]]),
+                                       torch.zeros(2)]))
+    w.sum().backward()
+    assert probs.grad.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]]
