@@ -34,7 +34,7 @@ enum class WaitSite : int32_t {
   Partials = 7,      // layer1: a peer's partial sums of our tokens
 };
 
-inline const char* wait_site_name(WaitSite s) {
+COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout messages)
   switch (s) {
     case WaitSite::PeerDone: return "peer finishing the previous call";
     case WaitSite::PeerMeta: return "peer call metadata";

@@ -1,0 +1,257 @@
+"""comet.symm's GPU backend: NVSHMEM symmetric memory for the CUDA kernels of comet's ops.
+
+One `Buffer` per expert-parallel group owns, on every rank, a header (flags and call metadata) and
+a growable data segment on the NVSHMEM heap, plus the peer pointer tables the kernels use
+(nvshmem_ptr): the kernels load and store peers' memory directly, intra-node (NVLink / P2P). A
+peer that is not reachable by pointer (another node) is reported when the buffer is created;
+multi-node buffers are a later issue.
+
+NVSHMEM is bootstrapped once per process from torch.distributed: rank 0 creates a unique id and
+broadcasts it over the default group (a process without torch.distributed is a world of one). In
+this version a CUDA buffer's group must be that whole world (NVSHMEM allocations are collective
+over all PEs). The heap size is NVSHMEM's: set NVSHMEM_SYMMETRIC_SIZE (e.g. "8G") before the first
+buffer for large token counts.
+
+Calls without host synchronisation: inside `with buf.capturable(max_rows=R):` the ops never wait
+for the GPU, so they can be captured in CUDA graphs. moe_layer0 then returns row-indexed outputs
+of R rows (rows past M = recv_counts.sum() are unspecified) and the buffer must already be large
+enough for the call's tokens (do one eager call, or `buf.reserve(...)`, before capturing). Errors
+the GPU finds in such calls are raised by the next call or by `buf.check()`. Outside it, each op
+reads back one small summary per call (its row count and every rank's verdict).
+
+Lifetime: `close()` is collective (NVSHMEM frees are); a buffer dropped without close() keeps its
+NVSHMEM memory until the process exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from comet import symm
+from comet._native import _C
+
+DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
+DEFAULT_CAPACITY = int(os.environ.get("COMET_CUDA_BUFFER_BYTES", str(64 << 20)))
+BENCH_MODES = {"fused": 0, "comm": 1, "gemm": 2}
+
+_lock = threading.RLock()
+_nvshmem_world: tuple[int, int] | None = None
+
+
+def available() -> bool:
+    """True when this build has the CUDA kernels and a GPU is visible."""
+    return bool(getattr(_C, "with_cuda", False)) and torch.cuda.is_available()
+
+
+def _ops():
+    if not getattr(_C, "with_cuda", False):
+        raise RuntimeError("comet: this build has no CUDA kernels (rebuild with nvcc available "
+                           "and COMET_CUDA unset)")
+    return torch.ops.comet_cuda
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"comet.symm_cuda: {device} is not a CUDA device")
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None
+                        else device.index)
+
+
+def init_nvshmem(device=None) -> None:
+    """Bootstraps NVSHMEM for this process (collective over the default group; once)."""
+    global _nvshmem_world
+    with _lock:
+        if _nvshmem_world is not None:
+            return
+        dev = _device(device)
+        torch.cuda.set_device(dev)
+        ops = _ops()
+        if _distributed():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            uid = [bytes(ops.nvshmem_unique_id().tolist()) if rank == 0 else None]
+            dist.broadcast_object_list(uid, src=0)
+        else:
+            rank, world = 0, 1
+            uid = [bytes(ops.nvshmem_unique_id().tolist())]
+        ops.nvshmem_bootstrap(torch.tensor(list(uid[0]), dtype=torch.uint8), rank, world,
+                              dev.index)
+        _nvshmem_world = (rank, world)
+
+
+def _group_hash(members) -> int:
+    return zlib.crc32(",".join(map(str, members)).encode())
+
+
+class Buffer:
+    """NVSHMEM symmetric memory and call state of one expert-parallel group on one GPU.
+
+    Create it on every rank of `group` together (or let comet.moe_layer0/1 create one per group
+    and device on first use). `timeout` (seconds, default $COMET_TIMEOUT or 60) bounds every
+    spin-wait of the kernels: a wait that times out records which flag never arrived, traps, and
+    the op (or check()) raises with that description. `capacity_bytes` is the initial data
+    segment (default $COMET_CUDA_BUFFER_BYTES or 64 MiB); eager calls grow it as needed.
+    """
+
+    def __init__(self, group=None, *, device=None, timeout: float | None = None,
+                 capacity_bytes: int | None = None):
+        self.device = _device(device)
+        self.group = group
+        timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        capacity = DEFAULT_CAPACITY if capacity_bytes is None else int(capacity_bytes)
+        init_nvshmem(self.device)
+        if _distributed():
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            members = dist.get_process_group_ranks(group or dist.group.WORLD)
+            if self.world != dist.get_world_size():
+                raise ValueError(
+                    f"comet.symm_cuda: the group has {self.world} of the {dist.get_world_size()} "
+                    "processes; in this version a CUDA buffer spans the default group (NVSHMEM's "
+                    "world)")
+            # The segment size must be equal everywhere (regions and growth derive from it).
+            sizes = [None] * self.world
+            dist.all_gather_object(sizes, capacity, group=group)
+            capacity = max(sizes)
+        else:
+            self.rank, self.world, members = 0, 1, [0]
+        ops = _ops()
+        self.handle = int(ops.buffer_create(self.rank, self.world, self.device.index, timeout,
+                                            _group_hash(members), capacity))
+        problems = [str(ops.buffer_unreachable(self.handle))]
+        if _distributed():
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, problems[0], group=group)
+            problems = everyone
+        self._barrier()  # every header is cleared before anyone uses it
+        bad = [p for p in problems if p]
+        if bad:
+            ops.buffer_release(self.handle)
+            raise RuntimeError(bad[0])
+        self._closed = False
+        symm._WORLD_OF_HANDLE[self.handle] = self.world
+        self._finalizer = weakref.finalize(self, symm._WORLD_OF_HANDLE.pop, self.handle, None)
+
+    # -- settings -----------------------------------------------------------------------------
+
+    @property
+    def max_rows(self) -> int | None:
+        r = int(_ops().buffer_max_rows(self.handle))
+        return None if r < 0 else r
+
+    @max_rows.setter
+    def max_rows(self, rows: int | None) -> None:
+        if rows is not None and int(rows) < 0:
+            raise ValueError(f"max_rows must be >= 0, got {rows}")
+        _ops().buffer_set_max_rows(self.handle, -1 if rows is None else int(rows))
+
+    @contextlib.contextmanager
+    def capturable(self, max_rows: int):
+        """Calls inside run without any host synchronisation (CUDA-graph capturable): moe_layer0
+        returns `max_rows` rows; see the module docstring."""
+        before = self.max_rows
+        self.max_rows = max_rows
+        try:
+            yield self
+        finally:
+            self.max_rows = before
+
+    @contextlib.contextmanager
+    def bench_mode(self, mode: str):
+        """'comm': the fused kernels run without MMA work (the comm blocks' time); 'gemm': without
+        moving rows or partial sums (the GEMM blocks' time); results are garbage in both. Every
+        rank must use the same mode."""
+        if mode not in BENCH_MODES:
+            raise ValueError(f"bench mode {mode!r}: one of {sorted(BENCH_MODES)}")
+        _ops().buffer_set_bench_mode(self.handle, BENCH_MODES[mode])
+        try:
+            yield self
+        finally:
+            _ops().buffer_set_bench_mode(self.handle, 0)
+
+    def last_kernel_seconds(self) -> float:
+        """Duration of the last fused kernel run on this buffer (its first block's start to its
+        last warp's exit, from the GPU's global timer); waits for the current stream."""
+        return float(_ops().buffer_kernel_time(self.handle))
+
+    def set_timeout(self, seconds: float) -> None:
+        _ops().buffer_set_timeout(self.handle, float(seconds))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(_ops().buffer_capacity(self.handle))
+
+    # -- collective operations ------------------------------------------------------------------
+
+    def reserve_bytes(self, nbytes: int) -> None:
+        """Grows every rank's data segment to at least nbytes (collective)."""
+        _ops().buffer_reserve(self.handle, int(nbytes))
+        self._barrier()
+
+    def reserve(self, *, tokens: int, hidden: int, topk: int, num_experts: int,
+                dtype=torch.bfloat16) -> None:
+        """Room for calls of both layers with up to `tokens` tokens per rank (collective)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        need = max(int(_ops().region_bytes(op, tokens, hidden, topk, num_experts, self.world,
+                                           elem)) for op in (0, 1))
+        self.reserve_bytes(need)
+
+    def close(self) -> None:
+        """Frees the NVSHMEM memory (collective: every rank calls it)."""
+        if self._closed:
+            return
+        torch.cuda.synchronize(self.device)
+        self._barrier()
+        _ops().buffer_release(self.handle)
+        self._closed = True
+        self._finalizer()
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Waits for this rank's queued work and raises what the GPU recorded (a timed-out wait,
+        a rejected or overflowing call without host synchronisation)."""
+        msg = str(_ops().buffer_check(self.handle))
+        if msg:
+            raise RuntimeError(msg)
+
+    def fail_call(self, op: int, message: str) -> None:
+        """Report a local input error through the call protocol so every peer raises too."""
+        verdict = str(_ops().buffer_fail_call(self.handle, int(op), message))
+        raise ValueError(verdict or message)
+
+    def _barrier(self):
+        if _distributed():
+            dist.barrier(group=self.group)
+
+    def __repr__(self):
+        return (f"comet.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "
+                f"device={self.device}, handle={self.handle})")
+
+
+_buffers: dict = {}
+
+
+def buffer_for(group=None, device=None) -> Buffer:
+    """The CUDA Buffer comet's ops use for `group` on `device` (None: the default group if
+    torch.distributed is initialised, else a world of one; the current device), created
+    collectively on first use."""
+    dev = _device(device)
+    key = (group if group is not None else (dist.group.WORLD if _distributed() else "local"),
+           dev.index)
+    with _lock:
+        buf = _buffers.get(key)
+        if buf is None or buf._closed:
+            buf = _buffers[key] = Buffer(group, device=dev)
+        return buf

@@ -1,0 +1,130 @@
+// Plain data shared by the host launchers (csrc/cuda/ops_cuda.cpp) and every CUDA kernel of one op
+// call: the call's shape, where the symmetric memory and the per-buffer state live, the workspace
+// the prologue kernels fill (dispatch layout, m-tiles, reduce plan) and the op's tensors.
+//
+// Everything the kernels need at run time is here or in device memory the prologue writes: no SM
+// count, topk, expert count or tile count is a compile-time constant. Sizes that only the device
+// knows when the caller passes max_rows (rows M, number of m-tiles, reduce-plan entries) live in
+// DeviceState; the host only provides upper bounds (the *_cap fields) for the workspace.
+#pragma once
+
+#include "comet/exec_context.h"
+#include "comet/layout.h"
+#include "comet/reduce_plan.h"
+#include "comet/symm_layout.h"
+#include "comet/tile_order.h"
+
+namespace comet::gpu {
+
+// Outcome of a call as decided on the device (DeviceState::status).
+enum class CallStatus : int32_t {
+  Ok = 0,
+  Rejected = 1,      // some rank's input was bad or ranks disagree (every rank sees the same)
+  RowsOverflow = 2,  // this rank received more rows than max_rows (local; reported later)
+};
+
+// Benchmark modes (comet.symm_cuda.Buffer.bench_mode): the fused kernels with either side idle
+// but the readiness protocol intact, so the two sides' times can be measured apart.
+enum class BenchMode : int32_t { Fused = 0, CommOnly = 1, GemmOnly = 2 };
+
+// First failure on the device, in mapped pinned host memory: the host can read it even after the
+// kernel trapped (the CUDA context is then unusable, host memory is not).
+struct ErrorRecord {
+  int32_t code;     // 0 none, 1 wait timed out, 2 rows over max_rows, 3 workspace bound exceeded,
+                    // 4 a call without host synchronisation was rejected (bad input / mismatch)
+  int32_t site;     // WaitSite of a timeout
+  int32_t rank;     // rank that recorded it
+  int32_t block;    // block that recorded it
+  int64_t index;    // flag index of a timeout / offending count of an overflow
+  int64_t limit;    // bound of an overflow
+  uint64_t epoch;   // call the wait belonged to
+  uint64_t seen;    // last value the flag held
+  double seconds;   // how long it waited
+  char message[240];  // code 4: the rejecting rank's message (empty: ranks disagree)
+};
+
+// Per-buffer device state, persistent across calls (device memory, zero-initialised once).
+struct DeviceState {
+  uint64_t epoch;         // call number, advanced on the device by each call's first kernel, so
+                          // CUDA-graph replays count calls too
+  uint32_t comm_done;     // comm blocks finished (self-resetting counter)
+  uint32_t blocks_done;   // layer1 reduce-send arrivals (self-resetting counter)
+  int32_t status;         // CallStatus of the current call
+  int32_t bad_rank;       // first rank whose metadata failed the verdict (-1: disagreement)
+  int64_t rows;           // M of the current call
+  int64_t num_mtiles;
+  int64_t plan_entries;   // layer1 reduce plan
+  int64_t plan_slots;
+  int64_t max_tokens;     // largest T over the ranks of the current call
+  unsigned long long kernel_start;  // %globaltimer at the fused kernel's first block start
+  unsigned long long kernel_end;    // ... and at its last warp's exit (reset by begin)
+};
+
+struct CallParams {
+  // group and call
+  int32_t rank, world, num_experts, experts_local, topk;
+  int32_t op;             // OpKind
+  int32_t kind;           // ScalarKind of x / h (and w0 / w1)
+  int32_t elem_bytes;
+  int64_t tokens;         // T on this rank
+  int64_t hidden;         // H
+  int64_t cols;           // N0 (layer0) / N1 (layer1)
+  int64_t tcap;           // agreed token capacity of the data segment (strides of its regions)
+  DataRegions regions;
+
+  // symmetric memory (device arrays of W peer pointers from nvshmem_ptr) and per-buffer state
+  RankHeader* const* headers;
+  char* const* datas;
+  DeviceState* state;
+  ErrorRecord* error;
+  uint64_t timeout_ns;
+
+  // launch
+  int32_t n_comm, n_gemm, tile_m, tile_n;
+  int32_t mode;           // BenchMode
+  int32_t num_ntiles;     // ceil(N_out / tile_n): N_out = N0 (layer0) / H (layer1)
+  int64_t rows_cap;       // rows the row-indexed outputs hold (M, or max_rows)
+  int64_t max_rows;       // -1: rows known exactly (eager call)
+  int64_t mtiles_cap;     // m-tile workspace bound
+  int64_t plan_cap;       // reduce-plan workspace bound (entries and slots)
+
+  // workspace (device, owned by the buffer)
+  const int32_t* ids;     // [T*k] routing as int32
+  int32_t* send_pos;      // [T*k]  layer0 output / layer1 input
+  int32_t* send_slot;     // [T*k]  layer0 scratch: the send plan before it is published
+  int32_t* bucket;        // [E+1]  layer0 scratch: bucket offsets of the send plan
+  int32_t* fill;          // [E]    scratch of build_send_plan
+  int32_t* recv_counts;   // [W*El] layer0 output / layer1 input
+  int64_t* expert_off;    // [El+1]
+  int64_t* seg_off;       // [El*(W+1)]
+  MTile* mtiles;          // [mtiles_cap]
+  int64_t* mtile_order;   // [mtiles_cap]
+  int64_t* order_scratch; // [W+1]
+  uint64_t* mtile_ready;  // [mtiles_cap] epoch-valued flags (layer0)
+  uint64_t* ntile_ready;  // [num_ntiles] epoch-valued flags (layer1)
+  uint32_t* ntile_count;  // [num_ntiles] self-resetting counters (layer1)
+  CallMeta* metas;        // [W] every rank's metadata of this call
+  SourceRouting<float>* sources;  // [W*(W+1)] layer1: per source s a view with only s's
+                                  // routing (plan_parts.h), then the staged sources
+  int64_t stage_tokens;   // layer1: token stride of the staging copies (>= every rank's T)
+  int32_t* stage_ids;     // [W*stage_tokens*k] layer1: every source's routing, in local memory
+  int32_t* stage_pos;     // [W*stage_tokens*k]
+  float* stage_weights;   // [W*stage_tokens*k]
+  int64_t* plan_counts;   // [4W+2] layer1: entries and slots per source, then their offsets
+  ReducePlan<float> plan; // layer1: arrays of plan_cap (entries set on the device)
+
+  // tensors
+  char* a;                // layer0: [rows_cap, H] dispatched rows
+  void* y0;               // layer0: [rows_cap, N0]
+  const void* w0;         // layer0: [El, N0, H]
+  int32_t* row_source;    // layer0: [rows_cap]
+  int32_t* row_token;
+  int32_t* row_slot;
+  const void* h;          // layer1: [h_rows, N1]
+  const void* w1;         // layer1: [El, H, N1]
+  float* c;               // layer1: [h_rows, H] fp32 GEMM output
+  void* out;              // layer1: [T, H]
+  int64_t h_rows;         // layer1: rows of h (M, or max_rows)
+};
+
+}  // namespace comet::gpu

@@ -1,0 +1,78 @@
+// The comm side of both fused kernels (any architecture): blocks [0, n_comm) run the engine's comm
+// programs (csrc/include/comet/comm_layer0.h / comm_layer1.h) with a CommContext, then arrive on
+// the call's "done" counter; the last comm block tells every peer that this rank finished touching
+// their memory for this call (the buffer-reuse handshake the next call's prologue waits for).
+#pragma once
+
+#include "call_params.h"
+#include "comet/comm_layer0.h"
+#include "comet/comm_layer1.h"
+#include "comet/flags.h"
+#include "gpu_context.cuh"
+
+namespace comet::gpu {
+
+static __device__ __forceinline__ WaitConfig wait_config(const CallParams& p) {
+  return WaitConfig{p.error, p.timeout_ns, p.rank};
+}
+
+static __device__ __forceinline__ void finish_comm_block(const CallParams& p, uint64_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0)
+    arrive_and_publish(&p.state->comm_done, uint32_t(p.n_comm), p.headers[p.rank]->done_epoch,
+                       epoch);
+}
+
+static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch) {
+  const DeviceState* st = p.state;
+  if (st->status == int32_t(CallStatus::Ok)) {
+    const int64_t num_mtiles = st->num_mtiles;
+    if (p.mode == int32_t(BenchMode::GemmOnly)) {
+      // GEMM-only timing: publish every m-tile at once, no rows move (the GEMM reads stale A).
+      for (int64_t i = blockIdx.x; i < num_mtiles; i += p.n_comm)
+        if (threadIdx.x == 0) flag_release(&p.mtile_ready[p.mtile_order[i]], epoch);
+    } else {
+      CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/true);
+      const Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
+                             p.hidden * p.elem_bytes,          epoch,           p.regions,
+                             p.seg_off,        p.mtiles,        p.mtile_order,   num_mtiles,
+                             p.a,              p.mtile_ready,   p.row_source,    p.row_token,
+                             p.row_slot};
+      layer0_comm(ctx, a);
+    }
+  }
+  finish_comm_block(p, epoch);
+}
+
+static __device__ void layer1_comm_block(const CallParams& p, uint64_t epoch) {
+  const DeviceState* st = p.state;
+  if (st->status == int32_t(CallStatus::Ok) && p.mode != int32_t(BenchMode::GemmOnly)) {
+    CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/false);
+    ReducePlan<float> plan = p.plan;
+    plan.entries = st->plan_entries;
+    const int64_t per_item = ceil_div(plan.entries, int64_t(4) * p.n_comm);
+    const Layer1CommArgs<float> a{p.rank,
+                           p.world,
+                           p.experts_local,
+                           p.topk,
+                           int32_t(p.hidden),
+                           p.tile_n,
+                           p.num_ntiles,
+                           p.tcap,
+                           epoch,
+                           p.regions,
+                           p.c,
+                           p.ntile_ready,
+                           plan,
+                           per_item > 0 ? per_item : 1,
+                           &p.state->blocks_done,
+                           p.tokens,
+                           p.ids,
+                           p.out,
+                           ScalarKind(p.kind)};
+    layer1_comm(ctx, a);
+  }
+  finish_comm_block(p, epoch);
+}
+
+}  // namespace comet::gpu

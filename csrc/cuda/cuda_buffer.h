@@ -1,0 +1,108 @@
+// The GPU side of comet.symm: one CudaBuffer per expert-parallel group owns the rank's symmetric
+// header and data segment on the NVSHMEM heap, the peer pointer tables the kernels use (from
+// nvshmem_ptr), the per-buffer device state (call counter, self-resetting counters) and the pinned
+// host memory the ops read (the call summary of eager calls, the error record kernels write).
+//
+// NVSHMEM itself stays inside symm_nvshmem.cpp (host API only: no device library, no -rdc); this
+// header has no NVSHMEM types, so the op code and the kernels never see them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "call_params.h"
+
+namespace comet::gpu {
+
+// What an eager call reads back after its begin kernel (the op's one host synchronisation).
+struct CallSummary {
+  DeviceState state;
+  std::vector<CallMeta> metas;
+};
+
+class CudaBuffer {
+ public:
+  // Collective over the group (= the NVSHMEM world): every rank constructs it together.
+  CudaBuffer(int32_t rank, int32_t world, int device, int64_t group_hash, double timeout_s,
+             size_t capacity_bytes);
+  ~CudaBuffer();
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+
+  int32_t rank() const { return rank_; }
+  int32_t world() const { return world_; }
+  int device() const { return device_; }
+  int64_t group_hash() const { return group_hash_; }
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double s) { timeout_s_ = s; }
+  // Non-empty when some peer's memory is not reachable by pointer (another node, no P2P).
+  const std::string& unreachable() const { return unreachable_; }
+
+  // Calls without host synchronisation: outputs hold max_rows rows (-1: off, rows read back).
+  int64_t max_rows() const { return max_rows_; }
+  void set_max_rows(int64_t r) { max_rows_ = r; }
+  int32_t bench_mode() const { return bench_mode_; }
+  void set_bench_mode(int32_t m) { bench_mode_ = m; }
+
+  RankHeader* const* headers_table() const;  // device array [W]
+  char* const* datas_table() const;          // device array [W]
+  char* own_data() const { return static_cast<char*>(data_); }
+  size_t capacity() const { return capacity_; }
+  // Largest token count whose regions fit the data segment for this shape (equal on every rank
+  // that agrees on the shape, so it is the agreed stride of the regions).
+  int64_t token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
+                         int32_t elem_bytes) const;
+  // Collective: every rank grows together (they decide from the same call summary).
+  void grow(size_t bytes, cudaStream_t stream);
+
+  DeviceState* state() const { return state_; }
+  ErrorRecord* error_device() const { return error_dev_; }
+  const ErrorRecord& error_host() const { return *error_host_; }
+  void clear_error();
+
+  // Copies the state and every rank's metadata to pinned memory and waits for the stream.
+  CallSummary read_summary(const CallMeta* metas_device, cudaStream_t stream);
+
+  // A failed call leaves peers in an unknown state: the buffer refuses further calls.
+  void mark_broken(const std::string& why);
+  const std::string& broken() const { return broken_; }
+
+  // Collective: frees the NVSHMEM memory (every rank must call it).
+  void release();
+
+ private:
+  void refresh_tables(cudaStream_t stream);
+
+  int32_t rank_, world_;
+  int device_;
+  int64_t group_hash_;
+  double timeout_s_;
+  void* header_ = nullptr;
+  void* data_ = nullptr;
+  size_t header_bytes_ = 0;
+  size_t capacity_ = 0;
+  at::Tensor tables_;  // int64 [2, W] on the device: header pointers, data pointers
+  DeviceState* state_ = nullptr;
+  ErrorRecord* error_host_ = nullptr;
+  ErrorRecord* error_dev_ = nullptr;
+  void* summary_host_ = nullptr;
+  int64_t max_rows_ = -1;
+  int32_t bench_mode_ = 0;
+  std::string unreachable_;
+  std::string broken_;
+};
+
+// Text of what the device recorded in an ErrorRecord (empty when nothing); ops_cuda.cpp.
+std::string describe_error(const ErrorRecord& e);
+
+// Registry: ops receive an integer handle. CUDA handles live above 2^40, apart from the CPU
+// heaps' (small integers), so a handle of the other backend is reported, not misused.
+constexpr int64_t kCudaHandleBase = int64_t(1) << 40;
+int64_t register_cuda_buffer(std::shared_ptr<CudaBuffer> b);
+std::shared_ptr<CudaBuffer> find_cuda_buffer(int64_t handle);  // throws std::invalid_argument
+void release_cuda_buffer(int64_t handle);
+
+}  // namespace comet::gpu

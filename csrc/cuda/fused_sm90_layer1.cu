@@ -1,0 +1,20 @@
+// Instantiations of the sm_90a-path fused kernel of layer1 (bf16 and fp16); see fused_sm90.cuh.
+// Keep NVSHMEM device calls (and anything needing -rdc) out of this file: ptxas serialises wgmma
+// and ignores setmaxnreg under -rdc (TOOLCHAIN.md).
+#include "fused_sm90.cuh"
+
+namespace comet::gpu {
+
+FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind) {
+  return kind == ScalarKind::BF16 ? sm90::info<cutlass::bfloat16_t, 1>()
+                                  : sm90::info<cutlass::half_t, 1>();
+}
+
+void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, int grid, cudaStream_t stream) {
+  if (kind == ScalarKind::BF16)
+    sm90::launch<cutlass::bfloat16_t, 1>(p, grid, stream);
+  else
+    sm90::launch<cutlass::half_t, 1>(p, grid, stream);
+}
+
+}  // namespace comet::gpu

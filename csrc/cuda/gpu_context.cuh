@@ -1,0 +1,245 @@
+// GPU execution contexts for the engine's portable programs (the interface is documented in
+// csrc/include/comet/exec_context.h), and the bounded spin-wait they share.
+//
+//   CommContext      a comm block of a fused kernel: block()/blocks() over the comm blocks, all
+//                    threads of the block cooperate; copies are 16-byte vectors through peer
+//                    pointers; data(r) of a source rank first acquires that rank's "data
+//                    published" flag (once per block and call), so local rows flow before remote
+//                    sources have even published theirs.
+//   BlockGemmContext a GEMM block whose threads all run the tile (sm_80 path).
+//   ProducerContext  the TMA producer warp of an sm_90a GEMM block: its wait acquires a tile's
+//                    readiness and then issues the generic->async proxy fence the TMA loads need.
+//   ConsumerContext  the two MMA warpgroups of an sm_90a GEMM block: no wait of their own (the
+//                    producer waited before loading), sync() is a named barrier over them.
+//
+// A wait that does not complete within the buffer's timeout records what it waited for in the
+// ErrorRecord (mapped host memory), prints it and traps, instead of hanging the GPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "call_params.h"
+#include "comet/exec_context.h"
+#include "comet/flags.h"
+#include "comet/symm_layout.h"
+
+// Kernels with wgmma must contain no function call at all (ptxas then serialises every wgmma,
+// C7510): their translation units define COMET_DEVICE_PRINTF 0 and rely on the ErrorRecord, which
+// the host turns into the same message.
+#ifndef COMET_DEVICE_PRINTF
+#define COMET_DEVICE_PRINTF 1
+#endif
+
+namespace comet::gpu {
+
+static __device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Orders this thread's earlier generic-proxy observations (the acquire of a readiness flag) before
+// its later async-proxy (TMA) accesses of global memory.
+static __device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+}
+
+// Where a timeout is reported, and how long a wait may take.
+struct WaitConfig {
+  ErrorRecord* error;
+  uint64_t timeout_ns;
+  int32_t rank;
+};
+
+// Out of line and by value: the spin loop stays small and nothing of the caller needs to live in
+// local memory.
+#if COMET_DEVICE_PRINTF
+static __device__ __noinline__ void wait_timed_out(ErrorRecord* e, int32_t rank, uint64_t* flag,
+                                                   uint64_t epoch, WaitSite site, int64_t index,
+                                                   uint64_t seen, uint64_t waited_ns) {
+#else
+static __device__ __forceinline__ void wait_timed_out(ErrorRecord* e, int32_t rank, uint64_t* flag,
+                                                      uint64_t epoch, WaitSite site, int64_t index,
+                                                      uint64_t seen, uint64_t waited_ns) {
+#endif
+  if (e != nullptr && atomicCAS(reinterpret_cast<int*>(&e->code), 0, 1) == 0) {
+    e->site = int32_t(site);
+    e->rank = rank;
+    e->block = int32_t(blockIdx.x);
+    e->index = index;
+    e->epoch = epoch;
+    e->seen = seen;
+    e->seconds = double(waited_ns) * 1e-9;
+    __threadfence_system();
+  }
+#if COMET_DEVICE_PRINTF
+  printf("comet: rank %d block %d gave up after %.1f s waiting for %s (index %lld, call %llu, "
+         "flag at %p holds %llu); a peer may have died, stalled or called a different op\n",
+         rank, int(blockIdx.x), double(waited_ns) * 1e-9, wait_site_name(site),
+         (long long)index, (unsigned long long)epoch, (void*)flag, (unsigned long long)seen);
+#else
+  (void)flag;
+#endif
+  __trap();
+}
+
+// Single-thread spin until *flag >= epoch (acquire), bounded by the timeout.
+static __device__ __forceinline__ void spin_until(const WaitConfig& wc, uint64_t* flag, uint64_t epoch,
+                                           WaitSite site, int64_t index) {
+  uint64_t v = flag_acquire(flag);
+  if (v >= epoch) return;
+  const uint64_t start = globaltimer_ns();
+  uint32_t backoff = 32;
+  for (;;) {
+    __nanosleep(backoff);
+    if (backoff < 1024) backoff <<= 1;
+    v = flag_acquire(flag);
+    if (v >= epoch) return;
+    const uint64_t now = globaltimer_ns();
+    if (now - start > wc.timeout_ns)
+      wait_timed_out(wc.error, wc.rank, flag, epoch, site, index, v, now - start);
+  }
+}
+
+// Cooperative copy by the threads [tid, nthreads): 16-byte vectors when both sides allow, else the
+// widest common alignment, with a scalar tail. Plain (weak) loads and stores: the caller acquired
+// the data's readiness before, and releases what it wrote after.
+static __device__ __forceinline__ void cooperative_copy(void* dst, const void* src, size_t bytes,
+                                                 int tid, int nthreads) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s);
+  size_t done = 0;
+  if ((mis & 15) == 0) {
+    const size_t n = bytes / 16;
+    for (size_t i = tid; i < n; i += nthreads)
+      reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
+    done = n * 16;
+  } else if ((mis & 3) == 0) {
+    const size_t n = bytes / 4;
+    for (size_t i = tid; i < n; i += nthreads)
+      reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
+    done = n * 4;
+  } else if ((mis & 1) == 0) {
+    const size_t n = bytes / 2;
+    for (size_t i = tid; i < n; i += nthreads)
+      reinterpret_cast<uint16_t*>(d)[i] = reinterpret_cast<const uint16_t*>(s)[i];
+    done = n * 2;
+  }
+  for (size_t i = done + tid; i < bytes; i += nthreads) d[i] = s[i];
+}
+
+// Brackets a fused kernel's run in DeviceState (kernel_start / kernel_end, %globaltimer), so the
+// comm-only / GEMM-only / fused kernel times can be read without profilers. Every warp's exit
+// counts (the roles of a block finish at different times).
+struct KernelClock {
+  DeviceState* st;
+  __device__ explicit KernelClock(DeviceState* s) : st(s) {
+    if (threadIdx.x == 0) atomicMin(&st->kernel_start, (unsigned long long)globaltimer_ns());
+  }
+  __device__ ~KernelClock() {
+    if (threadIdx.x % 32 == 0) atomicMax(&st->kernel_end, (unsigned long long)globaltimer_ns());
+  }
+};
+
+// Context of one comm block (all its threads).
+class CommContext {
+ public:
+  __device__ CommContext(const CallParams& p, int32_t block, int32_t blocks, uint64_t epoch,
+                         bool wait_source_data)
+      : headers_(p.headers), datas_(p.datas), wc_{p.error, p.timeout_ns, p.rank}, epoch_(epoch),
+        block_(block), blocks_(blocks), rank_(p.rank), lazy_(wait_source_data) {}
+
+  __device__ int32_t block() const { return block_; }
+  __device__ int32_t blocks() const { return blocks_; }
+  __device__ int32_t thread() const { return int32_t(threadIdx.x); }
+  __device__ int32_t threads() const { return int32_t(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
+  __device__ void copy(void* dst, const void* src, size_t bytes) {
+    cooperative_copy(dst, src, bytes, int(threadIdx.x), int(blockDim.x));
+  }
+  // Called uniformly by every thread of the block (the programs do), so the wait inside is
+  // block-wide.
+  __device__ char* data(int32_t r) {
+    if (lazy_ && r != rank_) acquire_source(r);
+    return datas_[r];
+  }
+  __device__ RankHeader* header(int32_t r) const { return headers_[r]; }
+  __device__ void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
+    if (threadIdx.x == 0) spin_until(wc_, flag, epoch, site, index);
+    __syncthreads();
+  }
+  __device__ void fence_peers() { __threadfence_system(); }
+  __device__ void delay() {}
+
+ private:
+  __device__ void acquire_source(int32_t r) {
+    if (r < 64 && (ready_ >> r & 1u)) return;
+    wait(headers_[r]->data_epoch, epoch_, WaitSite::PeerData, r);
+    if (r < 64) ready_ |= uint64_t(1) << r;
+  }
+
+  RankHeader* const* headers_;
+  char* const* datas_;
+  WaitConfig wc_;
+  uint64_t epoch_;
+  int32_t block_, blocks_, rank_;
+  bool lazy_;
+  uint64_t ready_ = 0;
+};
+
+// Every thread of a GEMM block runs the same tile (sm_80 path).
+class BlockGemmContext {
+ public:
+  __device__ explicit BlockGemmContext(const WaitConfig& wc) : wc_(wc) {}
+  __device__ int32_t thread() const { return int32_t(threadIdx.x); }
+  __device__ int32_t threads() const { return int32_t(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
+  __device__ void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
+    if (threadIdx.x == 0) spin_until(wc_, flag, epoch, site, index);
+    __syncthreads();
+  }
+  __device__ void delay() {}
+
+ private:
+  WaitConfig wc_;
+};
+
+// The TMA producer warp of an sm_90a GEMM block.
+class ProducerContext {
+ public:
+  __device__ explicit ProducerContext(const WaitConfig& wc) : wc_(wc) {}
+  __device__ int32_t thread() const { return int32_t(threadIdx.x % 32); }
+  __device__ int32_t threads() const { return 32; }
+  __device__ void sync() { __syncwarp(); }
+  __device__ void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
+    if (threadIdx.x % 32 == 0) spin_until(wc_, flag, epoch, site, index);
+    __syncwarp();
+    // The rows were written by comm blocks with generic stores; the loads that follow are TMA
+    // (async proxy).
+    fence_proxy_async_global();
+  }
+  __device__ void delay() {}
+
+ private:
+  WaitConfig wc_;
+};
+
+// The MMA warpgroups of an sm_90a GEMM block (threads [first, first + count) of the block).
+class ConsumerContext {
+ public:
+  __device__ ConsumerContext(int32_t first, int32_t count, int32_t barrier_id)
+      : first_(first), count_(count), barrier_(barrier_id) {}
+  __device__ int32_t thread() const { return int32_t(threadIdx.x) - first_; }
+  __device__ int32_t threads() const { return count_; }
+  __device__ void sync() { asm volatile("bar.sync %0, %1;" ::"r"(barrier_), "r"(count_) : "memory"); }
+  __device__ void wait(uint64_t*, uint64_t, WaitSite, int64_t) {}
+  __device__ void delay() {}
+
+ private:
+  int32_t first_, count_, barrier_;
+};
+
+}  // namespace comet::gpu

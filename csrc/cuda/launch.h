@@ -1,0 +1,51 @@
+// Host-side entry points of the CUDA kernels (defined in the .cu files of csrc/cuda/), called by
+// the op implementations in ops_cuda.cpp. Plain C++: no CUDA device code, no CUTLASS, no torch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "call_params.h"
+
+namespace comet::gpu {
+
+// Prologue kernels (prologue.cu), one block each:
+//  begin:   advance the call counter, wait until every peer finished the previous call, validate
+//           the routing, build the send plan (layer0), exchange metadata and decide the verdict
+//           on the device, compute the dispatch layout and M (layer0).
+//  publish: announce this rank's source data, build m-tiles and their order (layer0), the reduce
+//           plan from the peers' routing (layer1).
+//  finish:  mark the call done without running the fused kernel (a call rejected on the host).
+void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream);
+void launch_publish(const CallParams& p, cudaStream_t stream);
+void launch_finish(const CallParams& p, cudaStream_t stream);
+
+// What the occupancy check needs about a fused kernel.
+struct FusedKernelInfo {
+  const void* func;   // the __global__ function, for cudaOccupancyMaxActiveBlocksPerMultiprocessor
+  int threads;        // block size
+  int smem_bytes;     // dynamic shared memory per block
+};
+
+// sm_80 path (cp.async + mma.sync): compiled for sm_80 and sm_90a; every shape.
+// layer: 0 or 1; kind: BF16 or F16. vec: 16-byte operand copies allowed (K % 8 == 0, aligned).
+// One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu).
+FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind);
+FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind);
+void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool vec, int grid,
+                              cudaStream_t stream);
+void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool vec, int grid,
+                              cudaStream_t stream);
+
+// sm_90a path (TMA + wgmma, CUTLASS collective mainloop): needs K % 8 == 0 and 16-byte aligned
+// operands; only for devices of compute capability 9.0.
+// One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu).
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind);
+FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind);
+void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, int grid, cudaStream_t stream);
+void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, int grid, cudaStream_t stream);
+
+// Tile shape the CUDA kernels are compiled for (both paths).
+constexpr int kTileM = 128;
+constexpr int kTileN = 128;
+
+}  // namespace comet::gpu

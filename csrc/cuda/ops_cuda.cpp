@@ -1,0 +1,691 @@
+// CUDA kernels of torch.ops.comet.moe_layer0 / moe_layer1 (the CUDA dispatch key). Per call:
+//
+//   host:    local checks (shapes, dtypes, devices, launch shape, co-residency) -- a failure still
+//            takes part in the metadata exchange, so every rank raises instead of waiting
+//   begin:   (device) call counter, buffer-reuse wait, routing validation, send plan, metadata
+//            exchange, verdict, dispatch layout and M (prologue.cu)
+//   eager:   ONE host read (the call summary: verdict, M, every rank's token count), then the
+//            buffer grows collectively if a rank has more tokens than it holds
+//   copies:  this rank's source data into its data segment (copy engine, stream-ordered)
+//   publish: (device) announce the data, m-tiles and their order / the reduce plan
+//   fused:   the persistent kernel: n_comm comm blocks + n_gemm GEMM blocks (sm_90a TMA/wgmma or
+//            sm_80 cp.async/mma.sync path)
+//
+// With max_rows set on the buffer (comet.symm_cuda.Buffer.capturable) nothing reads back: the
+// row-indexed outputs hold max_rows rows (rows >= M unspecified, M = recv_counts.sum()), the ops
+// are CUDA-graph capturable, and errors found on the device are reported by the next call or by
+// Buffer.check().
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "comet/exec_context.h"
+#include "comet/symm_layout.h"
+#include "cuda_buffer.h"
+#include "launch.h"
+#include "op_checks.h"
+
+namespace comet::gpu {
+
+// Text of what the device recorded (empty when nothing). Used by buffer_check too.
+std::string describe_error(const ErrorRecord& e) {
+  std::ostringstream m;
+  switch (e.code) {
+    case 0: return {};
+    case 1:
+      m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
+        << " s waiting for " << wait_site_name(WaitSite(e.site)) << " (index " << e.index
+        << ", call " << e.epoch << ", the flag held " << e.seen
+        << "); a peer may have died, stalled, or called a different op (timeout set by "
+           "COMET_TIMEOUT or Buffer(timeout=...)); this buffer is unusable now";
+      break;
+    case 2:
+      m << "comet.moe_layer0: rank " << e.rank << " received " << e.index
+        << " rows in call " << e.epoch << " but max_rows is " << e.limit
+        << "; that call's outputs on this rank are invalid (raise max_rows)";
+      break;
+    case 3:
+      m << "comet: rank " << e.rank << " call " << e.epoch << ": " << e.index
+        << " exceeds the workspace bound " << e.limit
+        << " (the layout does not match the peers' routing)";
+      break;
+    case 4:
+      m << "comet: call " << e.epoch << " (without host synchronisation) was rejected: ";
+      if (e.index >= 0)
+        m << "rank " << e.index << ": " << e.message;
+      else
+        m << "ranks disagree on the call (op, shapes, dtype or group)";
+      break;
+    default: m << "comet: unknown device error " << e.code;
+  }
+  return m.str();
+}
+
+namespace {
+
+std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+// Structural checks of CUDA inputs (the shared op_checks.cpp reads tensor values on the host,
+// which CUDA tensors cannot offer without a synchronisation; the values are checked on the device
+// by the begin kernel). Same wording as op_checks.cpp.
+struct Checker {
+  CheckResult result;
+  const char* op;
+  int device;
+  bool failed() const { return !result.ok(); }
+  bool fail(int32_t code, const std::string& msg) {
+    if (result.ok()) result = CheckResult{code, std::string(op) + ": " + msg};
+    return false;
+  }
+  bool value(bool cond, const std::string& msg) { return cond || fail(1, msg); }
+  bool type(bool cond, const std::string& msg) { return cond || fail(2, msg); }
+
+  bool tensor(const at::Tensor& t, const char* name, int64_t dim) {
+    if (failed()) return false;
+    if (!value(t.defined(), std::string(name) + " is undefined")) return false;
+    if (!value(t.is_cuda() && t.device().index() == device,
+               std::string(name) + " is on " + t.device().str() + " but this rank's comet buffer "
+               "lives on cuda:" + std::to_string(device)))
+      return false;
+    if (!value(t.dim() == dim, std::string(name) + " must be " + std::to_string(dim) +
+                                   "-D, got shape " + shape_str(t)))
+      return false;
+    return value(t.is_contiguous(), std::string(name) + " with shape " + shape_str(t) +
+                                        " must be contiguous (call .contiguous())");
+  }
+  bool half_dtype(const at::Tensor& t, const char* name) {
+    if (failed()) return false;
+    const auto d = t.scalar_type();
+    return type(d == at::kBFloat16 || d == at::kHalf,
+                std::string(name) + " has dtype " + dtype_name(d) +
+                    "; the CUDA kernels support bfloat16 and float16 (float32 and float64 run "
+                    "on the CPU backend)");
+  }
+  bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* rn) {
+    if (failed()) return false;
+    return type(t.scalar_type() == ref.scalar_type(),
+                std::string(name) + " has dtype " + dtype_name(t.scalar_type()) + " but " + rn +
+                    " has " + dtype_name(ref.scalar_type()) + "; they must match");
+  }
+  bool int_dtype(const at::Tensor& t, const char* name, bool allow64) {
+    if (failed()) return false;
+    const auto d = t.scalar_type();
+    return type(d == at::kInt || (allow64 && d == at::kLong),
+                std::string(name) + " has dtype " + dtype_name(d) + "; expected " +
+                    (allow64 ? "int32 or int64" : "int32"));
+  }
+  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname) {
+    if (failed()) return false;
+    return value(num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(num_experts)) &&
+           value(num_experts % world == 0, "num_experts=" + std::to_string(num_experts) +
+                                               " is not divisible by the expert-parallel group "
+                                               "size " + std::to_string(world)) &&
+           value(experts_local == num_experts / world,
+                 std::string(wname) + " holds " + std::to_string(experts_local) +
+                     " local experts but num_experts / group size = " +
+                     std::to_string(num_experts / world));
+  }
+  bool routing(const at::Tensor& ids, int64_t tokens) {
+    if (failed()) return false;
+    return int_dtype(ids, "topk_ids", true) &&
+           value(ids.size(0) == tokens, "topk_ids has " + std::to_string(ids.size(0)) +
+                                            " rows but there are " + std::to_string(tokens) +
+                                            " tokens") &&
+           value(ids.size(1) >= 1, "topk_ids must have at least one column (topk >= 1)") &&
+           value(ids.numel() < (int64_t(1) << 31), "topk_ids is too large for int32 row indices");
+  }
+  bool launch(int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n) {
+    if (failed()) return false;
+    return value(n_comm >= 1, "n_comm must be >= 1, got " + std::to_string(n_comm)) &&
+           value(n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(n_gemm)) &&
+           value(tile_m == kTileM && tile_n == kTileN,
+                 "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
+                     std::to_string(kTileN) + " tiles, got tile=(" + std::to_string(tile_m) +
+                     ", " + std::to_string(tile_n) + ")");
+  }
+};
+
+// Which fused kernel runs a call and with how many blocks.
+struct LaunchPlan {
+  bool sm90 = false;  // else the sm_80 path
+  bool vec = false;   // sm_80 path: 16-byte operand copies
+  int grid = 0;
+  int n_gemm = 0;
+  FusedKernelInfo info{};
+};
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Picks the path from the device and the operands, then sizes the grid from the occupancy API so
+// that every block is co-resident (they spin-wait on each other); refuses what could deadlock.
+LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
+                       int64_t n_out, const void* a, const void* b, int64_t n_comm,
+                       int64_t n_gemm) {
+  LaunchPlan lp;
+  if (c.failed()) return lp;
+  const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
+  if (!c.value(prop.major == 8 || prop.major == 9,
+               "the CUDA kernels are built for sm_80 (Ampere/Ada) and sm_90a (Hopper); this GPU "
+               "is sm_" + std::to_string(prop.major * 10 + prop.minor)))
+    return lp;
+  const bool k_vec = k % 8 == 0 && (a == nullptr || aligned16(a)) && aligned16(b);
+  lp.vec = k_vec;
+  lp.sm90 = prop.major == 9 && k_vec && k > 0 && n_out > 0;
+  lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind) : fused_sm90_layer1_info(kind))
+                    : (layer == 0 ? fused_sm80_layer0_info(kind) : fused_sm80_layer1_info(kind));
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
+                                                    lp.info.smem_bytes) != cudaSuccess)
+    per_sm = 0;
+  const int64_t resident = int64_t(per_sm) * prop.multiProcessorCount;
+  const int64_t grid = n_gemm == 0 ? resident : n_comm + n_gemm;
+  std::ostringstream why;
+  why << "n_comm=" << n_comm << " + n_gemm=" << (n_gemm == 0 ? resident - n_comm : n_gemm)
+      << " blocks cannot all be co-resident: this GPU runs at most " << per_sm
+      << " block(s) of the fused kernel per SM x " << prop.multiProcessorCount << " SMs = "
+      << resident << " (the blocks wait on each other, so a larger grid could deadlock; "
+      << "lower n_comm/n_gemm, n_gemm=0 uses every block left)";
+  if (!c.value(grid <= resident && grid - n_comm >= 1, why.str())) return lp;
+  lp.grid = int(grid);
+  lp.n_gemm = int(grid - n_comm);
+  return lp;
+}
+
+std::string verdict_message(const std::vector<CallMeta>& metas, int32_t rank, const char* op_name,
+                            int32_t bad) {
+  std::ostringstream msg;
+  if (bad == rank) return metas[size_t(rank)].message;
+  if (bad >= 0) {
+    msg << op_name << ": rank " << bad << " rejected its input: " << metas[size_t(bad)].message;
+    return msg.str();
+  }
+  const CallMeta& m0 = metas[0];
+  static const char* kOps[] = {"moe_layer0", "moe_layer1"};
+  static const char* kDtypes[] = {"float32", "bfloat16", "float16", "float64"};
+  for (size_t s = 1; s < metas.size(); ++s) {
+    const CallMeta& m = metas[s];
+    auto differ = [&](const char* what, auto a, auto b) {
+      msg << op_name << ": ranks disagree on " << what << ": rank 0 has " << a << ", rank " << s
+          << " has " << b;
+    };
+    if (m.op != m0.op) differ("the op called", kOps[m0.op & 1], kOps[m.op & 1]);
+    else if (m.world != m0.world || m.group_hash != m0.group_hash)
+      differ("the process group (size)", m0.world, m.world);
+    else if (m.num_experts != m0.num_experts) differ("num_experts", m0.num_experts, m.num_experts);
+    else if (m.topk != m0.topk) differ("topk (columns of topk_ids)", m0.topk, m.topk);
+    else if (m.hidden != m0.hidden) differ("the hidden size H", m0.hidden, m.hidden);
+    else if (m.cols != m0.cols)
+      differ(m0.op == 0 ? "N0 (rows of w0)" : "N1 (columns of h and w1)", m0.cols, m.cols);
+    else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype & 3], kDtypes[m.dtype & 3]);
+    else continue;
+    return msg.str();
+  }
+  return std::string(op_name) + ": the call was rejected";
+}
+
+[[noreturn]] void raise(const CheckResult& r) {
+  if (r.code == 2) TORCH_CHECK_TYPE(false, r.message);
+  TORCH_CHECK_VALUE(false, r.message);
+}
+
+// The call's buffer. `pending` receives what the device recorded in earlier calls that nobody
+// read back (calls without host synchronisation): the caller turns it into this call's local
+// input error, so it is reported through the exchange and every rank raises together (raising
+// here would skip the exchange and leave the peers waiting). A timed-out wait is different: the
+// GPU trapped, the buffer is unusable, and so are the peers'.
+std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending) {
+  std::shared_ptr<CudaBuffer> b;
+  try {
+    b = find_cuda_buffer(handle);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  const ErrorRecord& er = b->error_host();
+  if (er.code == 1) b->mark_broken(describe_error(er));
+  TORCH_CHECK(b->broken().empty(),
+              "comet: this buffer is unusable after an earlier failure (", b->broken(),
+              "); create a new comet buffer");
+  if (er.code != 0) {
+    *pending = "an earlier call without host synchronisation failed: " + describe_error(er);
+    b->clear_error();
+  }
+  return b;
+}
+
+CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
+                   int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
+                   const CheckResult& check) {
+  CallMeta m{};
+  m.op = int32_t(op);
+  m.world = b.world();
+  m.group_hash = b.group_hash();
+  m.num_experts = int32_t(num_experts);
+  m.topk = int32_t(topk);
+  m.hidden = int32_t(hidden);
+  m.cols = int32_t(cols);
+  m.dtype = check.ok() ? dtype : -1;
+  m.tokens = tokens;
+  m.error = check.code;
+  std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
+  return m;
+}
+
+// One workspace allocation per call, carved into 256-byte aligned pieces.
+class Carver {
+ public:
+  template <class T>
+  size_t take(T*& slot, int64_t count) {
+    const size_t at = bytes_;
+    bytes_ += (size_t(std::max<int64_t>(count, 1)) * sizeof(T) + 255) / 256 * 256;
+    pieces_.push_back({reinterpret_cast<void**>(&slot), at});
+    return at;
+  }
+  at::Tensor allocate(int device) {
+    at::Tensor ws = at::empty({int64_t(bytes_)},
+                              at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    char* base = static_cast<char*>(ws.data_ptr());
+    for (auto& p : pieces_) *p.slot = base + p.offset;
+    return ws;
+  }
+
+ private:
+  struct Piece {
+    void** slot;
+    size_t offset;
+  };
+  std::vector<Piece> pieces_;
+  size_t bytes_ = 0;
+};
+
+void check_cuda(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "comet: ", what, ": ", cudaGetErrorString(e));
+}
+
+CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int64_t topk,
+                       int64_t n_comm, const LaunchPlan& lp, int32_t num_ntiles) {
+  CallParams p{};
+  p.rank = b.rank();
+  p.world = b.world();
+  p.num_experts = int32_t(num_experts);
+  p.experts_local = b.world() > 0 ? int32_t(num_experts / b.world()) : 0;
+  p.topk = int32_t(topk);
+  p.op = int32_t(op);
+  p.headers = b.headers_table();
+  p.datas = b.datas_table();
+  p.state = b.state();
+  p.error = b.error_device();
+  p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
+  p.n_comm = int32_t(n_comm);
+  p.n_gemm = lp.n_gemm;
+  p.tile_m = kTileM;
+  p.tile_n = kTileN;
+  p.mode = b.bench_mode();
+  p.num_ntiles = num_ntiles;
+  p.max_rows = b.max_rows();
+  return p;
+}
+
+// The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
+// buffer (collectively) when a rank has more tokens than it holds. Returns the summary.
+CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const char* op_name,
+                   cudaStream_t stream) {
+  CallSummary s = b.read_summary(p.metas, stream);
+  if (b.error_host().code != 0) {
+    const std::string msg = describe_error(b.error_host());
+    b.mark_broken(msg);
+    TORCH_CHECK(false, msg);
+  }
+  if (s.state.status == int32_t(CallStatus::Rejected)) {
+    launch_finish(p, stream);
+    std::string v = verdict_message(s.metas, b.rank(), op_name, s.state.bad_rank);
+    if (!local.ok()) v = local.message;
+    if (local.code == 2) TORCH_CHECK_TYPE(false, v);
+    TORCH_CHECK_VALUE(false, v);
+  }
+  const size_t need = data_regions(OpKind(p.op), s.state.max_tokens, int32_t(p.hidden), p.topk,
+                                   p.num_experts, p.world, p.elem_bytes, 4)
+                          .total;
+  if (need > b.capacity()) {
+    b.grow(need, stream);
+    p.datas = b.datas_table();
+  }
+  return s;
+}
+
+void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+             "copying source data into the symmetric buffer");
+}
+
+void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
+                  cudaStream_t stream) {
+  if (lp.sm90) {
+    if (layer == 0)
+      launch_fused_sm90_layer0(kind, p, lp.grid, stream);
+    else
+      launch_fused_sm90_layer1(kind, p, lp.grid, stream);
+  } else {
+    if (layer == 0)
+      launch_fused_sm80_layer0(kind, p, lp.vec, lp.grid, stream);
+    else
+      launch_fused_sm80_layer1(kind, p, lp.vec, lp.grid, stream);
+  }
+  check_cuda(cudaGetLastError(), "launching the fused kernel");
+}
+
+using Layer0Result =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
+                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
+                             int64_t tile_m, int64_t tile_n) {
+  std::string pending;
+  auto buf = buffer_or_throw(buffer, &pending);
+  CudaBuffer& b = *buf;
+  const int dev = b.device();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int32_t W = b.world();
+
+  Checker c{{}, "comet.moe_layer0", dev};
+  if (!pending.empty()) c.fail(1, pending);
+  c.tensor(x, "x", 2) && c.half_dtype(x, "x") && c.tensor(w0, "w0", 3) &&
+      c.same_dtype(w0, "w0", x, "x") &&
+      c.value(w0.size(2) == x.size(1), "w0 must be [E_local, N0, H] with H = " +
+                                           std::to_string(x.size(1)) +
+                                           " (x's columns), got shape " + shape_str(w0)) &&
+      c.experts(num_experts, W, w0.size(0), "w0") && c.tensor(topk_ids, "topk_ids", 2) &&
+      c.routing(topk_ids, x.size(0)) && c.launch(n_comm, n_gemm, tile_m, tile_n);
+  const bool shaped = !c.failed();
+  const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
+  const int64_t N0 = shaped ? w0.size(1) : 0, k = shaped ? topk_ids.size(1) : 0;
+  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
+  const ScalarKind kind = shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
+  const int32_t elem = 2;
+  const int64_t max_rows = b.max_rows();
+  const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
+                                    shaped ? w0.data_ptr() : nullptr, n_comm, n_gemm);
+  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
+  if (!c.failed() && max_rows >= 0)
+    c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
+                           std::to_string(tcap) + " for this shape; calls with max_rows cannot "
+                           "grow it: reserve capacity first (Buffer.reserve / an eager call)");
+  const CheckResult check = c.result;
+  const bool ok = check.ok();
+
+  const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
+  CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
+                             int32_t(ceil_div(N0, kTileN)));
+  p.kind = int32_t(kind);
+  p.elem_bytes = elem;
+  p.tokens = ok ? T : 0;
+  p.hidden = H;
+  p.cols = N0;
+  p.tcap = tcap;
+  p.regions = data_regions(OpKind::Layer0, std::max<int64_t>(tcap, 0), int32_t(H), int32_t(k), E,
+                           W, elem, 4);
+
+  at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
+  p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
+  const auto i32 = at::TensorOptions().dtype(at::kInt).device(at::kCUDA, dev);
+  at::Tensor recv_counts = at::empty({W, std::max<int32_t>(El, 0)}, i32);
+  at::Tensor send_pos = at::empty({T, k}, i32);
+  p.recv_counts = recv_counts.data_ptr<int32_t>();
+  p.send_pos = send_pos.data_ptr<int32_t>();
+  Carver pre;
+  pre.take(p.send_slot, T * k);
+  pre.take(p.bucket, int64_t(E) + 1);
+  pre.take(p.fill, E);
+  pre.take(p.expert_off, int64_t(El) + 1);
+  pre.take(p.seg_off, int64_t(El) * (W + 1));
+  pre.take(p.metas, W);
+  pre.take(p.order_scratch, int64_t(W) + 1);
+  at::Tensor ws_pre = pre.allocate(dev);
+
+  launch_begin(p, me, stream);
+  check_cuda(cudaGetLastError(), "launching the begin kernel");
+  if (!ok) {
+    launch_finish(p, stream);
+    raise(check);
+  }
+  int64_t rows_cap = max_rows;
+  if (max_rows < 0) {
+    const CallSummary s = settle(b, p, check, "comet.moe_layer0", stream);
+    rows_cap = s.state.rows;
+    tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
+    p.tcap = tcap;
+    p.regions = data_regions(OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
+  }
+  p.rows_cap = rows_cap;
+  p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
+
+  const auto opts = x.options();
+  at::Tensor a = at::empty({rows_cap, H}, opts);
+  at::Tensor y0 = at::empty({rows_cap, N0}, opts);
+  at::Tensor row_source = at::empty({rows_cap}, i32);
+  at::Tensor row_token = at::empty({rows_cap}, i32);
+  at::Tensor row_slot = at::empty({rows_cap}, i32);
+  Carver post;
+  post.take(p.mtiles, p.mtiles_cap);
+  post.take(p.mtile_order, p.mtiles_cap);
+  const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
+  at::Tensor ws_post = post.allocate(dev);
+  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
+                             size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
+             "clearing tile flags");
+  p.a = static_cast<char*>(a.data_ptr());
+  p.y0 = y0.data_ptr();
+  p.w0 = w0.data_ptr();
+  p.row_source = row_source.data_ptr<int32_t>();
+  p.row_token = row_token.data_ptr<int32_t>();
+  p.row_slot = row_slot.data_ptr<int32_t>();
+
+  // This rank's source data into its data segment (after begin: peers are done with it).
+  char* own = b.own_data();
+  copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
+  copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
+  copy_async(own + p.regions.x, x.data_ptr(), size_t(T * H) * elem, stream);
+  launch_publish(p, stream);
+  check_cuda(cudaGetLastError(), "launching the publish kernel");
+
+  LaunchPlan run = lp;
+  if (run.sm90 && rows_cap < 1) run.sm90 = false;  // no rows: no TMA descriptor over A
+  if (!run.sm90 && lp.sm90) {
+    run.info = fused_sm80_layer0_info(kind);
+  }
+  launch_fused(0, kind, p, run, stream);
+  return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
+}
+
+at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
+                           const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                           const at::Tensor& send_pos, const at::Tensor& recv_counts,
+                           int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
+                           int64_t tile_m, int64_t tile_n) {
+  std::string pending;
+  auto buf = buffer_or_throw(buffer, &pending);
+  CudaBuffer& b = *buf;
+  const int dev = b.device();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int32_t W = b.world();
+
+  Checker c{{}, "comet.moe_layer1", dev};
+  if (!pending.empty()) c.fail(1, pending);
+  c.tensor(h, "h", 2) && c.half_dtype(h, "h") && c.tensor(w1, "w1", 3) &&
+      c.same_dtype(w1, "w1", h, "h") &&
+      c.value(w1.size(2) == h.size(1), "w1 must be [E_local, H, N1] with N1 = " +
+                                           std::to_string(h.size(1)) +
+                                           " (h's columns), got shape " + shape_str(w1)) &&
+      c.experts(num_experts, W, w1.size(0), "w1") && c.tensor(topk_ids, "topk_ids", 2) &&
+      c.routing(topk_ids, topk_ids.size(0)) && c.tensor(topk_weights, "topk_weights", 2) &&
+      c.type(topk_weights.scalar_type() == at::kFloat ||
+                 topk_weights.scalar_type() == h.scalar_type(),
+             "topk_weights has dtype " + dtype_name(topk_weights.scalar_type()) +
+                 "; expected float32 or h's dtype") &&
+      c.value(topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights has shape " + shape_str(topk_weights) + " but topk_ids has " +
+                  shape_str(topk_ids)) &&
+      c.tensor(send_pos, "layout.send_pos", 2) && c.int_dtype(send_pos, "layout.send_pos", false) &&
+      c.value(send_pos.sizes() == topk_ids.sizes(),
+              "layout.send_pos has shape " + shape_str(send_pos) + " but topk_ids has " +
+                  shape_str(topk_ids) + ": the layout belongs to another call") &&
+      c.tensor(recv_counts, "layout.recv_counts", 2) &&
+      c.int_dtype(recv_counts, "layout.recv_counts", false) &&
+      c.value(recv_counts.size(0) == W && recv_counts.size(1) == w1.size(0),
+              "layout.recv_counts has shape " + shape_str(recv_counts) + ", expected [" +
+                  std::to_string(W) + ", " + std::to_string(w1.size(0)) + "]") &&
+      c.launch(n_comm, n_gemm, tile_m, tile_n);
+  const bool shaped = !c.failed();
+  const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
+  const int64_t M = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
+  const int64_t H = shaped ? w1.size(1) : 0;
+  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
+  const ScalarKind kind = shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
+  const int32_t elem = 2;
+  const int64_t max_rows = b.max_rows();
+  const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
+                                    shaped ? w1.data_ptr() : nullptr, n_comm, n_gemm);
+  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
+  if (!c.failed() && max_rows >= 0)
+    c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
+                           std::to_string(tcap) + " for this shape; calls with max_rows cannot "
+                           "grow it: reserve capacity first (Buffer.reserve / an eager call)");
+  const CheckResult check = c.result;
+  const bool ok = check.ok();
+
+  const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
+  CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
+                             int32_t(ceil_div(H, kTileN)));
+  p.kind = int32_t(kind);
+  p.elem_bytes = elem;
+  p.tokens = ok ? T : 0;
+  p.hidden = H;
+  p.cols = N1;
+  p.tcap = tcap;
+  p.regions = data_regions(OpKind::Layer1, std::max<int64_t>(tcap, 0), int32_t(H), int32_t(k), E,
+                           W, elem, 4);
+  p.h_rows = M;
+
+  at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
+  at::Tensor weights32 = ok ? topk_weights.to(at::kFloat).contiguous() : at::Tensor();
+  p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
+  p.recv_counts = ok ? recv_counts.data_ptr<int32_t>() : nullptr;
+  p.send_pos = ok ? send_pos.data_ptr<int32_t>() : nullptr;
+  p.plan_cap = std::max<int64_t>(M, 1);
+  p.mtiles_cap = ceil_div(M, kTileM) + El;
+  const int32_t NT = p.num_ntiles;
+  Carver ws;
+  ws.take(p.expert_off, int64_t(El) + 1);
+  ws.take(p.seg_off, int64_t(El) * (W + 1));
+  ws.take(p.metas, W);
+  ws.take(p.sources, int64_t(W) * (W + 1));  // W views of W sources, then the staged sources
+  ws.take(p.plan_counts, 4 * int64_t(W) + 2);
+  ws.take(p.order_scratch, int64_t(W) + 1);
+  ws.take(p.mtiles, p.mtiles_cap);
+  ws.take(p.plan.entry_source, p.plan_cap);
+  ws.take(p.plan.entry_token, p.plan_cap);
+  ws.take(p.plan.entry_partial, p.plan_cap);
+  ws.take(p.plan.entry_begin, p.plan_cap + 1);
+  ws.take(p.plan.slot_row, p.plan_cap);
+  ws.take(p.plan.slot_weight, p.plan_cap);
+  const size_t flags_at = ws.take(p.ntile_ready, NT);
+  ws.take(p.ntile_count, NT);  // directly after the flags: one memset clears both
+  const size_t flags_end = flags_at + (size_t(std::max(NT, 1)) * 8 + 255) / 256 * 256 +
+                           (size_t(std::max(NT, 1)) * 4 + 255) / 256 * 256;
+  at::Tensor ws_t = ws.allocate(dev);
+  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + flags_at, 0,
+                             flags_end - flags_at, stream),
+             "clearing column flags");
+
+  launch_begin(p, me, stream);
+  check_cuda(cudaGetLastError(), "launching the begin kernel");
+  if (!ok) {
+    launch_finish(p, stream);
+    raise(check);
+  }
+  p.stage_tokens = tcap;
+  if (max_rows < 0) {
+    const CallSummary s = settle(b, p, check, "comet.moe_layer1", stream);
+    tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
+    p.tcap = tcap;
+    p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
+    p.stage_tokens = s.state.max_tokens;
+  }
+
+  // Local copies of every source's routing for the reduce plan (sized by the agreed capacity).
+  Carver stage;
+  const int64_t staged = int64_t(W) * std::max<int64_t>(p.stage_tokens, 0) * k;
+  stage.take(p.stage_ids, staged);
+  stage.take(p.stage_pos, staged);
+  stage.take(p.stage_weights, staged);
+  at::Tensor stage_t = stage.allocate(dev);
+
+  at::Tensor cbuf = at::empty({M, H}, h.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({T, H}, h.options());
+  p.h = h.data_ptr();
+  p.w1 = w1.data_ptr();
+  p.c = cbuf.data_ptr<float>();
+  p.out = out.data_ptr();
+
+  char* own = b.own_data();
+  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
+  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
+  copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
+  launch_publish(p, stream);
+  check_cuda(cudaGetLastError(), "launching the publish kernel");
+
+  LaunchPlan run = lp;
+  if (run.sm90 && M < 1) run.sm90 = false;
+  launch_fused(1, kind, p, run, stream);
+  return out;
+}
+
+// A rank whose call fails before reaching an op kernel still takes part in the metadata
+// exchange, so every peer raises too instead of waiting (comet.ops' device checks use it).
+std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& message) {
+  std::string pending;
+  auto buf = buffer_or_throw(handle, &pending);
+  CudaBuffer& b = *buf;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b.device()));
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const CheckResult check{1, message};
+  const OpKind kind = op == 0 ? OpKind::Layer0 : OpKind::Layer1;
+  const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, check);
+  CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0);
+  p.regions = data_regions(kind, 0, 0, 1, b.world(), b.world(), 2, 4);
+  Carver ws;
+  ws.take(p.metas, b.world());
+  at::Tensor ws_t = ws.allocate(b.device());
+  launch_begin(p, me, stream);
+  const CallSummary s = b.read_summary(p.metas, stream);
+  launch_finish(p, stream);
+  return verdict_message(s.metas, b.rank(), op == 0 ? "comet.moe_layer0" : "comet.moe_layer1",
+                         s.state.bad_rank);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(comet, CUDA, m) {
+  m.impl("moe_layer0", &moe_layer0_cuda);
+  m.impl("moe_layer1", &moe_layer1_cuda);
+}
+
+TORCH_LIBRARY_FRAGMENT(comet_cuda, m) {
+  m.def("buffer_fail_call(int handle, int op, str message) -> str", &buffer_fail_call);
+}
+
+}  // namespace comet::gpu

@@ -1,0 +1,161 @@
+// The sm_80 GEMM tile of the fused kernels: one 128x128 output tile C[rows, cols] = A[rows, K] @
+// B[cols, K]^T (both operands K-contiguous, "TN"), bf16 or fp16 inputs, fp32 accumulation with
+// mma.sync (CuTe SM80 16x8x16 atoms, 8 warps), a multistage cp.async mainloop through swizzled
+// shared memory read with ldmatrix, and a predicated epilogue storing straight from registers.
+//
+// Residues are handled in the tile: rows >= `rows`, columns >= `cols` and k >= K load as zeros.
+// When K is a multiple of 8 and both operands are 16-byte aligned the gmem->smem copies are 16-byte
+// cp.async (zero-filling out-of-range vectors); otherwise a scalar path fills the same shared
+// memory synchronously (the awkward shapes: H = 37 and friends), so one kernel serves every shape.
+//
+// Only tile-local work lives here: which tile to compute and when is the engine's schedule
+// (csrc/include/comet/gemm_schedule.h), run by the fused kernel.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "epilogue.cuh"
+
+namespace comet::gpu::sm80 {
+
+using namespace cute;
+
+template <class T>
+struct MmaAtomFor;
+template <>
+struct MmaAtomFor<cutlass::bfloat16_t> {
+  using type = SM80_16x8x16_F32BF16BF16F32_TN;
+};
+template <>
+struct MmaAtomFor<cutlass::half_t> {
+  using type = SM80_16x8x16_F32F16F16F32_TN;
+};
+
+template <class T>
+struct TileGemm {
+  static constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
+  static constexpr int kChunk = 8;  // elements per 16-byte vector
+
+  using TiledMma = decltype(make_tiled_mma(MMA_Atom<typename MmaAtomFor<T>::type>{},
+                                           Layout<Shape<_2, _4, _1>>{},  // 8 warps: 2 (M) x 4 (N)
+                                           Tile<_32, _64, _16>{}));
+  // 32 halves = 64 bytes per k-row of a stage: 2-3-3 swizzle keeps ldmatrix conflict-free.
+  using SmemAtom = decltype(composition(Swizzle<2, 3, 3>{},
+                                        Layout<Shape<_8, Int<kBK>>, Stride<Int<kBK>, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBM>, Int<kBK>, Int<kStages>>{}));
+  using SmemLayoutB = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kBK>, Int<kStages>>{}));
+  using S2RAtom = Copy_Atom<SM75_U32x4_LDSM_N, T>;
+
+  static constexpr int kSmemBytes =
+      int(cosize_v<SmemLayoutA> + cosize_v<SmemLayoutB>) * int(sizeof(T));
+
+  struct Operand {
+    const T* ptr;  // first row of the tile
+    int rows;      // valid rows (others read as zero)
+  };
+
+  // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt`.
+  template <int R, class SLayout>
+  static __device__ __forceinline__ void load_stage(T* smem, SLayout const& layout,
+                                                    const Operand& op, int64_t K, int kt,
+                                                    int stage, bool vec) {
+    constexpr int kChunksPerRow = kBK / kChunk;
+    const int64_t k0 = int64_t(kt) * kBK;
+    for (int idx = int(threadIdx.x); idx < R * kChunksPerRow; idx += kThreads) {
+      const int r = idx / kChunksPerRow;
+      const int c = (idx % kChunksPerRow) * kChunk;
+      T* dst = smem + layout(r, c, stage);
+      const int64_t gk = k0 + c;
+      const bool row_ok = r < op.rows;
+      if (vec) {
+        const bool ok = row_ok && gk < K;
+        const T* src = ok ? op.ptr + int64_t(r) * K + gk : op.ptr;
+        const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
+                     "r"(ok ? 16 : 0));
+      } else {
+        // Scalar path: any K, any alignment. Each element read only when in range.
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(op.ptr) + int64_t(r) * K + gk;
+        uint32_t w[kChunk / 2];
+#pragma unroll
+        for (int e = 0; e < kChunk; e += 2) {
+          const uint32_t lo = row_ok && gk + e < K ? src[e] : 0u;
+          const uint32_t hi = row_ok && gk + e + 1 < K ? src[e + 1] : 0u;
+          w[e / 2] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+
+  // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld).
+  // `smem` holds kSmemBytes. Every thread of the block must call it.
+  template <class Out>
+  static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
+                             Out* dst, int64_t ld) {
+    T* sa = reinterpret_cast<T*>(smem);
+    T* sb = sa + cosize_v<SmemLayoutA>;
+    Tensor sA = make_tensor(make_smem_ptr(sa), SmemLayoutA{});  // (BM, BK, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(sb), SmemLayoutB{});  // (BN, BK, PIPE)
+
+    TiledMma mma;
+    auto thr_mma = mma.get_slice(threadIdx.x);
+    Tensor tCrA = thr_mma.partition_fragment_A(sA(_, _, 0));  // (MMA, MMA_M, MMA_K)
+    Tensor tCrB = thr_mma.partition_fragment_B(sB(_, _, 0));  // (MMA, MMA_N, MMA_K)
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+    clear(acc);
+
+    auto s2r_a = make_tiled_copy_A(S2RAtom{}, mma);
+    auto thr_s2r_a = s2r_a.get_slice(threadIdx.x);
+    Tensor tXsA = thr_s2r_a.partition_S(sA);  // (CPY, CPY_M, CPY_K, PIPE)
+    Tensor tXrA = thr_s2r_a.retile_D(tCrA);
+    auto s2r_b = make_tiled_copy_B(S2RAtom{}, mma);
+    auto thr_s2r_b = s2r_b.get_slice(threadIdx.x);
+    Tensor tXsB = thr_s2r_b.partition_S(sB);
+    Tensor tXrB = thr_s2r_b.retile_D(tCrB);
+
+    const int k_tiles = int((K + kBK - 1) / kBK);
+    constexpr int kBlocks = size<2>(tCrA);
+
+    // Prologue: the first kStages-1 k-tiles in flight.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < k_tiles) {
+        load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
+        load_stage<kBN>(sb, SmemLayoutB{}, b, K, s, s, vec);
+      }
+      cp_async_fence();
+    }
+
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage kt visible to all; stage kt-1 free (everyone finished it)
+      const int next = kt + kStages - 1;
+      if (next < k_tiles) {
+        load_stage<kBM>(sa, SmemLayoutA{}, a, K, next, next % kStages, vec);
+        load_stage<kBN>(sb, SmemLayoutB{}, b, K, next, next % kStages, vec);
+      }
+      cp_async_fence();
+      const int stage = kt % kStages;
+#pragma unroll
+      for (int kb = 0; kb < kBlocks; ++kb) {
+        copy(s2r_a, tXsA(_, _, kb, stage), tXrA(_, _, kb));
+        copy(s2r_b, tXsB(_, _, kb, stage), tXrB(_, _, kb));
+        gemm(mma, tCrA(_, _, kb), tCrB(_, _, kb), acc);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // shared memory free for the next tile
+
+    Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+    store_tile(acc, tCcC, a.rows, b.rows, dst, ld);
+  }
+};
+
+}  // namespace comet::gpu::sm80

@@ -1,0 +1,368 @@
+// comet.symm's GPU backend on NVSHMEM, host API only (nvshmemx_hostlib_init_attr, nvshmem_malloc,
+// nvshmem_ptr, nvshmem_free): the kernels never call NVSHMEM, they load and store through the peer
+// pointers this file puts in the tables, so no translation unit needs -rdc or libnvshmem_device.
+//
+// Bootstrap: once per process from a unique id that rank 0 creates and comet/symm_cuda.py
+// broadcasts over torch.distributed. The NVSHMEM world must be the buffer's group (PE = rank).
+//
+// Also here: torch.ops.comet_cuda.*, the management ops comet/symm_cuda.py drives (create, grow,
+// release, settings, error checks). They take and return plain values.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-variable"  // NVSHMEM's device-state declaration
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#pragma GCC diagnostic pop
+#include <torch/library.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "comet/symm_layout.h"
+#include "cuda_buffer.h"
+
+namespace comet::gpu {
+namespace {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("comet.symm (CUDA): ") + what + ": " +
+                             cudaGetErrorString(e));
+}
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+constexpr size_t kMinData = size_t(1) << 20;  // room for the bucket offsets of ~250k experts
+
+void* symmetric_alloc(size_t bytes, const char* what) {
+  void* p = nvshmem_malloc(bytes);
+  if (p == nullptr) {
+    std::ostringstream m;
+    m << "comet.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
+      << " failed; the NVSHMEM heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first "
+         "comet call, e.g. NVSHMEM_SYMMETRIC_SIZE=8G)";
+    throw std::runtime_error(m.str());
+  }
+  return p;
+}
+
+}  // namespace
+
+CudaBuffer::CudaBuffer(int32_t rank, int32_t world, int device, int64_t group_hash,
+                       double timeout_s, size_t capacity_bytes)
+    : rank_(rank), world_(world), device_(device), group_hash_(group_hash), timeout_s_(timeout_s) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
+    throw std::runtime_error("comet.symm (CUDA): NVSHMEM is not initialised (create buffers "
+                             "through comet.symm_cuda, which bootstraps it)");
+  if (nvshmem_n_pes() != world || nvshmem_my_pe() != rank) {
+    std::ostringstream m;
+    m << "comet.symm (CUDA): NVSHMEM was initialised as PE " << nvshmem_my_pe() << " of "
+      << nvshmem_n_pes() << " but this buffer's group has this process as rank " << rank
+      << " of " << world << "; a CUDA buffer's group must be the NVSHMEM world (the default "
+         "process group) in this version";
+    throw std::runtime_error(m.str());
+  }
+  header_bytes_ = round_up(header_bytes(world), 256);
+  header_ = symmetric_alloc(header_bytes_, "buffer header");
+  capacity_ = round_up(capacity_bytes > kMinData ? capacity_bytes : kMinData, size_t(1) << 20);
+  data_ = symmetric_alloc(capacity_, "data segment");
+  cuda_check(cudaMemset(header_, 0, header_bytes_), "clearing the header");
+
+  cuda_check(cudaMalloc(reinterpret_cast<void**>(&state_), sizeof(DeviceState)), "cudaMalloc");
+  cuda_check(cudaMemset(state_, 0, sizeof(DeviceState)), "clearing the device state");
+  cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
+                           cudaHostAllocMapped),
+             "cudaHostAlloc");
+  std::memset(error_host_, 0, sizeof(ErrorRecord));
+  cuda_check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev_), error_host_, 0),
+             "cudaHostGetDevicePointer");
+  cuda_check(cudaHostAlloc(&summary_host_, sizeof(DeviceState) + world * sizeof(CallMeta),
+                           cudaHostAllocDefault),
+             "cudaHostAlloc");
+  tables_ = at::zeros({2, world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
+  refresh_tables(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
+  cuda_check(cudaDeviceSynchronize(), "initialising the buffer");
+}
+
+CudaBuffer::~CudaBuffer() {
+  // The NVSHMEM memory is only freed by release() (collective); the local resources always.
+  if (error_host_ != nullptr) cudaFreeHost(error_host_);
+  if (summary_host_ != nullptr) cudaFreeHost(summary_host_);
+  if (state_ != nullptr) cudaFree(state_);
+}
+
+void CudaBuffer::refresh_tables(cudaStream_t stream) {
+  at::Tensor host = at::empty({2, world_}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* t = host.data_ptr<int64_t>();
+  std::ostringstream bad;
+  for (int32_t r = 0; r < world_; ++r) {
+    void* h = nvshmem_ptr(header_, r);
+    void* d = nvshmem_ptr(data_, r);
+    if (h == nullptr || d == nullptr) bad << (bad.tellp() > 0 ? ", " : "") << r;
+    t[r] = reinterpret_cast<int64_t>(h);
+    t[world_ + r] = reinterpret_cast<int64_t>(d);
+  }
+  if (bad.tellp() > 0)
+    unreachable_ = "comet.symm (CUDA): rank " + std::to_string(rank_) +
+                   " cannot reach the symmetric memory of rank(s) " + bad.str() +
+                   " by pointer (another node, or no peer-to-peer access between these GPUs); "
+                   "buffers spanning nodes need the multi-node backend, which is not available "
+                   "yet";
+  cuda_check(cudaMemcpyAsync(tables_.data_ptr(), t, sizeof(int64_t) * 2 * world_,
+                             cudaMemcpyHostToDevice, stream),
+             "copying the peer tables");
+  cuda_check(cudaStreamSynchronize(stream), "copying the peer tables");
+}
+
+RankHeader* const* CudaBuffer::headers_table() const {
+  return reinterpret_cast<RankHeader* const*>(tables_.data_ptr<int64_t>());
+}
+
+char* const* CudaBuffer::datas_table() const {
+  return reinterpret_cast<char* const*>(tables_.data_ptr<int64_t>() + world_);
+}
+
+int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
+                                   int32_t elem_bytes) const {
+  auto fits = [&](int64_t t) {
+    return data_regions(op, t, int32_t(hidden), topk, num_experts, world_, elem_bytes, 4).total <=
+           capacity_;
+  };
+  if (!fits(0)) return -1;
+  int64_t lo = 0, hi = int64_t(capacity_);  // every region grows with t
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
+  if (bytes <= capacity_) return;
+  size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
+  cap = round_up(cap, size_t(1) << 20);
+  try {
+    // Every rank is here, after reading this call's summary with its stream idle: no kernel of
+    // any rank touches the old segment any more.
+    void* fresh = symmetric_alloc(cap, "grown data segment");
+    nvshmem_free(data_);
+    data_ = fresh;
+    capacity_ = cap;
+    refresh_tables(stream);
+  } catch (const std::exception& e) {
+    mark_broken(e.what());
+    throw;
+  }
+}
+
+void CudaBuffer::clear_error() { std::memset(error_host_, 0, sizeof(ErrorRecord)); }
+
+CallSummary CudaBuffer::read_summary(const CallMeta* metas_device, cudaStream_t stream) {
+  char* host = static_cast<char*>(summary_host_);
+  cudaError_t e = cudaMemcpyAsync(host, state_, sizeof(DeviceState), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(host + sizeof(DeviceState), metas_device, world_ * sizeof(CallMeta),
+                        cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    std::string why = describe_error(*error_host_);
+    if (why.empty()) why = "comet: the call's prologue failed on the GPU";
+    why += std::string(" (CUDA: ") + cudaGetErrorString(e) + ")";
+    mark_broken(why);
+    throw std::runtime_error(why);
+  }
+  CallSummary s;
+  std::memcpy(&s.state, host, sizeof(DeviceState));
+  s.metas.resize(size_t(world_));
+  std::memcpy(s.metas.data(), host + sizeof(DeviceState), world_ * sizeof(CallMeta));
+  return s;
+}
+
+void CudaBuffer::mark_broken(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+}
+
+void CudaBuffer::release() {
+  if (header_ == nullptr) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cudaDeviceSynchronize();
+  nvshmem_free(data_);
+  nvshmem_free(header_);
+  data_ = header_ = nullptr;
+}
+
+namespace {
+std::mutex g_mutex;
+std::map<int64_t, std::shared_ptr<CudaBuffer>> g_buffers;
+int64_t g_next = kCudaHandleBase;
+}  // namespace
+
+int64_t register_cuda_buffer(std::shared_ptr<CudaBuffer> b) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_buffers[g_next] = std::move(b);
+  return g_next++;
+}
+
+std::shared_ptr<CudaBuffer> find_cuda_buffer(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_buffers.find(handle);
+  if (it == g_buffers.end()) {
+    if (handle < kCudaHandleBase)
+      throw std::invalid_argument(
+          "comet: buffer " + std::to_string(handle) +
+          " is a CPU buffer but the inputs are CUDA tensors; use a CUDA buffer "
+          "(comet.symm_cuda.buffer_for(group, device)) for CUDA inputs");
+    throw std::invalid_argument("comet: no live CUDA buffer with handle " +
+                                std::to_string(handle) + " (closed, or never created)");
+  }
+  return it->second;
+}
+
+void release_cuda_buffer(int64_t handle) {
+  std::shared_ptr<CudaBuffer> b;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_buffers.find(handle);
+    if (it == g_buffers.end()) return;
+    b = it->second;
+    g_buffers.erase(it);
+  }
+  b->release();
+}
+
+namespace {
+
+// ---- torch.ops.comet_cuda.* ------------------------------------------------------------------
+
+at::Tensor nvshmem_unique_id() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (nvshmemx_get_uniqueid(&id) != 0)
+    throw std::runtime_error("comet.symm (CUDA): nvshmemx_get_uniqueid failed");
+  at::Tensor t = at::empty({int64_t(sizeof(id))}, at::kByte);
+  std::memcpy(t.data_ptr(), &id, sizeof(id));
+  return t;
+}
+
+// Returns false when NVSHMEM was already initialised (by an earlier call, torch's symmetric
+// memory or nvshmem4py) with the same rank and world.
+bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64_t device) {
+  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    TORCH_CHECK(nvshmem_my_pe() == rank && nvshmem_n_pes() == world,
+                "comet.symm (CUDA): NVSHMEM is already initialised as PE ", nvshmem_my_pe(),
+                " of ", nvshmem_n_pes(), ", not as rank ", rank, " of ", world);
+    return false;
+  }
+  TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
+                  uid.numel() == int64_t(sizeof(nvshmemx_uniqueid_t)),
+              "comet.symm (CUDA): bad NVSHMEM unique id");
+  cuda_check(cudaSetDevice(int(device)), "cudaSetDevice");
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, uid.contiguous().data_ptr(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  TORCH_CHECK(nvshmemx_set_attr_uniqueid_args(int(rank), int(world), &id, &attr) == 0,
+              "comet.symm (CUDA): nvshmemx_set_attr_uniqueid_args failed");
+  TORCH_CHECK(nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
+              "comet.symm (CUDA): NVSHMEM initialisation failed (rank ", rank, " of ", world, ")");
+  return true;
+}
+
+int64_t buffer_create(int64_t rank, int64_t world, int64_t device, double timeout,
+                      int64_t group_hash, int64_t capacity) {
+  return register_cuda_buffer(std::make_shared<CudaBuffer>(
+      int32_t(rank), int32_t(world), int(device), group_hash, timeout, size_t(capacity)));
+}
+
+std::string buffer_unreachable(int64_t h) { return find_cuda_buffer(h)->unreachable(); }
+void buffer_release(int64_t h) { release_cuda_buffer(h); }
+void buffer_set_max_rows(int64_t h, int64_t r) { find_cuda_buffer(h)->set_max_rows(r); }
+int64_t buffer_max_rows(int64_t h) { return find_cuda_buffer(h)->max_rows(); }
+void buffer_set_bench_mode(int64_t h, int64_t m) {
+  TORCH_CHECK_VALUE(m >= 0 && m <= 2, "bench mode must be 0 (fused), 1 (comm only) or 2 (GEMM only)");
+  find_cuda_buffer(h)->set_bench_mode(int32_t(m));
+}
+void buffer_set_timeout(int64_t h, double s) { find_cuda_buffer(h)->set_timeout(s); }
+int64_t buffer_capacity(int64_t h) { return int64_t(find_cuda_buffer(h)->capacity()); }
+
+// Collective: grows every rank's data segment to at least `bytes`.
+void buffer_reserve(int64_t h, int64_t bytes) {
+  auto b = find_cuda_buffer(h);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  cuda_check(cudaStreamSynchronize(stream), "reserve");
+  b->grow(size_t(bytes), stream);
+}
+
+// Duration of the last fused kernel on this buffer (seconds; waits for the current stream).
+double buffer_kernel_time(int64_t h) {
+  auto b = find_cuda_buffer(h);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  DeviceState st{};
+  cuda_check(cudaMemcpyAsync(&st, b->state(), sizeof(st), cudaMemcpyDeviceToHost, stream),
+             "reading the kernel clock");
+  cuda_check(cudaStreamSynchronize(stream), "reading the kernel clock");
+  if (st.kernel_end < st.kernel_start || st.kernel_start == ~0ull) return 0.0;
+  return double(st.kernel_end - st.kernel_start) * 1e-9;
+}
+
+int64_t region_bytes(int64_t op, int64_t tokens, int64_t hidden, int64_t topk, int64_t experts,
+                     int64_t world, int64_t elem_bytes) {
+  return int64_t(data_regions(OpKind(op), tokens, int32_t(hidden), int32_t(topk),
+                              int32_t(experts), int32_t(world), int32_t(elem_bytes), 4)
+                     .total);
+}
+
+}  // namespace
+
+namespace {
+
+// Synchronises the current stream and reports what the device recorded (empty: nothing).
+std::string buffer_check(int64_t h) {
+  auto b = find_cuda_buffer(h);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
+  const cudaError_t e = cudaStreamSynchronize(at::cuda::getCurrentCUDAStream());
+  std::string msg = describe_error(b->error_host());
+  if (e != cudaSuccess) {
+    msg = (msg.empty() ? std::string() : msg + "; ") + "CUDA error: " + cudaGetErrorString(e);
+    b->mark_broken(msg);
+  } else if (!msg.empty() && b->error_host().code != 1) {
+    b->clear_error();  // reported once; a timeout keeps the buffer broken
+  }
+  return msg;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(comet_cuda, m) {
+  m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id);
+  m.def("nvshmem_bootstrap(Tensor uid, int rank, int world, int device) -> bool",
+        &nvshmem_bootstrap);
+  m.def("buffer_create(int rank, int world, int device, float timeout, int group_hash, "
+        "int capacity) -> int",
+        &buffer_create);
+  m.def("buffer_unreachable(int handle) -> str", &buffer_unreachable);
+  m.def("buffer_release(int handle) -> ()", &buffer_release);
+  m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
+  m.def("buffer_max_rows(int handle) -> int", &buffer_max_rows);
+  m.def("buffer_set_bench_mode(int handle, int mode) -> ()", &buffer_set_bench_mode);
+  m.def("buffer_set_timeout(int handle, float seconds) -> ()", &buffer_set_timeout);
+  m.def("buffer_capacity(int handle) -> int", &buffer_capacity);
+  m.def("buffer_reserve(int handle, int bytes) -> ()", &buffer_reserve);
+  m.def("buffer_check(int handle) -> str", &buffer_check);
+  m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
+  m.def("region_bytes(int op, int tokens, int hidden, int topk, int experts, int world, "
+        "int elem_bytes) -> int",
+        &region_bytes);
+}
+
+}  // namespace comet::gpu

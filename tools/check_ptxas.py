@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Static check of comet's CUDA kernels from ptxas's resource report (no GPU needed).
+
+Compiles every csrc/cuda/*.cu with the build's own nvcc flags (comet_build.py) for every
+architecture of COMET_CUDA_ARCHS (default "80;90a") with `-Xptxas -v`, or parses an existing log
+(--log, e.g. a build run with COMET_PTXAS_VERBOSE=1), and prints one row per kernel and
+architecture: registers, static and dynamic shared memory, stack frame, spill stores / loads.
+
+Fails (exit code 1) when
+  - a GEMM kernel (the fused kernels: comm + GEMM blocks) spills registers;
+  - ptxas reports C7509 / C7510 ("wgmma.mma_async instructions are serialized": every wgmma
+    waits for the previous one) or C7504 ("setmaxnreg ignored"): silent large slowdowns;
+  - a source does not compile, or no kernel at all was found.
+Exit code 2: bad usage / no nvcc.
+
+    python tools/check_ptxas.py [--jobs 2] [--log build.log] [--archs "80;90a"]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import comet_build  # noqa: E402  (the build's flags)
+
+ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+PROPS = re.compile(r"Function properties for (\S+)")
+FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+BAD_CODES = {"C7509": "wgmma serialized", "C7510": "wgmma serialized", "C7504": "setmaxnreg ignored"}
+BAD_TEXT = ("wgmma.mma_async instructions are serialized", "setmaxnreg ignored")
+GEMM_KERNEL = re.compile(r"fused_kernel")
+
+# Dynamic shared memory is not in ptxas's report: a host-only probe prints the kernels' constants.
+SMEM_PROBE = r"""
+#include <cstdio>
+#include "fused_sm80.cuh"
+#include "fused_sm90.cuh"
+int main() {
+  using namespace comet::gpu;
+  std::printf("sm80 %d %d\n", sm80::TileGemm<cutlass::bfloat16_t>::kSmemBytes,
+              sm80::TileGemm<cutlass::bfloat16_t>::kThreads);
+  std::printf("sm90 %d %d\n", sm90::GemmConfig<cutlass::bfloat16_t>::kSmemBytes,
+              sm90::GemmConfig<cutlass::bfloat16_t>::kThreads);
+  return 0;
+}
+"""
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("c++filt") or shutil.which("cu++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def short(name: str) -> str:
+    """comet::gpu::sm90::fused_kernel<cutlass::bfloat16_t, 0>(...) -> sm90::fused_kernel<bf16, 0>"""
+    n = name.replace("(anonymous namespace)::", "")
+    depth, cut = 0, len(n)
+    for i in range(len(n) - 1, -1, -1):  # drop the trailing parameter list
+        depth += {")": 1, "(": -1}.get(n[i], 0)
+        if depth == 0 and n[i] == "(":
+            cut = i
+            break
+    n = n[:cut]
+    n = n.removeprefix("void ").replace("comet::gpu::", "").replace("cutlass::bfloat16_t", "bf16")
+    return n.replace("cutlass::half_t", "f16")
+
+
+def parse(text: str, source: str):
+    """Rows {kernel, arch, regs, smem, stack, spill_st, spill_ld, source} and problems."""
+    rows, problems = [], []
+    entry = None   # row of the entry function being compiled
+    target = None  # function the next "N bytes stack frame" line belongs to
+    for line in text.splitlines():
+        m = ENTRY.search(line)
+        if m:
+            entry = dict(kernel=m.group(1), arch=m.group(2), regs=None, smem=0, stack=0,
+                         spill_st=0, spill_ld=0, source=source)
+            rows.append(entry)
+            continue
+        m = PROPS.search(line)
+        if m:
+            target = m.group(1)
+            continue
+        m = FRAME.search(line)
+        if m:
+            if entry is not None and target == entry["kernel"]:
+                entry["stack"], entry["spill_st"], entry["spill_ld"] = map(int, m.groups())
+            elif int(m.group(2)) or int(m.group(3)):
+                problems.append(f"{source}: device function {target} spills: {line.strip()}")
+            continue
+        m = USED.search(line)
+        if m and entry is not None and entry["regs"] is None:
+            entry["regs"] = int(m.group(1))
+            entry["smem"] = int(m.group(2) or 0)
+            continue
+        if any(f"({c})" in line for c in BAD_CODES) or any(t in line for t in BAD_TEXT):
+            problems.append(f"{source}: {line.strip()}")
+    return rows, problems
+
+
+def compile_one(source: str, archs: list[str], outdir: str):
+    obj = os.path.join(outdir, os.path.basename(source) + ".o")
+    cmd = comet_build.nvcc_command(ROOT, os.path.join(ROOT, source), archs[0],
+                                   ["-Xptxas=-v", "-o", obj])
+    # nvcc_command gives one -gencode; add the other architectures.
+    cmd[1:1] = comet_build.gencode_flags(archs[1:])
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return source, proc.returncode, proc.stdout + proc.stderr, time.time() - start
+
+
+def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
+    """{'sm80': (bytes, threads), 'sm90': (...)} from a host-only probe (empty on failure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cu")
+        exe = os.path.join(tmp, "probe")
+        with open(src, "w") as f:
+            f.write(SMEM_PROBE)
+        cmd = comet_build.nvcc_command(ROOT, src, "90a" if "90a" in archs else archs[0])
+        cmd = [c for c in cmd if c != "-c"] + ["-o", exe]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
+            return {}
+        out = subprocess.run([exe], capture_output=True, text=True).stdout
+    res = {}
+    for line in out.splitlines():
+        key, smem, threads = line.split()
+        res[key] = (int(smem), int(threads))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel nvcc jobs (default 2)")
+    ap.add_argument("--archs", default=os.environ.get("COMET_CUDA_ARCHS", comet_build.DEFAULT_ARCHS))
+    ap.add_argument("--log", help="parse this ptxas -v log instead of compiling")
+    ap.add_argument("--no-smem-probe", action="store_true",
+                    help="skip the host probe that reports dynamic shared memory")
+    args = ap.parse_args(argv)
+    os.environ["COMET_CUDA_ARCHS"] = args.archs
+    archs = comet_build.archs()
+
+    rows, problems, failures = [], [], []
+    if args.log:
+        with open(args.log) as f:
+            r, p = parse(f.read(), os.path.basename(args.log))
+        rows += r
+        problems += p
+    else:
+        if shutil.which("nvcc") is None and not os.path.exists(
+                os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+            print("check_ptxas: nvcc not found", file=sys.stderr)
+            return 2
+        sources = comet_build.cuda_sources(ROOT)
+        if not sources:
+            print("check_ptxas: no csrc/cuda/*.cu", file=sys.stderr)
+            return 2
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as tmp, \
+                cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for source, rc, out, secs in pool.map(lambda s: compile_one(s, archs, tmp), sources):
+                print(f"compiled {source} for {','.join('sm_' + a for a in archs)} in {secs:.0f} s"
+                      + ("" if rc == 0 else "  FAILED"))
+                if rc != 0:
+                    failures.append(f"{source}: nvcc exit {rc}\n{out[-4000:]}")
+                r, p = parse(out, source)
+                rows += r
+                problems += p
+        print(f"total compile time {time.time() - t0:.0f} s with {args.jobs} job(s)")
+
+    smem = {} if args.no_smem_probe or args.log else dynamic_smem(archs)
+    names = demangle(sorted({r["kernel"] for r in rows}))
+    header = ("kernel", "arch", "regs", "smem static", "smem dynamic", "stack", "spill st",
+              "spill ld", "source")
+    table = []
+    for r in sorted(rows, key=lambda r: (r["source"], names[r["kernel"]], r["arch"])):
+        name = short(names[r["kernel"]])
+        path = "sm90" if "sm90::" in name else "sm80" if "sm80::" in name else None
+        dyn = smem.get(path, (None,))[0] if path else 0
+        stub = path == "sm90" and r["arch"] != "sm_90a"
+        if stub:  # the sm_90a path built for another architecture: an empty, never-launched stub
+            name += " (stub)"
+        table.append((name, r["arch"], str(r["regs"]), str(r["smem"]),
+                      "-" if stub else "?" if dyn is None else str(dyn), str(r["stack"]),
+                      str(r["spill_st"]), str(r["spill_ld"]), r["source"]))
+        if GEMM_KERNEL.search(name) and (r["spill_st"] or r["spill_ld"]):
+            problems.append(f"{r['source']}: GEMM kernel {name} for {r['arch']} spills "
+                            f"({r['spill_st']} bytes stored, {r['spill_ld']} loaded)")
+    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h)
+              for i, h in enumerate(header)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    if smem:
+        print("\n(smem dynamic: the fused kernels' dynamic shared memory per block; "
+              "threads per block: " + ", ".join(f"{k} {v[1]}" for k, v in sorted(smem.items()))
+              + "; stack frames of the fused kernels are the timeout path's printf buffer)")
+    if not rows and not failures:
+        failures.append("no kernel found in the ptxas output (was -Xptxas -v passed?)")
+    for f in failures:
+        print(f"\nFAIL {f}", file=sys.stderr)
+    for p in sorted(set(problems)):
+        print(f"FAIL {p}", file=sys.stderr)
+    ok = not failures and not problems
+    print("\nptxas check " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
