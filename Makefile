@@ -14,7 +14,7 @@ export MAX_JOBS ?= 2
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1
 
-.PHONY: setup build demo test test-cpp test-py test-gpu cuda-check bench clean
+.PHONY: setup build demo test test-cpp test-py test-cuda-static test-gpu bench clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +40,19 @@ test-cpp:
 test-py: setup
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
-test: test-cpp test-py
+# Static checks of the CUDA kernels (no GPU needed): every .cu compiled for sm_80 and sm_90a with
+# ptxas -v; fails on spills in GEMM kernels or serialized-wgmma / ignored-setmaxnreg warnings.
+test-cuda-static: $(VENV)/.deps
+	@if command -v nvcc >/dev/null || [ -x "$(CUDA_HOME)/bin/nvcc" ]; then \
+		$(PY) tools/check_ptxas.py --jobs $(MAX_JOBS); \
+	else echo "nvcc not found: CUDA static checks skipped"; fi
+
+test: test-cpp test-cuda-static test-py
 
 # GPU tests: skip without a GPU; on a machine with N GPUs: make test-gpu NGPU=N
 NGPU ?= 1
 test-gpu: setup
-	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q
+	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
 bench: setup
 	$(PY) bench/moe_layer.py

@@ -7,7 +7,13 @@ import shutil
 import sys
 
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+
+# torch.utils.cpp_extension reads CUDA_HOME when imported; without it, it may settle on /usr/local and
+# then find no cuda_runtime.h (TOOLCHAIN.md). Default to the toolkit nvcc lives in.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
