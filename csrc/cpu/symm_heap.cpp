@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "call_verdict.h"
 #include "comet/flags.h"
 
 namespace comet::cpu {
@@ -112,38 +113,8 @@ uint64_t SymmHeap::begin_call(CallMeta me) {
 }
 
 std::string SymmHeap::verdict(const char* op_name) const {
-  std::ostringstream msg;
-  // An input error: this rank's own message first, else the lowest failing rank's.
-  int32_t bad = metas_[rank_].error ? rank_ : -1;
-  for (int32_t s = 0; s < world_ && bad < 0; ++s)
-    if (metas_[s].error) bad = s;
-  if (bad == rank_) return metas_[rank_].message;
-  if (bad >= 0) {
-    msg << op_name << ": rank " << bad << " rejected its input: " << metas_[bad].message;
-    return msg.str();
-  }
-  const CallMeta& m0 = metas_[0];
-  static const char* kOps[] = {"moe_layer0", "moe_layer1"};
-  static const char* kDtypes[] = {"float32", "bfloat16", "float16", "float64"};
-  for (int32_t s = 1; s < world_; ++s) {
-    const CallMeta& m = metas_[s];
-    auto differ = [&](const char* what, auto a, auto b) {
-      msg << op_name << ": ranks disagree on " << what << ": rank 0 has " << a << ", rank " << s
-          << " has " << b;
-    };
-    if (m.op != m0.op) differ("the op called", kOps[m0.op & 1], kOps[m.op & 1]);
-    else if (m.world != m0.world || m.group_hash != m0.group_hash)
-      differ("the process group (size)", m0.world, m.world);
-    else if (m.num_experts != m0.num_experts) differ("num_experts", m0.num_experts, m.num_experts);
-    else if (m.topk != m0.topk) differ("topk (columns of topk_ids)", m0.topk, m.topk);
-    else if (m.hidden != m0.hidden) differ("the hidden size H", m0.hidden, m.hidden);
-    else if (m.cols != m0.cols)
-      differ(m0.op == 0 ? "N0 (rows of w0)" : "N1 (columns of h and w1)", m0.cols, m.cols);
-    else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype & 3], kDtypes[m.dtype & 3]);
-    else continue;
-    return msg.str();
-  }
-  return {};
+  return call_verdict(metas_.data(), world_, rank_, rejected_rank(metas_.data(), world_, rank_),
+                      op_name);
 }
 
 void SymmHeap::reserve(size_t bytes) {

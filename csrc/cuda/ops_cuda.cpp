@@ -25,6 +25,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "call_verdict.h"
 #include "comet/exec_context.h"
 #include "comet/symm_layout.h"
 #include "cuda_buffer.h"
@@ -203,36 +204,11 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
   return lp;
 }
 
+// The device decided that the call is rejected and which rank's input to name (bad_rank).
 std::string verdict_message(const std::vector<CallMeta>& metas, int32_t rank, const char* op_name,
                             int32_t bad) {
-  std::ostringstream msg;
-  if (bad == rank) return metas[size_t(rank)].message;
-  if (bad >= 0) {
-    msg << op_name << ": rank " << bad << " rejected its input: " << metas[size_t(bad)].message;
-    return msg.str();
-  }
-  const CallMeta& m0 = metas[0];
-  static const char* kOps[] = {"moe_layer0", "moe_layer1"};
-  static const char* kDtypes[] = {"float32", "bfloat16", "float16", "float64"};
-  for (size_t s = 1; s < metas.size(); ++s) {
-    const CallMeta& m = metas[s];
-    auto differ = [&](const char* what, auto a, auto b) {
-      msg << op_name << ": ranks disagree on " << what << ": rank 0 has " << a << ", rank " << s
-          << " has " << b;
-    };
-    if (m.op != m0.op) differ("the op called", kOps[m0.op & 1], kOps[m.op & 1]);
-    else if (m.world != m0.world || m.group_hash != m0.group_hash)
-      differ("the process group (size)", m0.world, m.world);
-    else if (m.num_experts != m0.num_experts) differ("num_experts", m0.num_experts, m.num_experts);
-    else if (m.topk != m0.topk) differ("topk (columns of topk_ids)", m0.topk, m.topk);
-    else if (m.hidden != m0.hidden) differ("the hidden size H", m0.hidden, m.hidden);
-    else if (m.cols != m0.cols)
-      differ(m0.op == 0 ? "N0 (rows of w0)" : "N1 (columns of h and w1)", m0.cols, m.cols);
-    else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype & 3], kDtypes[m.dtype & 3]);
-    else continue;
-    return msg.str();
-  }
-  return std::string(op_name) + ": the call was rejected";
+  std::string v = call_verdict(metas.data(), int32_t(metas.size()), rank, bad, op_name);
+  return v.empty() ? std::string(op_name) + ": the call was rejected" : v;
 }
 
 [[noreturn]] void raise(const CheckResult& r) {
