@@ -4,9 +4,6 @@
 
 namespace comet {
 
-namespace {
-
-// torch's Python spelling (float32, int64, ...), which is what users wrote.
 std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
 
 std::string shape_str(const at::Tensor& t) {
@@ -15,154 +12,143 @@ std::string shape_str(const at::Tensor& t) {
   return s.str();
 }
 
-struct Checker {
-  CheckResult result;
-  const char* op;
-  bool failed() const { return !result.ok(); }
-  bool fail(int32_t code, const std::string& msg) {
-    if (result.ok()) result = CheckResult{code, std::string(op) + ": " + msg};
-    return false;
-  }
-  bool value(bool cond, const std::string& msg) { return cond || fail(1, msg); }
-  bool type(bool cond, const std::string& msg) { return cond || fail(2, msg); }
-
-  bool tensor(const at::Tensor& t, const char* name, int64_t dim, at::DeviceType device) {
-    if (failed()) return false;
-    if (!value(t.defined(), std::string(name) + " is undefined")) return false;
-    if (!value(t.device().type() == device,
-               std::string(name) + " is on " + t.device().str() + "; this kernel needs " +
-                   c10::DeviceTypeName(device, true) + " tensors"))
-      return false;
-    if (!value(t.dim() == dim, std::string(name) + " must be " + std::to_string(dim) +
-                                   "-D, got shape " + shape_str(t)))
-      return false;
-    return value(t.is_contiguous(), std::string(name) + " with shape " + shape_str(t) +
-                                        " must be contiguous (call .contiguous())");
-  }
-
-  // float64 only on the CPU backend (exact gradient checks); the GPU kernels take bf16/fp16/fp32.
-  bool float_dtype(const at::Tensor& t, const char* name) {
-    if (failed()) return false;
-    auto d = t.scalar_type();
-    const bool cpu = t.device().is_cpu();
-    return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || (cpu && d == at::kDouble),
-                std::string(name) + " has dtype " + dtype_name(d) +
-                    (cpu ? "; supported: float32, bfloat16, float16, float64"
-                         : "; supported: float32, bfloat16, float16"));
-  }
-
-  bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
-    if (failed()) return false;
-    return type(t.scalar_type() == ref.scalar_type(),
-                std::string(name) + " has dtype " + dtype_name(t.scalar_type()) + " but " +
-                    ref_name + " has " + dtype_name(ref.scalar_type()) + "; they must match");
-  }
-
-  bool int_dtype(const at::Tensor& t, const char* name, bool allow64) {
-    if (failed()) return false;
-    auto d = t.scalar_type();
-    return type(d == at::kInt || (allow64 && d == at::kLong),
-                std::string(name) + " has dtype " + dtype_name(d) + "; expected " +
-                    (allow64 ? "int32 or int64" : "int32"));
-  }
-
-  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname) {
-    if (failed()) return false;
-    if (!value(num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(num_experts)))
-      return false;
-    if (!value(num_experts % world == 0,
-               "num_experts=" + std::to_string(num_experts) +
-                   " is not divisible by the expert-parallel group size " + std::to_string(world)))
-      return false;
-    return value(experts_local == num_experts / world,
-                 std::string(wname) + " holds " + std::to_string(experts_local) +
-                     " local experts but num_experts / group size = " +
-                     std::to_string(num_experts / world));
-  }
-
-  bool routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts) {
-    if (failed()) return false;
-    if (!int_dtype(ids, "topk_ids", true)) return false;
-    if (!value(ids.size(0) == tokens, "topk_ids has " + std::to_string(ids.size(0)) +
-                                          " rows but there are " + std::to_string(tokens) +
-                                          " tokens"))
-      return false;
-    if (!value(ids.size(1) >= 1, "topk_ids must have at least one column (topk >= 1)"))
-      return false;
-    if (!value(ids.numel() < (int64_t(1) << 31), "topk_ids is too large for int32 row indices"))
-      return false;
-    auto ids64 = ids.to(at::kLong);
-    const int64_t* p = ids64.data_ptr<int64_t>();
-    for (int64_t i = 0; i < ids64.numel(); ++i)
-      if (p[i] < -1 || p[i] >= num_experts)
-        return value(false, "topk_ids[" + std::to_string(i / ids.size(1)) + ", " +
-                                std::to_string(i % ids.size(1)) + "] = " + std::to_string(p[i]) +
-                                " is not an expert id: valid ids are 0.." +
-                                std::to_string(num_experts - 1) + " and -1 (dropped slot)");
-    return true;
-  }
-
-  bool launch(const LaunchShape& l) {
-    if (failed()) return false;
-    return value(l.n_comm >= 1, "n_comm must be >= 1, got " + std::to_string(l.n_comm)) &&
-           value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
-           value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " +
-                                                     std::to_string(l.tile_m) + "x" +
-                                                     std::to_string(l.tile_n));
-  }
-};
-
-}  // namespace
-
-CheckResult check_layer0(const Layer0Inputs& in, int64_t world, const LaunchShape& launch,
-                         at::DeviceType device) {
-  Checker c{{}, "comet.moe_layer0"};
-  c.tensor(in.x, "x", 2, device) && c.float_dtype(in.x, "x") &&
-      c.tensor(in.w0, "w0", 3, device) && c.same_dtype(in.w0, "w0", in.x, "x") &&
-      c.value(in.w0.size(2) == in.x.size(1),
-              "w0 must be [E_local, N0, H] with H = " + std::to_string(in.x.size(1)) +
-                  " (x's columns), got shape " + shape_str(in.w0)) &&
-      c.experts(in.num_experts, world, in.w0.size(0), "w0") &&
-      c.tensor(in.topk_ids, "topk_ids", 2, device) &&
-      c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.launch(launch);
-  return c.result;
+bool Checker::fail(int32_t code, const std::string& msg) {
+  if (result_.ok()) result_ = CheckResult{code, std::string(op_) + ": " + msg};
+  return false;
 }
 
-CheckResult check_layer1(const Layer1Inputs& in, int64_t world, const LaunchShape& launch,
-                         at::DeviceType device) {
-  Checker c{{}, "comet.moe_layer1"};
-  c.tensor(in.h, "h", 2, device) && c.float_dtype(in.h, "h") &&
-      c.tensor(in.w1, "w1", 3, device) && c.same_dtype(in.w1, "w1", in.h, "h") &&
-      c.value(in.w1.size(2) == in.h.size(1),
-              "w1 must be [E_local, H, N1] with N1 = " + std::to_string(in.h.size(1)) +
-                  " (h's columns), got shape " + shape_str(in.w1)) &&
-      c.experts(in.num_experts, world, in.w1.size(0), "w1") &&
-      c.tensor(in.topk_ids, "topk_ids", 2, device) &&
-      c.routing(in.topk_ids, in.topk_ids.size(0), in.num_experts) &&
-      c.tensor(in.topk_weights, "topk_weights", 2, device) &&
-      c.type(in.topk_weights.scalar_type() == at::kFloat ||
-                 in.topk_weights.scalar_type() == in.h.scalar_type(),
-             "topk_weights has dtype " + dtype_name(in.topk_weights.scalar_type()) +
-                 "; expected float32 or h's dtype") &&
-      c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
-              "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +
-                  shape_str(in.topk_ids)) &&
-      c.tensor(in.send_pos, "layout.send_pos", 2, device) &&
-      c.int_dtype(in.send_pos, "layout.send_pos", false) &&
-      c.value(in.send_pos.sizes() == in.topk_ids.sizes(),
-              "layout.send_pos has shape " + shape_str(in.send_pos) + " but topk_ids has " +
-                  shape_str(in.topk_ids) + ": the layout belongs to another call") &&
-      c.tensor(in.recv_counts, "layout.recv_counts", 2, device) &&
-      c.int_dtype(in.recv_counts, "layout.recv_counts", false) &&
-      c.value(in.recv_counts.size(0) == world && in.recv_counts.size(1) == in.w1.size(0),
-              "layout.recv_counts has shape " + shape_str(in.recv_counts) + ", expected [" +
-                  std::to_string(world) + ", " + std::to_string(in.w1.size(0)) + "]") &&
-      c.value(in.recv_counts.sum().item<int64_t>() == in.h.size(0),
-              "h has " + std::to_string(in.h.size(0)) + " rows but the layout dispatches " +
-                  std::to_string(in.recv_counts.sum().item<int64_t>()) +
-                  ": pass the layout moe_layer0 returned with this h") &&
-      c.launch(launch);
-  return c.result;
+bool Checker::tensor(const at::Tensor& t, const char* name, int64_t dim) {
+  if (failed()) return false;
+  if (!value(t.defined(), std::string(name) + " is undefined")) return false;
+  const bool on_device = t.device().type() == device_.type() &&
+                         (!device_.has_index() || t.device().index() == device_.index());
+  if (!value(on_device, std::string(name) + " is on " + t.device().str() +
+                            "; this call needs tensors on " + device_.str()))
+    return false;
+  if (!value(t.dim() == dim, std::string(name) + " must be " + std::to_string(dim) +
+                                 "-D, got shape " + shape_str(t)))
+    return false;
+  return value(t.is_contiguous(), std::string(name) + " with shape " + shape_str(t) +
+                                      " must be contiguous (call .contiguous())");
+}
+
+// float64 only on the CPU backend (exact gradient checks); the CUDA kernels take bf16/fp16.
+bool Checker::float_dtype(const at::Tensor& t, const char* name) {
+  if (failed()) return false;
+  const auto d = t.scalar_type();
+  if (device_.is_cuda())
+    return type(d == at::kBFloat16 || d == at::kHalf,
+                std::string(name) + " has dtype " + dtype_name(d) +
+                    "; the CUDA kernels support bfloat16 and float16 (float32 and float64 run "
+                    "on the CPU backend)");
+  return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || d == at::kDouble,
+              std::string(name) + " has dtype " + dtype_name(d) +
+                  "; supported: float32, bfloat16, float16, float64");
+}
+
+bool Checker::same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                         const char* ref_name) {
+  if (failed()) return false;
+  return type(t.scalar_type() == ref.scalar_type(),
+              std::string(name) + " has dtype " + dtype_name(t.scalar_type()) + " but " + ref_name +
+                  " has " + dtype_name(ref.scalar_type()) + "; they must match");
+}
+
+bool Checker::int_dtype(const at::Tensor& t, const char* name, bool allow64) {
+  if (failed()) return false;
+  const auto d = t.scalar_type();
+  return type(d == at::kInt || (allow64 && d == at::kLong),
+              std::string(name) + " has dtype " + dtype_name(d) + "; expected " +
+                  (allow64 ? "int32 or int64" : "int32"));
+}
+
+bool Checker::experts(int64_t num_experts, int64_t world, int64_t experts_local,
+                      const char* wname) {
+  if (failed()) return false;
+  return value(num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(num_experts)) &&
+         value(num_experts % world == 0,
+               "num_experts=" + std::to_string(num_experts) +
+                   " is not divisible by the expert-parallel group size " + std::to_string(world)) &&
+         value(experts_local == num_experts / world,
+               std::string(wname) + " holds " + std::to_string(experts_local) +
+                   " local experts but num_experts / group size = " +
+                   std::to_string(num_experts / world));
+}
+
+bool Checker::routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts) {
+  if (failed()) return false;
+  if (!(int_dtype(ids, "topk_ids", true) &&
+        value(ids.size(0) == tokens, "topk_ids has " + std::to_string(ids.size(0)) +
+                                         " rows but there are " + std::to_string(tokens) +
+                                         " tokens") &&
+        value(ids.size(1) >= 1, "topk_ids must have at least one column (topk >= 1)") &&
+        value(ids.numel() < (int64_t(1) << 31), "topk_ids is too large for int32 row indices")))
+    return false;
+  if (!read_values_) return true;
+  auto ids64 = ids.to(at::kLong);
+  const int64_t* p = ids64.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids64.numel(); ++i)
+    if (p[i] < -1 || p[i] >= num_experts)
+      return value(false, "topk_ids[" + std::to_string(i / ids.size(1)) + ", " +
+                              std::to_string(i % ids.size(1)) + "] = " + std::to_string(p[i]) +
+                              " is not an expert id: valid ids are 0.." +
+                              std::to_string(num_experts - 1) + " and -1 (dropped slot)");
+  return true;
+}
+
+bool Checker::launch(const LaunchShape& l) {
+  if (failed()) return false;
+  return value(l.n_comm >= 1, "n_comm must be >= 1, got " + std::to_string(l.n_comm)) &&
+         value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
+         value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " +
+                                                   std::to_string(l.tile_m) + "x" +
+                                                   std::to_string(l.tile_n));
+}
+
+bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {
+  return c.tensor(in.x, "x", 2) && c.float_dtype(in.x, "x") && c.tensor(in.w0, "w0", 3) &&
+         c.same_dtype(in.w0, "w0", in.x, "x") &&
+         c.value(in.w0.size(2) == in.x.size(1),
+                 "w0 must be [E_local, N0, H] with H = " + std::to_string(in.x.size(1)) +
+                     " (x's columns), got shape " + shape_str(in.w0)) &&
+         c.experts(in.num_experts, world, in.w0.size(0), "w0") &&
+         c.tensor(in.topk_ids, "topk_ids", 2) &&
+         c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.launch(launch);
+}
+
+bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const LaunchShape& launch) {
+  return c.tensor(in.h, "h", 2) && c.float_dtype(in.h, "h") && c.tensor(in.w1, "w1", 3) &&
+         c.same_dtype(in.w1, "w1", in.h, "h") &&
+         c.value(in.w1.size(2) == in.h.size(1),
+                 "w1 must be [E_local, H, N1] with N1 = " + std::to_string(in.h.size(1)) +
+                     " (h's columns), got shape " + shape_str(in.w1)) &&
+         c.experts(in.num_experts, world, in.w1.size(0), "w1") &&
+         c.tensor(in.topk_ids, "topk_ids", 2) &&
+         c.routing(in.topk_ids, in.topk_ids.size(0), in.num_experts) &&
+         c.tensor(in.topk_weights, "topk_weights", 2) &&
+         c.type(in.topk_weights.scalar_type() == at::kFloat ||
+                    in.topk_weights.scalar_type() == in.h.scalar_type(),
+                "topk_weights has dtype " + dtype_name(in.topk_weights.scalar_type()) +
+                    "; expected float32 or h's dtype") &&
+         c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
+                 "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +
+                     shape_str(in.topk_ids)) &&
+         c.tensor(in.send_pos, "layout.send_pos", 2) &&
+         c.int_dtype(in.send_pos, "layout.send_pos", false) &&
+         c.value(in.send_pos.sizes() == in.topk_ids.sizes(),
+                 "layout.send_pos has shape " + shape_str(in.send_pos) + " but topk_ids has " +
+                     shape_str(in.topk_ids) + ": the layout belongs to another call") &&
+         c.tensor(in.recv_counts, "layout.recv_counts", 2) &&
+         c.int_dtype(in.recv_counts, "layout.recv_counts", false) &&
+         c.value(in.recv_counts.size(0) == world && in.recv_counts.size(1) == in.w1.size(0),
+                 "layout.recv_counts has shape " + shape_str(in.recv_counts) + ", expected [" +
+                     std::to_string(world) + ", " + std::to_string(in.w1.size(0)) + "]") &&
+         (!c.reads_values() ||
+          c.value(in.recv_counts.sum().item<int64_t>() == in.h.size(0),
+                  "h has " + std::to_string(in.h.size(0)) + " rows but the layout dispatches " +
+                      std::to_string(in.recv_counts.sum().item<int64_t>()) +
+                      ": pass the layout moe_layer0 returned with this h")) &&
+         c.launch(launch);
 }
 
 ScalarKind scalar_kind(at::ScalarType t) {

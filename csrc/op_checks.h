@@ -38,11 +38,42 @@ struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
 };
 
-// device: the device every tensor must be on (the backend's).
-CheckResult check_layer0(const Layer0Inputs& in, int64_t world, const LaunchShape& launch,
-                         at::DeviceType device);
-CheckResult check_layer1(const Layer1Inputs& in, int64_t world, const LaunchShape& launch,
-                         at::DeviceType device);
+// Validates one call's inputs for a backend: every tensor on `device`; dtypes the backend runs
+// (CPU: float32/bfloat16/float16/float64; CUDA: bfloat16/float16); tensor *values* (expert ids,
+// the layout's row count) only when read_values, since reading a CUDA tensor on the host would
+// synchronise (the CUDA prologue checks them on the device). The first failure is kept.
+class Checker {
+ public:
+  Checker(const char* op, at::Device device, bool read_values)
+      : op_(op), device_(device), read_values_(read_values) {}
+  const CheckResult& result() const { return result_; }
+  bool failed() const { return !result_.ok(); }
+  bool reads_values() const { return read_values_; }
+  bool value(bool cond, const std::string& msg) { return cond || fail(1, msg); }
+  bool type(bool cond, const std::string& msg) { return cond || fail(2, msg); }
+
+  bool tensor(const at::Tensor& t, const char* name, int64_t dim);
+  bool float_dtype(const at::Tensor& t, const char* name);
+  bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
+  bool int_dtype(const at::Tensor& t, const char* name, bool allow64);
+  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname);
+  bool routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts);
+  bool launch(const LaunchShape& l);
+
+ private:
+  bool fail(int32_t code, const std::string& msg);
+  CheckResult result_;
+  const char* op_;
+  at::Device device_;
+  bool read_values_;
+};
+
+// The checks of each op, in order; backends add their own (launch limits) after them.
+bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch);
+bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const LaunchShape& launch);
+
+std::string dtype_name(at::ScalarType t);  // torch's Python spelling: float32, int64, ...
+std::string shape_str(const at::Tensor& t);
 
 ScalarKind scalar_kind(at::ScalarType t);  // for a dtype that passed the checks
 

@@ -96,8 +96,9 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                             int64_t tile_m, int64_t tile_n) {
   auto heap = heap_or_throw(buffer);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
-  const CheckResult check =
-      check_layer0({x, w0, topk_ids, num_experts}, heap->world(), launch, at::kCPU);
+  Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
+  check_layer0(checker, {x, w0, topk_ids, num_experts}, heap->world(), launch);
+  const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer0, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? x.size(1) : 0, ok ? w0.size(1) : 0, x, ok ? x.size(0) : 0,
@@ -267,9 +268,10 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n) {
   auto heap = heap_or_throw(buffer);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
-  const CheckResult check =
-      check_layer1({h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts},
-                   heap->world(), launch, at::kCPU);
+  Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
+  check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts},
+               heap->world(), launch);
+  const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? w1.size(1) : 0, ok ? h.size(1) : 0, h,

@@ -70,93 +70,13 @@ std::string describe_error(const ErrorRecord& e) {
 
 namespace {
 
-std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
-
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream s;
-  s << t.sizes();
-  return s.str();
-}
-
-// Structural checks of CUDA inputs (the shared op_checks.cpp reads tensor values on the host,
-// which CUDA tensors cannot offer without a synchronisation; the values are checked on the device
-// by the begin kernel). Same wording as op_checks.cpp.
-struct Checker {
-  CheckResult result;
-  const char* op;
-  int device;
-  bool failed() const { return !result.ok(); }
-  bool fail(int32_t code, const std::string& msg) {
-    if (result.ok()) result = CheckResult{code, std::string(op) + ": " + msg};
-    return false;
-  }
-  bool value(bool cond, const std::string& msg) { return cond || fail(1, msg); }
-  bool type(bool cond, const std::string& msg) { return cond || fail(2, msg); }
-
-  bool tensor(const at::Tensor& t, const char* name, int64_t dim) {
-    if (failed()) return false;
-    if (!value(t.defined(), std::string(name) + " is undefined")) return false;
-    if (!value(t.is_cuda() && t.device().index() == device,
-               std::string(name) + " is on " + t.device().str() + " but this rank's comet buffer "
-               "lives on cuda:" + std::to_string(device)))
-      return false;
-    if (!value(t.dim() == dim, std::string(name) + " must be " + std::to_string(dim) +
-                                   "-D, got shape " + shape_str(t)))
-      return false;
-    return value(t.is_contiguous(), std::string(name) + " with shape " + shape_str(t) +
-                                        " must be contiguous (call .contiguous())");
-  }
-  bool half_dtype(const at::Tensor& t, const char* name) {
-    if (failed()) return false;
-    const auto d = t.scalar_type();
-    return type(d == at::kBFloat16 || d == at::kHalf,
-                std::string(name) + " has dtype " + dtype_name(d) +
-                    "; the CUDA kernels support bfloat16 and float16 (float32 and float64 run "
-                    "on the CPU backend)");
-  }
-  bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* rn) {
-    if (failed()) return false;
-    return type(t.scalar_type() == ref.scalar_type(),
-                std::string(name) + " has dtype " + dtype_name(t.scalar_type()) + " but " + rn +
-                    " has " + dtype_name(ref.scalar_type()) + "; they must match");
-  }
-  bool int_dtype(const at::Tensor& t, const char* name, bool allow64) {
-    if (failed()) return false;
-    const auto d = t.scalar_type();
-    return type(d == at::kInt || (allow64 && d == at::kLong),
-                std::string(name) + " has dtype " + dtype_name(d) + "; expected " +
-                    (allow64 ? "int32 or int64" : "int32"));
-  }
-  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname) {
-    if (failed()) return false;
-    return value(num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(num_experts)) &&
-           value(num_experts % world == 0, "num_experts=" + std::to_string(num_experts) +
-                                               " is not divisible by the expert-parallel group "
-                                               "size " + std::to_string(world)) &&
-           value(experts_local == num_experts / world,
-                 std::string(wname) + " holds " + std::to_string(experts_local) +
-                     " local experts but num_experts / group size = " +
-                     std::to_string(num_experts / world));
-  }
-  bool routing(const at::Tensor& ids, int64_t tokens) {
-    if (failed()) return false;
-    return int_dtype(ids, "topk_ids", true) &&
-           value(ids.size(0) == tokens, "topk_ids has " + std::to_string(ids.size(0)) +
-                                            " rows but there are " + std::to_string(tokens) +
-                                            " tokens") &&
-           value(ids.size(1) >= 1, "topk_ids must have at least one column (topk >= 1)") &&
-           value(ids.numel() < (int64_t(1) << 31), "topk_ids is too large for int32 row indices");
-  }
-  bool launch(int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n) {
-    if (failed()) return false;
-    return value(n_comm >= 1, "n_comm must be >= 1, got " + std::to_string(n_comm)) &&
-           value(n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(n_gemm)) &&
-           value(tile_m == kTileM && tile_n == kTileN,
+// The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
+bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
+  return c.value(tile_m == kTileM && tile_n == kTileN,
                  "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
                      std::to_string(kTileN) + " tiles, got tile=(" + std::to_string(tile_m) +
                      ", " + std::to_string(tile_n) + ")");
-  }
-};
+}
 
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
@@ -376,15 +296,12 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int32_t W = b.world();
 
-  Checker c{{}, "comet.moe_layer0", dev};
-  if (!pending.empty()) c.fail(1, pending);
-  c.tensor(x, "x", 2) && c.half_dtype(x, "x") && c.tensor(w0, "w0", 3) &&
-      c.same_dtype(w0, "w0", x, "x") &&
-      c.value(w0.size(2) == x.size(1), "w0 must be [E_local, N0, H] with H = " +
-                                           std::to_string(x.size(1)) +
-                                           " (x's columns), got shape " + shape_str(w0)) &&
-      c.experts(num_experts, W, w0.size(0), "w0") && c.tensor(topk_ids, "topk_ids", 2) &&
-      c.routing(topk_ids, x.size(0)) && c.launch(n_comm, n_gemm, tile_m, tile_n);
+  // Expert ids are checked on the device by the begin kernel (reading them here would sync).
+  Checker c("comet.moe_layer0", at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)),
+            /*read_values=*/false);
+  if (!pending.empty()) c.value(false, pending);
+  check_layer0(c, {x, w0, topk_ids, num_experts}, W, {n_comm, n_gemm, tile_m, tile_n}) &&
+      check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
   const int64_t N0 = shaped ? w0.size(1) : 0, k = shaped ? topk_ids.size(1) : 0;
@@ -399,7 +316,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
                            std::to_string(tcap) + " for this shape; calls with max_rows cannot "
                            "grow it: reserve capacity first (Buffer.reserve / an eager call)");
-  const CheckResult check = c.result;
+  const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
@@ -499,32 +416,13 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int32_t W = b.world();
 
-  Checker c{{}, "comet.moe_layer1", dev};
-  if (!pending.empty()) c.fail(1, pending);
-  c.tensor(h, "h", 2) && c.half_dtype(h, "h") && c.tensor(w1, "w1", 3) &&
-      c.same_dtype(w1, "w1", h, "h") &&
-      c.value(w1.size(2) == h.size(1), "w1 must be [E_local, H, N1] with N1 = " +
-                                           std::to_string(h.size(1)) +
-                                           " (h's columns), got shape " + shape_str(w1)) &&
-      c.experts(num_experts, W, w1.size(0), "w1") && c.tensor(topk_ids, "topk_ids", 2) &&
-      c.routing(topk_ids, topk_ids.size(0)) && c.tensor(topk_weights, "topk_weights", 2) &&
-      c.type(topk_weights.scalar_type() == at::kFloat ||
-                 topk_weights.scalar_type() == h.scalar_type(),
-             "topk_weights has dtype " + dtype_name(topk_weights.scalar_type()) +
-                 "; expected float32 or h's dtype") &&
-      c.value(topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights has shape " + shape_str(topk_weights) + " but topk_ids has " +
-                  shape_str(topk_ids)) &&
-      c.tensor(send_pos, "layout.send_pos", 2) && c.int_dtype(send_pos, "layout.send_pos", false) &&
-      c.value(send_pos.sizes() == topk_ids.sizes(),
-              "layout.send_pos has shape " + shape_str(send_pos) + " but topk_ids has " +
-                  shape_str(topk_ids) + ": the layout belongs to another call") &&
-      c.tensor(recv_counts, "layout.recv_counts", 2) &&
-      c.int_dtype(recv_counts, "layout.recv_counts", false) &&
-      c.value(recv_counts.size(0) == W && recv_counts.size(1) == w1.size(0),
-              "layout.recv_counts has shape " + shape_str(recv_counts) + ", expected [" +
-                  std::to_string(W) + ", " + std::to_string(w1.size(0)) + "]") &&
-      c.launch(n_comm, n_gemm, tile_m, tile_n);
+  // Expert ids and the layout's row count are checked on the device by the begin kernel.
+  Checker c("comet.moe_layer1", at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)),
+            /*read_values=*/false);
+  if (!pending.empty()) c.value(false, pending);
+  check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts}, W,
+               {n_comm, n_gemm, tile_m, tile_n}) &&
+      check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
   const int64_t M = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
@@ -540,7 +438,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
     c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
                            std::to_string(tcap) + " for this shape; calls with max_rows cannot "
                            "grow it: reserve capacity first (Buffer.reserve / an eager call)");
-  const CheckResult check = c.result;
+  const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
