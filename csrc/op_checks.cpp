@@ -1,5 +1,6 @@
 #include "op_checks.h"
 
+#include <cstring>
 #include <sstream>
 
 namespace comet {
@@ -158,6 +159,24 @@ ScalarKind scalar_kind(at::ScalarType t) {
     case at::kDouble: return ScalarKind::F64;
     default: return ScalarKind::F16;
   }
+}
+
+CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
+                        int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
+                        const CheckResult& check) {
+  CallMeta m{};
+  m.op = int32_t(op);
+  m.world = world;
+  m.group_hash = group_hash;
+  m.num_experts = int32_t(num_experts);
+  m.topk = int32_t(topk);
+  m.hidden = int32_t(hidden);
+  m.cols = int32_t(cols);
+  m.dtype = check.ok() ? dtype : -1;
+  m.tokens = tokens;
+  m.error = check.code;
+  std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
+  return m;
 }
 
 }  // namespace comet

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "comet/config.h"
+#include "comet/symm_layout.h"
 
 namespace comet {
 
@@ -75,6 +76,12 @@ bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const Launc
 std::string dtype_name(at::ScalarType t);  // torch's Python spelling: float32, int64, ...
 std::string shape_str(const at::Tensor& t);
 
-ScalarKind scalar_kind(at::ScalarType t);  // for a dtype that passed the checks
+ScalarKind scalar_kind(at::ScalarType t);
+
+// What a rank announces for a call (symm_layout.h's CallMeta) from its shapes and its check result;
+// dtype is a ScalarKind value (ignored, -1, when the check failed). Shared by both backends.
+CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
+                        int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
+                        const CheckResult& check);  // for a dtype that passed the checks
 
 }  // namespace comet

@@ -42,19 +42,8 @@ std::shared_ptr<SymmHeap> heap_or_throw(int64_t handle) {
 CallMeta make_meta(OpKind op, const SymmHeap& heap, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, const at::Tensor& act, int64_t tokens,
                    const CheckResult& check) {
-  CallMeta m{};
-  m.op = int32_t(op);
-  m.world = heap.world();
-  m.group_hash = heap.group_hash();
-  m.num_experts = int32_t(num_experts);
-  m.topk = int32_t(topk);
-  m.hidden = int32_t(hidden);
-  m.cols = int32_t(cols);
-  m.dtype = check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1;
-  m.tokens = tokens;
-  m.error = check.code;
-  std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
-  return m;
+  return make_call_meta(op, heap.world(), heap.group_hash(), num_experts, topk, hidden, cols,
+                        check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1, tokens, check);
 }
 
 // Exchanges metadata; raises (on every rank alike) if any rank's input was bad or ranks disagree.

@@ -163,19 +163,8 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
 CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
                    const CheckResult& check) {
-  CallMeta m{};
-  m.op = int32_t(op);
-  m.world = b.world();
-  m.group_hash = b.group_hash();
-  m.num_experts = int32_t(num_experts);
-  m.topk = int32_t(topk);
-  m.hidden = int32_t(hidden);
-  m.cols = int32_t(cols);
-  m.dtype = check.ok() ? dtype : -1;
-  m.tokens = tokens;
-  m.error = check.code;
-  std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
-  return m;
+  return make_call_meta(op, b.world(), b.group_hash(), num_experts, topk, hidden, cols, dtype,
+                        tokens, check);
 }
 
 // One workspace allocation per call, carved into 256-byte aligned pieces.
