@@ -54,9 +54,9 @@ NGPU ?= 1
 test-gpu: setup
 	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
+# CPU benchmarks (both scripts, full size; --smoke for the CI size): table + bench/results/*.json/png
 bench: setup
-	$(PY) bench/moe_layer.py
-	$(PY) bench/sweep_ncomm.py
+	$(PY) -m bench
 
 clean:
 	rm -rf build cbuild comet/_C*.so *.egg-info

@@ -1,0 +1,314 @@
+"""Forward of one expert-parallel MoE layer: sequential (Megatron-style) vs Tutel-style coarse
+pipeline (1/2/4/8 chunks, best reported) vs Comet's fused ops, with the measured limit
+max(comm alone, GEMM alone) and every method's ratio to it.
+
+    .venv/bin/python bench/moe_layer.py            # full CPU run (W = 2 and 4, a few minutes)
+    .venv/bin/python bench/moe_layer.py --smoke    # CI-sized, < 30 s
+    torchrun --nproc-per-node 8 bench/moe_layer.py --world 8 --tokens 4096 --scale 1 --dtype bf16
+                                                   # GPU (untested: no GPU where this was written)
+
+Shapes: Mixtral-8x7B, Qwen2-MoE and Phi-3.5-MoE from ANCHORS.md, H and ffn divided by --scale
+(default per model: 32, 16, 32, so H = 128) on the CPU; --tokens per rank. Every rank checks
+that the three methods give the same output (and the torch.distributed reference once) before
+anything is timed. Timing: --warmup untimed rounds, then --iters rounds, one call of each method
+per round after a barrier; a call's time is the max over ranks; the median over rounds is shown.
+
+The limit is measured, not modelled: "comm" = the sequential form's three all-to-alls alone
+(counts, dispatch, combine; gloo on the CPU), "GEMM" = its grouped GEMMs + activation alone
+(torch matmul); limit = max(comm, GEMM). The cost model's limit (comet.perfmodel, CPU pseudo-spec
+measured on this machine) is stored in the JSON, labelled as model.
+
+Output: a table on stdout, bench/results/moe_layer.json, bench/results/moe_layer.png.
+On the CPU this measures comet's CPU backend (OS threads as thread blocks, POSIX shared memory
+instead of NVLink, a portable fp32 tile GEMM instead of CUTLASS) against torch + gloo: it is not a
+GPU result and must not be quoted as one.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common as C  # noqa: E402
+
+CHUNKS = (1, 2, 4, 8)
+
+
+def _body(rank: int, world: int, cfg: dict):
+    """Runs on every rank: every shape, validation then timing. Returns rank 0's records."""
+    import torch
+    import torch.distributed as dist
+
+    from bench import baselines as B
+    from comet import ops
+    from comet import perfmodel as pm
+    from comet import reference as ref
+    from comet import tuner as tn
+
+    dev = C.device()
+    dtype = C.DTYPES[cfg["dtype"]]
+    # The reference runs on the CPU over gloo (a second group when the main one is NCCL).
+    ref_group = dist.new_group(backend="gloo") if dev.type == "cuda" else None
+    records = []
+    for name in cfg["models"]:
+        shape = C.shape_of(name, cfg["scale"], cfg["hidden"], cfg["ffn"])
+        T = cfg["tokens"]
+        label = f"{shape['title']} W={world} T={T}"
+        C.progress(f"{label}: H={shape['H']} ffn={shape['ffn']} E={shape['E']} k={shape['k']} "
+                   f"{cfg['dtype']}: checking outputs")
+        inp = B.make_inputs(rank, world, shape, T, dtype, dev, seed=cfg["seed"])
+        chunks = [c for c in CHUNKS if c <= max(1, T)]
+
+        # -- same output from every method (and the reference) before timing -----------------
+        out_seq = B.sequential(inp, world)
+        outs = {f"tutel_c{c}": B.pipelined(inp, world, c) for c in chunks}
+        outs["comet"] = B.comet_forward(inp)
+        ref_out = ref.moe_dist(inp["x"].cpu(), inp["w0"].cpu(), inp["w1"].cpu(), inp["ids"].cpu(),
+                               inp["weights"].cpu(), inp["E"], activation=ref.swiglu,
+                               group=ref_group)
+        outs["reference"] = ref_out.to(dev)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+        errs = {}
+        for k, o in outs.items():
+            where = f"rank {rank}, {label}: {k} vs sequential"
+            torch.testing.assert_close(o.float(), out_seq.float(), **tol,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+            errs[k] = float((o.float() - out_seq.float()).abs().max()) if o.numel() else 0.0
+        scale_ = float(out_seq.float().abs().max()) if out_seq.numel() else 0.0
+
+        # -- launch configs comet's default path takes (the tuner's choice) --------------------
+        launch = {}
+        for layer, N in enumerate((shape["N0"], shape["N1"])):
+            r = ops.launch_choice(dev.type, dev.index, layer, world, shape["E"], shape["k"],
+                                  shape["H"], N, tn.token_bucket(T),
+                                  str(dtype).replace("torch.", ""))
+            launch[f"layer{layer}"] = dict(n_comm=r[0], n_gemm=r[1], tile=[r[2], r[3]],
+                                           source=r[4])
+
+        # -- timing ------------------------------------------------------------------------------
+        comm_only, gemm_only, rows = B.parts(inp, world)
+        fns = {"comm_only": comm_only, "gemm_only": gemm_only,
+               "sequential": lambda inp=inp: B.sequential(inp, world)}
+        for c in chunks:
+            fns[f"tutel_c{c}"] = lambda c=c, inp=inp: B.pipelined(inp, world, c)
+        fns["comet"] = lambda inp=inp: B.comet_forward(inp)
+        if dev.type == "cpu":
+            l0, l1 = (launch[f"layer{i}"] for i in (0, 1))
+            fns["comet_local"] = B.comet_local(inp, (l0["n_comm"], l0["n_gemm"], *l0["tile"]),
+                                               (l1["n_comm"], l1["n_gemm"], *l1["tile"]))
+        C.progress(f"{label}: timing {len(fns)} functions, {cfg['warmup']} + {cfg['iters']} rounds")
+        t = C.measure(fns, dev, cfg["warmup"], cfg["iters"], label=label)
+        med = {k: v["median"] for k, v in t.items()}
+        tutel = {c: med[f"tutel_c{c}"] for c in chunks}
+        best_c = min(tutel, key=lambda c: (tutel[c], c))
+        limit = max(med["comm_only"], med["gemm_only"])
+
+        # -- the cost model's view (labelled model) -------------------------------------------
+        model = None
+        if rank == 0:
+            try:
+                if dev.type == "cpu":
+                    spec = pm.cpu_spec(threads=launch["layer0"]["n_comm"] +
+                                       launch["layer0"]["n_gemm"], measure=True)
+                else:
+                    spec = pm.get_spec(*tn.detect_device())
+                model = {}
+                for layer, N in ((0, shape["N0"]), (1, shape["N1"])):
+                    ms_ = pm.MoEShape(W=world, E=shape["E"], k=shape["k"], H=shape["H"], N=N, T=T,
+                                      dtype_bytes=dtype.itemsize)
+                    p = pm.predict(ms_, spec, launch[f"layer{layer}"]["n_comm"], layer,
+                                   tuple(launch[f"layer{layer}"]["tile"]))
+                    model[f"layer{layer}"] = {k: p[k] for k in ("comm", "gemm", "fused", "baseline",
+                                                                "limit") if k in p}
+                model["spec"] = dict(name=spec.name, blocks=spec.sm_count,
+                                     gflops=spec.peak_flops(4) / 1e9, mem_gbs=spec.hbm_gbs)
+                model["limit_both_layers"] = sum(model[f"layer{i}"]["limit"] for i in (0, 1))
+            except Exception as e:  # noqa: BLE001 - informative only
+                model = dict(error=repr(e))
+
+        gemm_flops = 2.0 * rows * shape["H"] * (shape["N0"] + shape["N1"])
+        records.append(dict(
+            model=name, title=shape["title"], world=world, tokens=T, dtype=cfg["dtype"],
+            shape={k: shape[k] for k in ("H", "ffn", "N0", "N1", "E", "k", "scale", "full_H",
+                                         "full_ffn")},
+            rows_on_rank0=rows, gemm_gflop_rank0=gemm_flops / 1e9,
+            times_s={k: v for k, v in t.items()},
+            median_ms={k: v * 1e3 for k, v in med.items()},
+            tutel_best_chunks=best_c, tutel_best_ms=tutel[best_c] * 1e3,
+            limit_ms=limit * 1e3,
+            limit_bound="comm" if med["comm_only"] >= med["gemm_only"] else "gemm",
+            ratio_to_limit=dict(sequential=med["sequential"] / limit,
+                                tutel=tutel[best_c] / limit, comet=med["comet"] / limit),
+            comet_speedup_vs_sequential=med["sequential"] / med["comet"],
+            comet_speedup_vs_tutel=tutel[best_c] / med["comet"],
+            comet_exposed_over_local=(med["comet"] / med["comet_local"]
+                                      if "comet_local" in med else None),
+            comet_launch=launch,
+            max_abs_err_vs_sequential=errs, output_max_abs=scale_,
+            perfmodel=model,
+        ))
+        C.progress(f"{label}: sequential {med['sequential'] * 1e3:.2f} ms, tutel(c={best_c}) "
+                   f"{tutel[best_c] * 1e3:.2f} ms, comet {med['comet'] * 1e3:.2f} ms, limit "
+                   f"{limit * 1e3:.2f} ms")
+        dist.barrier()
+    return records if rank == 0 else None
+
+
+def render(records) -> str:
+    headers = ["model", "W", "T/rank", "comm", "GEMM", "limit", "sequential", "Tutel (best c)",
+               "Comet (n_comm+n_gemm)", "seq/lim", "Tutel/lim", "Comet/lim", "Comet vs seq",
+               "Comet W=1", "max err"]
+    rows = []
+    for r in records:
+        m = r["median_ms"]
+        l0 = r["comet_launch"]["layer0"]
+        err = max(v for k, v in r["max_abs_err_vs_sequential"].items())
+        rows.append([
+            r["title"], str(r["world"]), str(r["tokens"]), f"{m['comm_only']:.2f}",
+            f"{m['gemm_only']:.2f}", f"{r['limit_ms']:.2f}", f"{m['sequential']:.2f}",
+            f"{r['tutel_best_ms']:.2f} (c={r['tutel_best_chunks']})",
+            f"{m['comet']:.2f} ({l0['n_comm']}+{l0['n_gemm']})",
+            f"{r['ratio_to_limit']['sequential']:.2f}", f"{r['ratio_to_limit']['tutel']:.2f}",
+            f"{r['ratio_to_limit']['comet']:.2f}", f"{r['comet_speedup_vs_sequential']:.2f}x",
+            f"{m['comet_local']:.2f}" if "comet_local" in m else "-", f"{err:.1e}",
+        ])
+    return C.table(headers, rows)
+
+
+def plot(records, path: Path) -> str:
+    plt = C.pyplot()
+    if plt is None:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    groups = sorted({r["world"] for r in records})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, W in zip(axes[0], groups):
+        rs = [r for r in records if r["world"] == W]
+        xs = range(len(rs))
+        width = 0.26
+        series = [("sequential", [r["median_ms"]["sequential"] for r in rs], "#999999"),
+                  ("Tutel-style (best c)", [r["tutel_best_ms"] for r in rs], "#4c72b0"),
+                  ("Comet fused", [r["median_ms"]["comet"] for r in rs], "#dd8452")]
+        for i, (lab, vals, col) in enumerate(series):
+            ax.bar([x + (i - 1) * width for x in xs], vals, width, label=lab, color=col)
+        for x, r in zip(xs, rs):
+            ax.hlines(r["limit_ms"], x - 1.5 * width, x + 1.5 * width, colors="k",
+                      linestyles="--", label="limit max(comm, GEMM), measured" if x == 0 else None)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["title"] for r in rs], fontsize=8)
+        ax.set_ylabel("forward latency, ms (median, max over ranks)")
+        ax.set_title(f"W={W}, T={rs[0]['tokens']}/rank, {rs[0]['dtype']}", fontsize=9)
+        ax.legend(fontsize=7)
+    backend = records[0].get("backend", "cpu")
+    fig.suptitle("One MoE layer forward -- " + ("CPU backend, scaled shapes (not GPU results)"
+                                               if backend == "cpu" else f"GPU ({backend})"),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (< 30 s)")
+    p.add_argument("--models", default="mixtral,qwen2,phi3.5",
+                   help="comma-separated: " + ", ".join(C.MODELS))
+    p.add_argument("--world", default=None,
+                   help="ranks, comma-separated for several runs (default CPU: 2,4; smoke: 2)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 512)")
+    p.add_argument("--scale", type=int, default=None,
+                   help="divide H and ffn by this (default per model on the CPU: 32/16/32; "
+                        "use 1 on a GPU)")
+    p.add_argument("--hidden", type=int, default=None, help="override H (after scaling)")
+    p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
+    p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES),
+                   help="default fp32 on the CPU, bf16 on a GPU")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default bench/results)")
+    p.add_argument("--name", default="moe_layer", help="basename of the JSON/PNG files")
+    p.add_argument("--timeout", type=float, default=1800.0, help="per world size, seconds")
+    a = p.parse_args(argv)
+    gpu = C.on_gpu() and C.under_torchrun()
+    if a.smoke:
+        a.world = a.world or "2"
+        a.tokens = a.tokens or 64
+        a.hidden = a.hidden or 32
+        a.ffn = a.ffn or 24
+        a.warmup = 1 if a.warmup is None else a.warmup
+        a.iters = a.iters or 3
+        a.timeout = min(a.timeout, 120.0)
+    a.world = [int(w) for w in (a.world or ("2,4" if not gpu else "8")).split(",")]
+    a.tokens = a.tokens or 512
+    a.dtype = a.dtype or ("bf16" if gpu else "fp32")
+    a.warmup = 3 if a.warmup is None else a.warmup
+    a.iters = a.iters or 25
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in a.models:
+        if m not in C.MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(C.MODELS)}")
+    for W in a.world:
+        bad = [m for m in a.models if C.MODELS[m]["E"] % W]
+        if bad:
+            p.error(f"--world {W} does not divide the expert count of {bad}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    backend = "cuda" if (C.on_gpu() and C.under_torchrun()) else "cpu"
+    cfg = dict(models=a.models, tokens=a.tokens, scale=a.scale, hidden=a.hidden, ffn=a.ffn,
+               dtype=a.dtype, warmup=a.warmup, iters=a.iters, seed=a.seed)
+    env = C.environment(backend)  # before the run: the load others put on the machine
+    t0 = time.monotonic()
+    records = []
+    for W in a.world:
+        C.progress(f"moe_layer: {'torchrun' if C.under_torchrun() else 'spawning'} {W} ranks "
+                   f"({backend})")
+        res = C.launch(_body, W, cfg, timeout=a.timeout)
+        for r in res[0]:
+            r["backend"] = backend
+        records.extend(res[0])
+    if not C.is_main_process():
+        return 0
+    elapsed = time.monotonic() - t0
+    data = dict(
+        name=a.name, label=C.CPU_LABEL if backend == "cpu" else
+        f"GPU run ({backend}); GPU path untested by its authors", smoke=a.smoke,
+        config=dict(cfg, world=a.world, chunks=list(CHUNKS)),
+        environment=env, elapsed_s=elapsed,
+        columns=dict(
+            comm="median ms of the sequential form's three all-to-alls alone (counts, dispatch, "
+                 "combine)",
+            gemm="median ms of its grouped GEMMs + activation alone",
+            comet_local="median ms of Comet's ops on a world of one (all experts local, same rows "
+                        "and launch config): the CPU backend's compute floor",
+            limit="max(comm, gemm): measured, perfect-overlap bound for torch's parts",
+            ratio_to_limit="method / limit"),
+        results=records)
+    out_dir = Path(a.out) if a.out else C.RESULTS
+    jp = C.write_json(a.name, data, out_dir)
+    head = ("CPU backend, scaled shapes -- measured on this CPU, NOT GPU results"
+            if backend == "cpu" else f"GPU ({backend})")
+    print(f"One MoE layer forward, {head}; times in ms (median over {a.iters} rounds of the max "
+          f"over ranks), {a.dtype}, {a.tokens} tokens/rank")
+    print(render(records))
+    print("comm, GEMM: the sequential form's all-to-alls (gloo) and its grouped GEMMs + activation "
+          "(torch matmul), each measured alone; limit = max(comm, GEMM).\n"
+          "Comet: n_comm+n_gemm = comm+GEMM threads per rank (the tuner's choice). Comet W=1: the "
+          "same ops on a world of one (all experts local, same rows and split, no peer traffic):\n"
+          "the CPU backend's compute floor, set by its portable fp32 tile GEMM (not torch's "
+          "matmul). max err: largest |out - sequential| over Tutel, Comet and the reference.")
+    print(f"json: {jp}")
+    print(plot(records, out_dir / f"{a.name}.png"))
+    print(f"elapsed {elapsed:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The benchmarks in smoke mode (subprocesses, CPU backend, 2 gloo ranks) and the wiring they rely
+on: the ops take their launch config from the autotuner (cache, else cost model), explicit
+arguments override it, the cache written by measured tuning round-trips into the ops' default,
+and the profiling hooks are registered and measure the real ops."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import comet
+from comet import ops
+from comet import reference as ref
+from comet import tuner as tn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """A private tuning cache and a fixed CPU block budget; the process's tuner forgets its memo
+    before and after (so other tests see their own cache)."""
+    monkeypatch.setenv(tn.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("COMET_CPU_BLOCKS", "6")
+    tn.default_tuner().clear()
+    yield tmp_path / "cache"
+    ops.set_tuning_tokens(None)
+    tn.default_tuner().clear()
+
+
+def _inputs(T=40, H=16, N0=12, N1=6, E=4, k=2, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    wts, ids = ref.route(torch.randn(T, E, generator=g), k)
+    w0 = torch.randn(E, N0, H, generator=g).to(dtype)
+    w1 = torch.randn(E, H, N1, generator=g).to(dtype)
+    return x, w0, w1, ids, wts, E
+
+
+def _cfg(x, w0, ids, E, layer=0, n_comm=None, tile=None, world=1):
+    w = w0
+    return ops.launch_config(x.device, n_comm, tile, layer=layer, world=world, num_experts=E, x=x,
+                             w=w, topk_ids=ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configuration from the tuner
+# ------------------------------------------------------------------------------------------------
+
+
+def test_default_is_the_cost_model_without_a_cache(tuning):
+    x, w0, _w1, ids, _wts, E = _inputs()
+    n_comm, n_gemm, tm, tn_ = _cfg(x, w0, ids, E)
+    key = tn.TuneKey("cpu", 6, "fp32", 1, E, 2, 16, 12, 40, 0)
+    expect, source = tn.Tuner(tuning).choose(key, tile=ops.CPU_TILE, explain=True)
+    assert source == "model"
+    assert (n_comm, n_gemm, tm, tn_) == (expect.n_comm, 6 - expect.n_comm, *ops.CPU_TILE)
+
+
+def test_cache_entry_is_used_and_explicit_arguments_override(tuning):
+    x, w0, w1, ids, wts, E = _inputs()
+    for layer, N in ((0, 12), (1, 6)):
+        key = tn.TuneKey("cpu", 6, "fp32", 1, E, 2, 16, N, 40, layer)
+        tn.TuneCache(tuning).put(key, tn.Config(4 - layer, 16, 8), seconds=1e-3)
+    tn.default_tuner().clear()
+    assert _cfg(x, w0, ids, E) == (4, 2, 16, 8)
+    assert ops.launch_config(x.device, None, None, layer=1, world=1, num_experts=E, x=x[:, :6],
+                             w=w1, topk_ids=ids) == (3, 3, 16, 8)
+    assert ops.launch_choice("cpu", None, 0, 1, E, 2, 16, 12, 64, "float32")[4] == "cache"
+    assert _cfg(x, w0, ids, E, n_comm=2) == (2, 4, 16, 8)  # tile still tuned
+    assert _cfg(x, w0, ids, E, tile=(5, 7)) == (4, 2, 5, 7)  # n_comm still tuned
+    assert _cfg(x, w0, ids, E, n_comm=1, tile=(4, 4)) == (1, 5, 4, 4)
+    # nearest measured bucket of an otherwise identical key: T=100 (bucket 128) -> the T=40 entry
+    xs, idss = x.repeat(3, 1)[:100], ids.repeat(3, 1)[:100]
+    assert ops.launch_choice("cpu", None, 0, 1, E, 2, 16, 12, 128, "float32")[4] == "cache-nearest"
+    assert _cfg(xs, w0, idss, E) == (4, 2, 16, 8)
+    # and the ops run with that config and still match the reference
+    buf = comet.Buffer.simulated_world(1)[0]
+    y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf)
+    out = comet.moe_layer1(ref.swiglu(y0)[:, :6].contiguous(), w1, wts, layout, buffer=buf)
+    y0_ref = ref.layer0_sim([x], [w0], [ids], E)[0]
+    out_ref = ref.layer1_sim([ref.swiglu(y0_ref)[:, :6]], [w1], [wts], [ids], E)[0]
+    torch.testing.assert_close(y0, y0_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_new_measurements_replace_the_memoised_choice(tuning):
+    x, w0, _w1, ids, _wts, E = _inputs()
+    before = _cfg(x, w0, ids, E)
+    key = tn.TuneKey("cpu", 6, "fp32", 1, E, 2, 16, 12, 40, 0)
+    tn.default_tuner().store(key, tn.Config(5, 8, 8))  # what tune() does on every rank
+    assert _cfg(x, w0, ids, E) == (5, 1, 8, 8) != before
+    tn.default_tuner().tune(key, [tn.Config(2, 4, 4), tn.Config(3, 4, 4)],
+                            lambda c: float(c.n_comm), progress=False, iters=1, warmup=0)
+    assert _cfg(x, w0, ids, E) == (2, 4, 4, 4)
+
+
+def test_token_bucket_and_rank_independent_tokens(tuning):
+    x, w0, _w1, ids, _wts, E = _inputs(T=300)
+    for T, n in ((3, 1), (300, 2)):  # buckets 4 and 512
+        key = tn.TuneKey("cpu", 6, "fp32", 1, E, 2, 16, 12, T, 0)
+        tn.TuneCache(tuning).put(key, tn.Config(n, 32, 64))
+    tn.default_tuner().clear()
+    assert _cfg(x[:3], w0, ids[:3], E)[0] == 1
+    assert _cfg(x, w0, ids, E)[0] == 2
+    ops.set_tuning_tokens(512)  # every rank passes the same value: T leaves the key
+    assert _cfg(x[:3], w0, ids[:3], E)[0] == _cfg(x, w0, ids, E)[0] == 2
+    ops.set_tuning_tokens(None)
+    assert _cfg(x[:3], w0, ids[:3], E)[0] == 1
+
+
+def test_bad_inputs_get_a_fallback_not_an_exception(tuning):
+    x, w0, _w1, ids, _wts, E = _inputs()
+    assert _cfg(x.double(), w0.double(), ids, E)[:2] == (1, 5)  # float64: no tuner key
+    assert _cfg(x, w0, ids, E + 1, world=2)[:2] == (1, 5)  # W does not divide E
+    assert _cfg(x[0], w0, ids, E)[:2] == (1, 5)  # 1-D x: the op reports it, not launch_config
+    assert ops.launch_choice("cpu", None, 0, 2, 9, 2, 16, 12, 64, "float32")[4] == "fallback"
+
+
+def test_cpu_block_budget_defaults_to_cores_per_rank(tuning, monkeypatch):
+    monkeypatch.delenv("COMET_CPU_BLOCKS")
+    tn.default_tuner().clear()
+    n_comm, n_gemm, *_ = ops.launch_choice("cpu", None, 0, 2, 8, 2, 16, 12, 64, "float32")
+    assert n_comm + n_gemm == max(2, (os.cpu_count() or 2) // 2)
+
+
+def test_launch_config_is_cheap(tuning):
+    x, w0, _w1, ids, _wts, E = _inputs()
+    _cfg(x, w0, ids, E)
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        _cfg(x, w0, ids, E)
+    assert (time.perf_counter() - t0) / 2000 < 100e-6  # ~4 us here; generous for slow CI
+
+
+def test_profiling_hooks_measure_the_real_ops_and_round_trip(tuning):
+    from comet import profiling
+
+    assert tn.PROFILERS["layer0"] is profiling.layer0_profiler
+    assert tn.PROFILERS["layer1"] is profiling.layer1_profiler
+    tuner = tn.Tuner(tuning)
+    for layer, N in ((0, 24), (1, 12)):
+        key = tn.TuneKey("cpu", 6, "fp32", 1, 4, 2, 16, N, 64, layer)
+        cfg = tn.profile(key, candidates=[tn.Config(n, 16, 16) for n in (1, 2, 3)], tuner=tuner,
+                         warmup=0, iters=1, progress=False)
+        assert cfg.n_comm in (1, 2, 3) and cfg.tile == (16, 16)
+        tn.default_tuner().clear()
+        got = ops.launch_choice("cpu", None, layer, 1, 4, 2, 16, N, 64, "float32")
+        assert got == (cfg.n_comm, 6 - cfg.n_comm, 16, 16, "cache")
+    entries = json.loads((tuning / "cpu.json").read_text())["entries"]
+    assert len(entries) == 2 and all(e["source"] == "measured" for e in entries.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmarks, smoke-sized, as CI runs them
+# ------------------------------------------------------------------------------------------------
+
+
+def _run(script, tmp_path, *extra, timeout=150):
+    env = dict(os.environ, **{tn.CACHE_ENV: str(tmp_path / "user-cache")})
+    env.pop("COMET_CPU_BLOCKS", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out",
+                           str(tmp_path), *extra], cwd=str(ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc, elapsed
+
+
+def _png_ok(path: pathlib.Path, stdout: str):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plot skipped" in stdout
+        return
+    assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moe_layer_smoke(tmp_path):
+    proc, elapsed = _run("moe_layer.py", tmp_path)
+    data = json.loads((tmp_path / "moe_layer.json").read_text())
+    assert data["smoke"] and "not GPU results" in data["label"]
+    assert data["environment"]["backend"] == "cpu"
+    recs = data["results"]
+    assert [r["model"] for r in recs] == ["mixtral", "qwen2", "phi3.5"]
+    for r in recs:
+        assert r["world"] == 2 and r["backend"] == "cpu"
+        m = r["median_ms"]
+        for k in ("comm_only", "gemm_only", "sequential", "comet", "comet_local", "tutel_c1",
+                  "tutel_c2", "tutel_c4", "tutel_c8"):
+            assert m[k] > 0, k
+        assert r["limit_ms"] == pytest.approx(max(m["comm_only"], m["gemm_only"]))
+        assert r["tutel_best_ms"] == pytest.approx(min(m[f"tutel_c{c}"] for c in (1, 2, 4, 8)))
+        assert set(r["ratio_to_limit"]) == {"sequential", "tutel", "comet"}
+        assert r["ratio_to_limit"]["comet"] == pytest.approx(m["comet"] / r["limit_ms"])
+        errs = r["max_abs_err_vs_sequential"]
+        assert set(errs) >= {"comet", "reference", "tutel_c1", "tutel_c8"}
+        assert max(errs.values()) < 1e-3
+        for layer in ("layer0", "layer1"):
+            launch = r["comet_launch"][layer]
+            assert launch["n_comm"] >= 1 and launch["source"] == "model"
+    assert "Comet" in proc.stdout and "Mixtral-8x7B" in proc.stdout and "NOT GPU" in proc.stdout
+    _png_ok(tmp_path / "moe_layer.png", proc.stdout)
+    print(f"moe_layer.py --smoke: {elapsed:.1f} s")
+
+
+def test_sweep_ncomm_smoke(tmp_path):
+    cache = tmp_path / "tune-cache"
+    proc, elapsed = _run("sweep_ncomm.py", tmp_path, "--cache-dir", str(cache))
+    data = json.loads((tmp_path / "sweep_ncomm.json").read_text())
+    r = data["result"]
+    assert data["smoke"] and "not GPU results" in data["label"]
+    assert r["blocks"] == 4 and r["n_values"] == [1, 2, 3]
+    for part in ("layer0", "layer1", "forward"):
+        assert set(r["median_s"][part]) == {"1", "2", "3"}
+        assert all(v > 0 for v in r["median_s"][part].values())
+        assert r["measured_best"][part] in (1, 2, 3)
+    # the tuner's measured winners went into the cache and came back as the ops' default
+    for layer in ("layer0", "layer1"):
+        assert r["tuner_choice"][layer] in (1, 2, 3)
+        assert r["ops_default"][layer]["n_comm"] == r["tuner_choice"][layer]
+        assert r["ops_default"][layer]["n_gemm"] == 4 - r["tuner_choice"][layer]
+        assert r["ops_default"][layer]["source"] == "cache"
+        assert r["perfmodel"]["choice"][layer] in (1, 2, 3)
+    entries = json.loads((cache / "cpu.json").read_text())["entries"]
+    assert sorted(e["config"]["n_comm"] for e in entries.values()) == \
+        sorted(r["tuner_choice"].values())
+    assert "tuner" in proc.stdout and "NOT GPU" in proc.stdout
+    _png_ok(tmp_path / "sweep_ncomm.png", proc.stdout)
+    print(f"sweep_ncomm.py --smoke: {elapsed:.1f} s")
