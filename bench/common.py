@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from comet.profiling import Timer  # noqa: E402  (the tuner's timer: benchmarks and tuning measure alike)
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -115,19 +116,9 @@ def device() -> torch.device:
 
 
 def time_call(fn: Callable[[], Any], dev: torch.device, group=None) -> float:
-    """Seconds of one ``fn()`` on this rank, started right after a barrier of the group."""
-    dist.barrier(group=group)
-    if dev.type == "cuda":  # untested here (no GPU)
-        torch.cuda.synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """Seconds of one ``fn()`` on this rank, started right after a barrier of the group (the
+    tuner's own timer, so benchmarks and tuning measure alike)."""
+    return Timer(dev, group)(fn)
 
 
 def measure(fns: Dict[str, Callable[[], Any]], dev: torch.device, warmup: int, iters: int,

@@ -48,7 +48,7 @@ def _group_rank(group) -> tuple[int, int]:
     return 0, 1
 
 
-class _Timer:
+class Timer:
     """One timed call after a barrier: wall clock on the CPU, CUDA events on a GPU."""
 
     def __init__(self, device: torch.device, group):
@@ -91,7 +91,7 @@ def _setup(key: tn.TuneKey, shape, group):
         return int(cfg.n_comm), int(n_gemm), int(cfg.tile_m), int(cfg.tile_n)
 
     return dict(x=x, ids=ids, weights=weights, buf=buf, device=device, gen=gen, dtype=dtype,
-                E=E, El=El, H=H, launch=launch, timer=_Timer(device, group))
+                E=E, El=El, H=H, launch=launch, timer=Timer(device, group))
 
 
 def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
