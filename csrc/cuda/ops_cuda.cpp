@@ -222,6 +222,29 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   return p;
 }
 
+// The checks and parameters both ops share once their shapes are known: a call with max_rows
+// cannot grow the buffer, so its tokens must fit; then the per-call sizes of CallParams.
+void check_fits(Checker& c, int64_t max_rows, int64_t tokens, int64_t tcap) {
+  if (!c.failed() && max_rows >= 0)
+    c.value(tokens <= tcap, "this call has " + std::to_string(tokens) +
+                                " tokens but the buffer holds " + std::to_string(tcap) +
+                                " for this shape; calls with max_rows cannot grow it: reserve "
+                                "capacity first (Buffer.reserve / an eager call)");
+}
+
+void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, bool ok,
+                    int64_t tokens, int64_t hidden, int64_t cols, int64_t tcap, int64_t k,
+                    int32_t num_experts, int32_t world) {
+  p.kind = int32_t(kind);
+  p.elem_bytes = elem;
+  p.tokens = ok ? tokens : 0;
+  p.hidden = hidden;
+  p.cols = cols;
+  p.tcap = tcap;
+  p.regions = data_regions(op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
+                           num_experts, world, elem, 4);
+}
+
 // The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
 // buffer (collectively) when a rank has more tokens than it holds. Returns the summary.
 CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const char* op_name,
@@ -301,24 +324,14 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
                                     shaped ? w0.data_ptr() : nullptr, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
-  if (!c.failed() && max_rows >= 0)
-    c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
-                           std::to_string(tcap) + " for this shape; calls with max_rows cannot "
-                           "grow it: reserve capacity first (Buffer.reserve / an eager call)");
+  check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)));
-  p.kind = int32_t(kind);
-  p.elem_bytes = elem;
-  p.tokens = ok ? T : 0;
-  p.hidden = H;
-  p.cols = N0;
-  p.tcap = tcap;
-  p.regions = data_regions(OpKind::Layer0, std::max<int64_t>(tcap, 0), int32_t(H), int32_t(k), E,
-                           W, elem, 4);
+  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, W);
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
@@ -423,24 +436,14 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
-  if (!c.failed() && max_rows >= 0)
-    c.value(T <= tcap, "this call has " + std::to_string(T) + " tokens but the buffer holds " +
-                           std::to_string(tcap) + " for this shape; calls with max_rows cannot "
-                           "grow it: reserve capacity first (Buffer.reserve / an eager call)");
+  check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(H, kTileN)));
-  p.kind = int32_t(kind);
-  p.elem_bytes = elem;
-  p.tokens = ok ? T : 0;
-  p.hidden = H;
-  p.cols = N1;
-  p.tcap = tcap;
-  p.regions = data_regions(OpKind::Layer1, std::max<int64_t>(tcap, 0), int32_t(H), int32_t(k), E,
-                           W, elem, 4);
+  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, W);
   p.h_rows = M;
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
