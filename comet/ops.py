@@ -14,6 +14,7 @@ from comet import symm
 from comet._native import _C  # noqa: F401  (registers the ops)
 
 CPU_TILE = (32, 64)
+CUDA_TILE = (128, 128)  # csrc/cuda/launch.h kTileM x kTileN
 
 
 @dataclasses.dataclass
@@ -171,9 +172,11 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
         nc = int(nc)
         return nc, (max(1, blocks - nc) if cpu else 0), int(tl[0]), int(tl[1]), source
 
+    if not cpu and tile is None:
+        tile = CUDA_TILE  # the one tile shape the CUDA kernels are compiled for
     if n_comm is not None and tile is not None:
         return done(n_comm, tile, "explicit")
-    default_tile = CPU_TILE if cpu else pm.DEFAULT_TILE
+    default_tile = CPU_TILE if cpu else CUDA_TILE
     tuner = tn.default_tuner()
     raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
            tile)
