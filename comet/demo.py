@@ -31,6 +31,11 @@ def log(rank, msg):
         print(f"[comet.demo] {msg}", file=sys.stderr, flush=True)
 
 
+def sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def _rank_main(rank, world, port, args, queue):
     try:
         queue.put((rank, _run(rank, world, port, args)))
@@ -65,16 +70,27 @@ def _run(rank, world, port, args):
     log(rank, f"{world} ranks, H={H} ffn={F} (Mixtral / {args.scale}), E={E}, topk={k}, "
               f"~{args.tokens} tokens/rank, {args.dtype}")
 
-    buf = comet.buffer_for()
+    # On GPUs (one per rank; untested here: no GPU) the comet ops run on CUDA tensors and the
+    # reference stays on the CPU copies.
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda" if cuda else "cpu")
+    xd, w0d, w1d, idsd = (t.to(dev) for t in (x, w0, w1, topk_ids))
+    wd = topk_weights.to(dev)
+    buf = None if cuda else comet.buffer_for()
     times0, times1 = [], []
     for it in range(args.iters + 1):  # the first iteration warms up (buffer growth, page faults)
         dist.barrier()
         t0 = time.perf_counter()
-        y0, layout = comet.moe_layer0(x, w0, topk_ids, num_experts=E, buffer=buf)
+        y0, layout = comet.moe_layer0(xd, w0d, idsd, num_experts=E, buffer=buf)
+        sync(cuda)
         t1 = time.perf_counter()
         h = ref.swiglu(y0)
+        sync(cuda)
         t2 = time.perf_counter()
-        out = comet.moe_layer1(h, w1, topk_weights, layout, buffer=buf)
+        out = comet.moe_layer1(h, w1d, wd, layout, buffer=buf)
+        sync(cuda)
         t3 = time.perf_counter()
         if it:
             times0.append(t1 - t0)
@@ -82,6 +98,7 @@ def _run(rank, world, port, args):
         log(rank, f"iteration {it}/{args.iters}{' (warm-up)' if it == 0 else ''}: "
                   f"layer0 {1e3 * (t1 - t0):.1f} ms, layer1 {1e3 * (t3 - t2):.1f} ms")
 
+    y0, h, out = y0.cpu(), h.cpu(), out.cpu()
     log(rank, "checking against the reference (torch.distributed all_to_all_single)")
     y0_ref = ref.layer0_dist(x, w0, topk_ids, E)
     out_ref = ref.layer1_dist(h, w1, topk_weights, topk_ids, E)
@@ -103,10 +120,16 @@ def main(argv=None):
     p.add_argument("--scale", type=int, default=16, help="divide Mixtral's hidden/ffn sizes by this")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when a GPU and comet's CUDA kernels are there (one GPU per "
+                        "rank; not run in this project's CI), else the CPU backend")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
+    if args.device == "auto":
+        from comet import symm_cuda
+        args.device = "cuda" if symm_cuda.available() and args.dtype != "fp32" else "cpu"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -140,7 +163,8 @@ def main(argv=None):
                 pr.kill()
 
     tol = TOL[DTYPES[args.dtype]]
-    backend = "CPU backend" + ("" if torch.cuda.is_available() else " (no GPU here)")
+    backend = ("CUDA kernels" if args.device == "cuda" else
+               "CPU backend" + ("" if torch.cuda.is_available() else " (no GPU here)"))
     print(f"comet.demo: Mixtral-8x7B layer / {args.scale}, {args.world} ranks, {args.dtype}, {backend}")
     print(f"{'rank':>4} {'tokens':>6} {'rows':>5} {'layer0 ms':>10} {'layer1 ms':>10} "
           f"{'err layer0':>11} {'err layer1':>11} {'err moe':>10}")
