@@ -75,4 +75,16 @@ static __device__ void layer1_comm_block(const CallParams& p, uint64_t epoch) {
   finish_comm_block(p, epoch);
 }
 
+// The thread-block specialisation both fused kernels (sm80, sm90) start with: blocks
+// [0, n_comm) run the layer's comm program and report true; the caller's GEMM blocks go on.
+template <int kLayer>
+static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint64_t epoch) {
+  if (int32_t(blockIdx.x) >= p.n_comm) return false;
+  if constexpr (kLayer == 0)
+    layer0_comm_block(p, epoch);
+  else
+    layer1_comm_block(p, epoch);
+  return true;
+}
+
 }  // namespace comet::gpu

@@ -21,13 +21,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
-  if (int32_t(blockIdx.x) < p.n_comm) {
-    if constexpr (kLayer == 0)
-      layer0_comm_block(p, epoch);
-    else
-      layer1_comm_block(p, epoch);
-    return;
-  }
+  if (ran_comm_block<kLayer>(p, epoch)) return;
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   const bool compute = p.mode != int32_t(BenchMode::CommOnly);
   if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
