@@ -70,6 +70,14 @@ std::string describe_error(const ErrorRecord& e) {
 
 namespace {
 
+// A CUDA call's checker: tensors on this buffer's GPU, values not read on the host (the begin
+// kernel checks them), and a failure the device recorded in an earlier capturable call first.
+Checker cuda_checker(const char* op, int dev, const std::string& pending) {
+  Checker c(op, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)), /*read_values=*/false);
+  if (!pending.empty()) c.value(false, pending);
+  return c;
+}
+
 // The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
 bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
   return c.value(tile_m == kTileM && tile_n == kTileN,
@@ -309,9 +317,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int32_t W = b.world();
 
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
-  Checker c("comet.moe_layer0", at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)),
-            /*read_values=*/false);
-  if (!pending.empty()) c.value(false, pending);
+  Checker c = cuda_checker("comet.moe_layer0", dev, pending);
   check_layer0(c, {x, w0, topk_ids, num_experts}, W, {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
@@ -419,9 +425,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int32_t W = b.world();
 
   // Expert ids and the layout's row count are checked on the device by the begin kernel.
-  Checker c("comet.moe_layer1", at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)),
-            /*read_values=*/false);
-  if (!pending.empty()) c.value(false, pending);
+  Checker c = cuda_checker("comet.moe_layer1", dev, pending);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts}, W,
                {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
