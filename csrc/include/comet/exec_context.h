@@ -32,6 +32,7 @@ enum class WaitSite : int32_t {
   RowTile = 5,       // layer0: an m-tile's rows dispatched (GEMM block waiting on comm blocks)
   ColumnTile = 6,    // layer1: an n-tile finished (comm block waiting on GEMM blocks)
   Partials = 7,      // layer1: a peer's partial sums of our tokens
+  GridBarrier = 8,   // a grid barrier of a multi-block program
 };
 
 COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout messages)

@@ -66,6 +66,8 @@ struct DataRegions {
   size_t ids;         // int32 [tmax*k]
   size_t send_pos;    // int32 [tmax*k]
   size_t weights;     // acc   [tmax*k]
+  size_t pair_off;    // int32 [W+1]     its (token, destination) pairs by destination
+  size_t pair_slot;   // int32 [tmax*k]  (prologue.h: pair_list_program)
   // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot
   size_t recv;        // acc   [partials, tmax, H]
   size_t total;
@@ -94,6 +96,8 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.ids = take(slots * 4);
     r.send_pos = take(slots * 4);
     r.weights = take(slots * acc_bytes);
+    r.pair_off = take(size_t(world + 1) * 4);
+    r.pair_slot = take(slots * 4);
     r.recv = take(size_t(partials) * tmax * hidden * acc_bytes);
   }
   r.total = off;
