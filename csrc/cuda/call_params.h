@@ -10,6 +10,7 @@
 
 #include "comet/exec_context.h"
 #include "comet/layout.h"
+#include "comet/prologue.h"
 #include "comet/reduce_plan.h"
 #include "comet/symm_layout.h"
 #include "comet/tile_order.h"
@@ -56,6 +57,9 @@ struct DeviceState {
   int64_t plan_entries;   // layer1 reduce plan
   int64_t plan_slots;
   int64_t max_tokens;     // largest T over the ranks of the current call
+  uint32_t grid_arrived;  // grid barrier of the multi-block prologue kernels (parallel.h)
+  uint64_t grid_generation;
+  unsigned long long first_bad_id;  // this call's first invalid expert id (slot index), or ~0
   unsigned long long kernel_start;  // %globaltimer at the fused kernel's first block start
   unsigned long long kernel_end;    // ... and at its last warp's exit (reset by begin)
 };
@@ -93,25 +97,29 @@ struct CallParams {
   int32_t* send_pos;      // [T*k]  layer0 output / layer1 input
   int32_t* send_slot;     // [T*k]  layer0 scratch: the send plan before it is published
   int32_t* bucket;        // [E+1]  layer0 scratch: bucket offsets of the send plan
-  int32_t* fill;          // [E]    scratch of build_send_plan
+  int32_t* pair_off;      // [W+1]  layer1 scratch: (token, destination) pairs before publishing
+  int32_t* pair_slot;     // [T*k]
   int32_t* recv_counts;   // [W*El] layer0 output / layer1 input
   int64_t* expert_off;    // [El+1]
   int64_t* seg_off;       // [El*(W+1)]
   MTile* mtiles;          // [mtiles_cap]
   int64_t* mtile_order;   // [mtiles_cap]
-  int64_t* order_scratch; // [W+1]
   uint64_t* mtile_ready;  // [mtiles_cap] epoch-valued flags (layer0)
   uint64_t* ntile_ready;  // [num_ntiles] epoch-valued flags (layer1)
   uint32_t* ntile_count;  // [num_ntiles] self-resetting counters (layer1)
   CallMeta* metas;        // [W] every rank's metadata of this call
-  SourceRouting<float>* sources;  // [W*(W+1)] layer1: per source s a view with only s's
-                                  // routing (plan_parts.h), then the staged sources
-  int64_t stage_tokens;   // layer1: token stride of the staging copies (>= every rank's T)
-  int32_t* stage_ids;     // [W*stage_tokens*k] layer1: every source's routing, in local memory
-  int32_t* stage_pos;     // [W*stage_tokens*k]
-  float* stage_weights;   // [W*stage_tokens*k]
-  int64_t* plan_counts;   // [4W+2] layer1: entries and slots per source, then their offsets
+  PlanSource<float>* plan_sources;  // [W] layer1: the peers' published routing
   ReducePlan<float> plan; // layer1: arrays of plan_cap (entries set on the device)
+
+  // multi-block prologue kernels (prologue.h): grid sizes and their scratch
+  int32_t source_blocks;  // grid of the source kernel (send plan / pair lists)
+  int32_t plan_blocks;    // grid of the publish kernel (m-tiles, order, reduce plan)
+  int32_t* sort_counts;   // [max(E, W) * max grid threads]
+  int64_t* block_sum;     // [max grid blocks]
+  int64_t* scan_total;    // [1]
+  int32_t* item_keys;     // [T*k] layer1 pair keys
+  int64_t* small;         // [max(El, W) + 1]
+  int32_t* order_bucket;  // [W+1]
 
   // tensors
   char* a;                // layer0: [rows_cap, H] dispatched rows

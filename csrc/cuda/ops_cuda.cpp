@@ -202,6 +202,22 @@ class Carver {
   size_t bytes_ = 0;
 };
 
+// Grid of a multi-block prologue kernel (prologue.cu): about 16 items per thread, at most one block
+// per SM (its grid barrier needs every block resident), and the scratch its programs need for
+// `keys` counting-sort keys.
+int32_t prologue_blocks(int64_t items, int device) {
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return int32_t(std::clamp<int64_t>(ceil_div(std::max<int64_t>(items, 1),
+                                              int64_t(kPrologueThreads) * 16),
+                                     1, std::max(sms, 1)));
+}
+
+void take_grid_scratch(Carver& c, CallParams& p, int32_t blocks, int32_t keys) {
+  c.take(p.sort_counts, int64_t(keys) * blocks * kPrologueThreads);
+  c.take(p.block_sum, blocks);
+  c.take(p.scan_total, 1);
+}
+
 void check_cuda(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "comet: ", what, ": ", cudaGetErrorString(e));
 }
@@ -349,13 +365,17 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Carver pre;
   pre.take(p.send_slot, T * k);
   pre.take(p.bucket, int64_t(E) + 1);
-  pre.take(p.fill, E);
   pre.take(p.expert_off, int64_t(El) + 1);
   pre.take(p.seg_off, int64_t(El) * (W + 1));
   pre.take(p.metas, W);
-  pre.take(p.order_scratch, int64_t(W) + 1);
+  pre.take(p.order_bucket, int64_t(W) + 1);
+  pre.take(p.small, int64_t(std::max(El, W)) + 1);
+  p.source_blocks = prologue_blocks(T * k, dev);
+  take_grid_scratch(pre, p, p.source_blocks, std::max(E, W));
   at::Tensor ws_pre = pre.allocate(dev);
 
+  launch_source(p, stream);
+  check_cuda(cudaGetLastError(), "launching the source kernel");
   launch_begin(p, me, stream);
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
@@ -382,6 +402,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Carver post;
   post.take(p.mtiles, p.mtiles_cap);
   post.take(p.mtile_order, p.mtiles_cap);
+  p.plan_blocks = prologue_blocks(p.mtiles_cap, dev);
+  take_grid_scratch(post, p, p.plan_blocks, W);
   const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
   at::Tensor ws_post = post.allocate(dev);
   check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
@@ -462,9 +484,15 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.expert_off, int64_t(El) + 1);
   ws.take(p.seg_off, int64_t(El) * (W + 1));
   ws.take(p.metas, W);
-  ws.take(p.sources, int64_t(W) * (W + 1));  // W views of W sources, then the staged sources
-  ws.take(p.plan_counts, 4 * int64_t(W) + 2);
-  ws.take(p.order_scratch, int64_t(W) + 1);
+  ws.take(p.plan_sources, W);
+  ws.take(p.pair_off, int64_t(W) + 1);
+  ws.take(p.pair_slot, T * k);
+  ws.take(p.item_keys, T * k);
+  ws.take(p.small, int64_t(std::max(El, W)) + 1);
+  ws.take(p.order_bucket, int64_t(W) + 1);
+  p.source_blocks = prologue_blocks(T * k, dev);
+  p.plan_blocks = prologue_blocks(M, dev);
+  take_grid_scratch(ws, p, std::max(p.source_blocks, p.plan_blocks), W);
   ws.take(p.mtiles, p.mtiles_cap);
   ws.take(p.plan.entry_source, p.plan_cap);
   ws.take(p.plan.entry_token, p.plan_cap);
@@ -481,28 +509,20 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                              flags_end - flags_at, stream),
              "clearing column flags");
 
+  launch_source(p, stream);
+  check_cuda(cudaGetLastError(), "launching the source kernel");
   launch_begin(p, me, stream);
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
     launch_finish(p, stream);
     raise(check);
   }
-  p.stage_tokens = tcap;
   if (max_rows < 0) {
-    const CallSummary s = settle(b, p, check, "comet.moe_layer1", stream);
+    settle(b, p, check, "comet.moe_layer1", stream);
     tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
     p.tcap = tcap;
     p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
-    p.stage_tokens = s.state.max_tokens;
   }
-
-  // Local copies of every source's routing for the reduce plan (sized by the agreed capacity).
-  Carver stage;
-  const int64_t staged = int64_t(W) * std::max<int64_t>(p.stage_tokens, 0) * k;
-  stage.take(p.stage_ids, staged);
-  stage.take(p.stage_pos, staged);
-  stage.take(p.stage_weights, staged);
-  at::Tensor stage_t = stage.allocate(dev);
 
   at::Tensor cbuf = at::empty({M, H}, h.options().dtype(at::kFloat));
   at::Tensor out = at::empty({T, H}, h.options());
@@ -515,6 +535,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
   copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
   copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
+  copy_async(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4, stream);
+  copy_async(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4, stream);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 

@@ -1,30 +1,31 @@
-// The per-call protocol on the GPU: the device-side equivalent of what the CPU backend does on the
-// host before its fused "kernel" (csrc/cpu/ops_cpu.cpp), built from the same portable functions
-// (comet/layout.h, tile_order.h, reduce_plan.h) so the layouts and orders are the engine's own.
-// No host synchronisation is needed anywhere in it: sizes only the device knows (rows M, m-tiles,
+// The per-call protocol on the GPU: the device-side equivalent of what the CPU backend does around
+// its fused "kernel" (csrc/cpu/), with the planning done by the engine's multi-block prologue
+// programs (comet/prologue.h), the same source the CPU backend runs on thread teams. No host
+// synchronisation is needed anywhere in it: sizes only the device knows (rows M, m-tiles,
 // reduce-plan entries) go to DeviceState, which the fused kernels read.
 //
-// First version, one block per kernel: the engine's functions are sequential, so they run on one
-// thread each (the send plan over shared-memory buckets; the dispatch layout; m-tiles and their
-// order), the reduce plan on one thread per source (each builds its source's slice of the plan
-// from a local copy of that source's routing, which the whole block staged first, so no thread
-// waits on NVLink latency in a loop). Routing validation and the staging copies use the block.
-// That is correct for every shape; the serial parts are O(T*k) per rank on the critical path.
+//   source kernel  (grid of source_blocks x 256): validates the expert ids (first bad slot into
+//                  DeviceState) and builds this rank's send plan (layer0) or its (token,
+//                  destination) pair lists (layer1) in local scratch;
+//   begin kernel   (one block): call counter, buffer-reuse wait, metadata exchange and verdict,
+//                  layer0's dispatch layout (O(E*W), one thread) and M;
+//   publish kernel (grid of plan_blocks x 256): announces this rank's source data, then m-tiles
+//                  and layer0's order, or layer1's reduce plan from the peers' pair lists.
+// The grids synchronise inside one launch with the engine's grid barrier (parallel.h; state in
+// DeviceState), so the host sizes them to at most one block per SM (all resident).
 #include <cstdio>
 
 #include "call_params.h"
 #include "comet/flags.h"
 #include "comet/layout.h"
-#include "comet/reduce_plan.h"
-#include "comet/tile_order.h"
+#include "comet/prologue.h"
 #include "gpu_context.cuh"
 #include "launch.h"
-#include "plan_parts.h"
 
 namespace comet::gpu {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kPrologueThreads;
 
 // Error text built on the device, in the CPU backend's wording.
 struct Message {
@@ -77,47 +78,79 @@ __device__ void record_overflow(const CallParams& p, int32_t code, int64_t value
   }
 }
 
-__global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__ CallParams p,
-                                                         const __grid_constant__ CallMeta meta,
-                                                         bool smem_buckets) {
-  extern __shared__ int32_t s_buckets[];  // [2E+1] when smem_buckets: bucket offsets, fill
-  __shared__ CallMeta me;
-  __shared__ uint64_t s_epoch;
-  __shared__ unsigned long long s_bad;
-  const WaitConfig wc{p.error, p.timeout_ns, p.rank};
-  const int tid = int(threadIdx.x);
-  const bool layer0 = p.op == int32_t(OpKind::Layer0);
-
-  if (tid == 0) {
-    const uint64_t e = p.state->epoch + 1;
-    p.state->epoch = e;
-    p.state->kernel_start = ~0ull;
-    p.state->kernel_end = 0;
-    s_epoch = e;
-    me = meta;
-    me.epoch = e;
-    s_bad = ~0ull;
-    // Buffer reuse: every peer finished reading (and writing) our memory in the previous call.
-    for (int32_t s = 0; s < p.world; ++s)
-      spin_until(wc, p.headers[s]->done_epoch, e - 1, WaitSite::PeerDone, s);
+// Execution context of the multi-block prologue kernels (exec_context.h): every thread of the
+// grid takes part; block_shared() is the block's scan buffer (2 x kThreads values, parallel.h).
+class GridContext {
+ public:
+  __device__ explicit GridContext(const WaitConfig& wc) : wc_(wc) {}
+  __device__ int32_t block() const { return int32_t(blockIdx.x); }
+  __device__ int32_t blocks() const { return int32_t(gridDim.x); }
+  __device__ int32_t thread() const { return int32_t(threadIdx.x); }
+  __device__ int32_t threads() const { return int32_t(blockDim.x); }
+  __device__ void sync() { __syncthreads(); }
+  __device__ void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
+    if (threadIdx.x == 0) spin_until(wc_, flag, epoch, site, index);
+    __syncthreads();
   }
-  __syncthreads();
-  const uint64_t e = s_epoch;
+  __device__ void fence_peers() { __threadfence(); }  // the grid barrier's flags are local
+  __device__ void work(int64_t) {}
+  __device__ void* block_shared() {
+    __shared__ int64_t scan[2 * kThreads];
+    return scan;
+  }
 
-  // Routing values (shapes and dtypes were checked on the host).
-  if (meta.error == 0 && p.ids != nullptr) {
-    const int64_t n = p.tokens * p.topk;
-    for (int64_t i = tid; i < n; i += kThreads) {
-      const int32_t v = p.ids[i];
-      if (v < -1 || v >= p.num_experts) atomicMin(&s_bad, (unsigned long long)i);
+ private:
+  WaitConfig wc_;
+};
+
+__device__ PrologueScratch prologue_scratch(const CallParams& p) {
+  return PrologueScratch{GridBarrier{&p.state->grid_arrived, &p.state->grid_generation},
+                         SortScratch{p.sort_counts, ScanScratch{p.block_sum, p.scan_total}},
+                         p.item_keys, p.small};
+}
+
+__global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant__ CallParams p) {
+  GridContext ctx(WaitConfig{p.error, p.timeout_ns, p.rank});
+  const PrologueScratch s = prologue_scratch(p);
+  // Routing values (shapes and dtypes were checked on the host): the first bad slot, if any.
+  if (grid_rank(ctx) == 0) p.state->first_bad_id = ~0ull;
+  grid_sync(ctx, s.bar);
+  const Share sh = share_of(p.tokens * p.topk, grid_rank(ctx), grid_size(ctx));
+  for (int64_t i = sh.begin; i < sh.end; ++i) {
+    const int32_t v = p.ids[i];
+    if (v < -1 || v >= p.num_experts) {
+      atomicMin(&p.state->first_bad_id, (unsigned long long)i);
+      break;
     }
   }
-  __syncthreads();
-  if (tid != 0) return;
+  if (p.op == int32_t(OpKind::Layer0))
+    send_plan_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.bucket, p.send_slot,
+                      p.send_pos);
+  else
+    pair_list_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.world, p.pair_off,
+                      p.pair_slot);
+}
+
+__global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__ CallParams p,
+                                                         const __grid_constant__ CallMeta meta) {
+  if (threadIdx.x != 0) return;
+  const WaitConfig wc{p.error, p.timeout_ns, p.rank};
+  const bool layer0 = p.op == int32_t(OpKind::Layer0);
+  DeviceState* st = p.state;
+  const uint64_t e = st->epoch + 1;
+  st->epoch = e;
+  st->kernel_start = ~0ull;
+  st->kernel_end = 0;
+  CallMeta me = meta;
+  me.epoch = e;
+  // Buffer reuse: every peer finished reading (and writing) our memory in the previous call.
+  for (int32_t s = 0; s < p.world; ++s)
+    spin_until(wc, p.headers[s]->done_epoch, e - 1, WaitSite::PeerDone, s);
 
   const char* op_name = layer0 ? "comet.moe_layer0: " : "comet.moe_layer1: ";
-  if (me.error == 0 && s_bad != ~0ull) {
-    const int64_t i = int64_t(s_bad);
+  const unsigned long long bad_slot = p.ids != nullptr ? st->first_bad_id : ~0ull;
+  if (me.error == 0 && bad_slot != ~0ull) {
+    const int64_t i = int64_t(bad_slot);
     Message(me.message, int(sizeof(me.message)))
         << op_name << "topk_ids[" << i / p.topk << ", " << i % p.topk << "] = " << int64_t(p.ids[i])
         << " is not an expert id: valid ids are 0.." << int64_t(p.num_experts - 1)
@@ -139,18 +172,11 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     }
   }
   if (me.error == 0 && layer0) {
-    // Send plan; its bucket offsets are published at once (offset 0 of the data segment, which
+    // The send plan's bucket offsets are published at once (offset 0 of the data segment, which
     // does not depend on the segment's token capacity) so every destination can size its
     // dispatch layout during this exchange.
-    // The counting sort's counters in shared memory when they fit (one thread walks T*k slots).
-    int32_t* bucket = smem_buckets ? s_buckets : p.bucket;
-    int32_t* fill = smem_buckets ? s_buckets + p.num_experts + 1 : p.fill;
-    build_send_plan(p.ids, p.tokens, p.topk, p.num_experts, bucket, p.send_slot, p.send_pos, fill);
     int32_t* pub = reinterpret_cast<int32_t*>(p.datas[p.rank] + p.regions.bucket_off);
-    for (int32_t i = 0; i <= p.num_experts; ++i) {
-      pub[i] = bucket[i];
-      p.bucket[i] = bucket[i];
-    }
+    for (int32_t i = 0; i <= p.num_experts; ++i) pub[i] = p.bucket[i];
   }
 
   // Metadata exchange.
@@ -164,7 +190,6 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     max_tokens = p.metas[s].tokens > max_tokens ? p.metas[s].tokens : max_tokens;
   }
   const int32_t bad = verdict(p.metas, p.world);
-  DeviceState* st = p.state;
   st->bad_rank = bad;
   st->max_tokens = max_tokens;
   st->rows = 0;
@@ -175,11 +200,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
 
   if (status == int32_t(CallStatus::Ok) && layer0) {
     const int32_t El = p.experts_local, d = p.rank;
-    for (int32_t s = 0; s < p.world; ++s) {
-      const int32_t* bo = reinterpret_cast<const int32_t*>(p.datas[s] + p.regions.bucket_off);
-      for (int32_t el = 0; el < El; ++el)
-        p.recv_counts[s * El + el] = bo[d * El + el + 1] - bo[d * El + el];
-    }
+    gather_recv_counts(p.datas, p.regions.bucket_off, d, p.world, El, p.recv_counts);
     const int64_t rows = build_dispatch_layout(p.recv_counts, d, p.world, El, p.expert_off,
                                                p.seg_off);
     st->rows = rows;
@@ -210,85 +231,48 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   const uint64_t e = st->epoch;
   const int32_t status = st->status;
   if (status == int32_t(CallStatus::Rejected)) return;
-  const int tid = int(threadIdx.x);
-  // Our source data (x and the send plan / the routing) is in our data segment: peers may read.
-  if (tid == 0) flag_release(p.headers[p.rank]->data_epoch, e);
+  GridContext ctx(WaitConfig{p.error, p.timeout_ns, p.rank});
+  const PrologueScratch s = prologue_scratch(p);
+  // Our source data (x and the send plan / the routing and pair lists) is in our data segment:
+  // peers may read.
+  if (grid_rank(ctx) == 0) flag_release(p.headers[p.rank]->data_epoch, e);
   if (status != int32_t(CallStatus::Ok)) return;
 
-  const int32_t El = p.experts_local, W = p.world, d = p.rank, k = p.topk;
-  const WaitConfig wc{p.error, p.timeout_ns, p.rank};
-  if (p.op == int32_t(OpKind::Layer1)) {
-    if (tid == 0) {
+  const int32_t El = p.experts_local, W = p.world, d = p.rank;
+  const bool layer1 = p.op == int32_t(OpKind::Layer1);
+  if (layer1) {
+    for (int32_t src = 0; src < W; ++src)
+      ctx.wait(p.headers[src]->data_epoch, e, WaitSite::PeerData, src);
+    if (grid_rank(ctx) == 0) {
       build_dispatch_layout(p.recv_counts, d, W, El, p.expert_off, p.seg_off);
-      for (int32_t s = 0; s < W; ++s)
-        spin_until(wc, p.headers[s]->data_epoch, e, WaitSite::PeerData, s);
+      for (int32_t src = 0; src < W; ++src)
+        p.plan_sources[src] = plan_source<float>(p.datas[src], p.regions);
     }
-    __syncthreads();
-    // Stage every source's routing in local memory (whole block), then one thread per source
-    // builds that source's part of the plan with the engine's functions: a view in which only
-    // source s has tokens yields exactly s's entries (source-major order, as the full plan).
-    const int64_t stride = p.stage_tokens * k;
-    SourceRouting<float>* all = p.sources + int64_t(W) * W;  // the staged sources
-    for (int32_t s = 0; s < W; ++s) {
-      const char* sd = p.datas[s];
-      const size_t bytes = size_t(p.metas[s].tokens * k) * 4;
-      cooperative_copy(p.stage_ids + s * stride, sd + p.regions.ids, bytes, tid, kThreads);
-      cooperative_copy(p.stage_pos + s * stride, sd + p.regions.send_pos, bytes, tid, kThreads);
-      cooperative_copy(p.stage_weights + s * stride, sd + p.regions.weights, bytes, tid, kThreads);
-      if (tid == 0)
-        all[s] = SourceRouting<float>{p.stage_ids + s * stride, p.stage_pos + s * stride,
-                                      p.stage_weights + s * stride, p.metas[s].tokens};
-    }
-    __syncthreads();
-    int64_t* counts = p.plan_counts;       // [0, W): entries, [W, 2W): slots of each source
-    int64_t* offsets = p.plan_counts + 2 * W;  // [0, W]: entry offsets, [W+1, 2W+1]: slot offsets
-    for (int32_t s = tid; s < W; s += kThreads) {
-      SourceRouting<float>* view = p.sources + int64_t(s) * W;
-      source_view(all, W, s, view);
-      int64_t slots = 0;
-      counts[s] = reduce_plan_size(view, W, k, El, d, &slots);
-      counts[W + s] = slots;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      offsets[0] = 0;
-      offsets[W + 1] = 0;
-      for (int32_t s = 0; s < W; ++s) {
-        offsets[s + 1] = offsets[s] + counts[s];
-        offsets[W + 2 + s] = offsets[W + 1 + s] + counts[W + s];
-      }
-      const int64_t entries = offsets[W], slots = offsets[2 * W + 1];
-      if (entries > p.plan_cap || slots > p.plan_cap) {
-        // The peers' routing does not match this rank's layout (recv_counts): refuse rather
-        // than overrun the plan.
-        record_overflow(p, 3, entries > slots ? entries : slots, p.plan_cap);
-        __trap();
-      }
-      st->plan_entries = entries;
-      st->plan_slots = slots;
-    }
-    __syncthreads();
-    for (int32_t s = tid; s < W; s += kThreads) {
-      ReducePlan<float> part = plan_part(p.plan, offsets[s], offsets[W + 1 + s]);
-      build_reduce_plan(p.sources + int64_t(s) * W, W, k, El, d, p.seg_off, part);
-    }
-    __syncthreads();
-    ReducePlan<float> plan = p.plan;
-    for (int32_t s = 0; s < W; ++s)
-      for (int64_t i = offsets[s] + tid; i < offsets[s + 1]; i += kThreads)
-        fix_entry_begin(plan, i, offsets[s], offsets[W + 1 + s]);
-    if (tid == 0) plan.entry_begin[offsets[W]] = offsets[2 * W + 1];
+    grid_sync(ctx, s.bar);
   }
-  if (tid != 0) return;
-  const int64_t mtiles = count_mtiles(p.expert_off, El, p.tile_m);
-  if (mtiles > p.mtiles_cap) {
-    record_overflow(p, 3, mtiles, p.mtiles_cap);
+  const TilePlanArgs ta{p.expert_off, p.seg_off, W, El, p.tile_m, p.mtiles_cap, p.mtiles,
+                        layer1 ? nullptr : p.mtile_order, p.order_bucket};
+  const int64_t mtiles = tile_plan_program(ctx, s, ta);
+  if (mtiles < 0) {
+    if (grid_rank(ctx) == 0) record_overflow(p, 3, mtiles, p.mtiles_cap);
     __trap();
   }
-  build_mtiles(p.expert_off, El, p.tile_m, p.mtiles);
-  if (p.op == int32_t(OpKind::Layer0))
-    layer0_mtile_order(p.mtiles, mtiles, p.seg_off, W, p.mtile_order, p.order_scratch);
-  st->num_mtiles = mtiles;
+  int64_t entries = 0;
+  if (layer1) {
+    const ReducePlanArgs<float> ra{p.plan_sources, d, W, p.topk, El, p.seg_off, p.plan_cap,
+                                   p.plan, &st->plan_slots};
+    entries = reduce_plan_program(ctx, s, ra);
+    if (entries < 0) {
+      // The peers' routing does not match this rank's layout (recv_counts): refuse rather than
+      // overrun the plan.
+      if (grid_rank(ctx) == 0) record_overflow(p, 3, entries, p.plan_cap);
+      __trap();
+    }
+  }
+  if (grid_rank(ctx) == 0) {
+    st->num_mtiles = mtiles;
+    st->plan_entries = entries;
+  }
 }
 
 __global__ void finish_kernel(const __grid_constant__ CallParams p) {
@@ -297,14 +281,17 @@ __global__ void finish_kernel(const __grid_constant__ CallParams p) {
 
 }  // namespace
 
+void launch_source(const CallParams& p, cudaStream_t stream) {
+  if (p.ids == nullptr) return;  // rejected on the host: nothing to plan
+  source_kernel<<<p.source_blocks, kThreads, 0, stream>>>(p);
+}
+
 void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream) {
-  const size_t smem = (size_t(2) * p.num_experts + 1) * sizeof(int32_t);
-  const bool in_smem = p.op == int32_t(OpKind::Layer0) && smem <= 48 * 1024;
-  begin_kernel<<<1, kThreads, in_smem ? smem : 0, stream>>>(p, me, in_smem);
+  begin_kernel<<<1, 32, 0, stream>>>(p, me);
 }
 
 void launch_publish(const CallParams& p, cudaStream_t stream) {
-  publish_kernel<<<1, kThreads, 0, stream>>>(p);
+  publish_kernel<<<p.plan_blocks, kThreads, 0, stream>>>(p);
 }
 
 void launch_finish(const CallParams& p, cudaStream_t stream) {

@@ -4,8 +4,11 @@
 // CPU backend runs them with thread teams and the CUDA prologue kernels with many blocks.
 //
 // Work split: grid thread g of P (P = blocks x threads) owns a contiguous share of the items (sizes
-// differ by at most one), so every step handles about n/P items per thread; what a thread handles
-// is reported through ctx.work() (counted on the CPU, a no-op on the GPU) for the span benchmark.
+// differ by at most one), so every step handles about n/P items per thread. What a thread is
+// assigned is reported through ctx.work() (counted on the CPU, a no-op on the GPU) for the span
+// benchmark: each distinct element (routing slot, entry, m-tile, counter) once per program where
+// it is assigned, plus the scan's log2(threads) steps and block-sum reads; a program passes over
+// its elements at most three times (e.g. the sort's count and scatter passes).
 //
 // Grid barriers need every block of the grid to be resident at once: the CPU runs every block as a
 // live thread team; the CUDA launcher sizes the prologue grid to at most one block per SM.
@@ -75,8 +78,7 @@ COMET_HD int64_t grid_exclusive_scan(Ctx& ctx, const GridBarrier& bar, T* v, int
   const int64_t g = grid_rank(ctx), P = grid_size(ctx);
   const Share sh = share_of(n, g, P);
   int64_t sum = 0;
-  for (int64_t i = sh.begin; i < sh.end; ++i) sum += int64_t(v[i]);
-  ctx.work(sh.size());
+  for (int64_t i = sh.begin; i < sh.end; ++i) sum += int64_t(v[i]);  // counted by the caller
 
   int64_t* buf = static_cast<int64_t*>(ctx.block_shared());  // [2][threads], double-buffered
   const int32_t t = ctx.thread(), nt = ctx.threads();

@@ -84,7 +84,7 @@ COMET_HD int64_t pair_list_program(Ctx& ctx, const PrologueScratch& s, const int
   for (int64_t t = sh.begin; t < sh.end; ++t)
     for (int32_t j = 0; j < k; ++j)
       s.item_keys[t * k + j] = first_slot_destination(ids + t * k, j, num_experts, el);
-  ctx.work(sh.size() * k);
+  // (the same slots are counted once, by the sort below)
   grid_sync(ctx, s.bar);
   const int32_t* keys = s.item_keys;
   auto key = [=](int64_t i) { return keys[i]; };
@@ -235,7 +235,6 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
       ++sl;
     }
   }
-  ctx.work(sh.size());
   grid_sync(ctx, s.bar);
   return entries;
 }
