@@ -1,11 +1,13 @@
-// comet._C.engine: the portable engine's planning functions exposed for property tests
-// (tests/test_engine_layout.py). The ops never go through these wrappers.
+// comet._C.engine: the portable engine's planning programs exposed for property tests
+// (tests/test_engine_layout.py), run on a CPU grid of blocks x threads like the CPU backend runs
+// them (the ops never go through these wrappers).
 #include <torch/extension.h>
 
 #include <vector>
 
-#include "comet/layout.h"
-#include "comet/tile_order.h"
+#include "comet/prologue.h"
+#include "cpu/block_runner.h"
+#include "cpu/grid_scratch.h"
 
 namespace py = pybind11;
 
@@ -14,11 +16,28 @@ namespace {
 using I32 = std::vector<int32_t>;
 using I64 = std::vector<int64_t>;
 
-py::tuple send_plan(const I32& ids, int64_t tokens, int32_t k, int32_t num_experts) {
-  I32 bucket_off(size_t(num_experts) + 1), send_slot(ids.size()), send_pos(ids.size()),
-      fill(static_cast<size_t>(num_experts));
-  const int64_t rows = comet::build_send_plan(ids.data(), tokens, k, num_experts, bucket_off.data(),
-                                              send_slot.data(), send_pos.data(), fill.data());
+struct Grid {
+  int32_t blocks, threads;
+};
+
+// Runs body(ctx) on a blocks x threads CPU grid.
+template <class Body>
+void on_grid(const Grid& g, Body&& body) {
+  comet::cpu::run_grid(nullptr, g.blocks, g.threads, 0, body);
+}
+
+py::tuple send_plan(const I32& ids, int64_t tokens, int32_t k, int32_t num_experts,
+                    int32_t blocks, int32_t threads) {
+  I32 bucket_off(size_t(num_experts) + 1), send_slot(ids.size()), send_pos(ids.size());
+  comet::cpu::GridScratch sc(blocks, threads, num_experts, 0, 0);
+  const comet::PrologueScratch ps = sc.view();
+  int64_t rows = 0;
+  on_grid({blocks, threads}, [&](comet::cpu::CpuContext& ctx) {
+    const int64_t r = comet::send_plan_program(ctx, ps, ids.data(), tokens, k, num_experts,
+                                               bucket_off.data(), send_slot.data(),
+                                               send_pos.data());
+    if (comet::grid_rank(ctx) == 0) rows = r;
+  });
   send_slot.resize(size_t(rows));
   return py::make_tuple(bucket_off, send_slot, send_pos);
 }
@@ -35,29 +54,48 @@ int64_t dispatch_row(const I64& seg_off, int32_t world, int32_t dest, int32_t so
   return comet::dispatch_row(seg_off.data(), world, dest, source, el, pos);
 }
 
-std::vector<comet::MTile> mtiles_of(const I64& expert_off, int32_t tile_m) {
+// m-tiles and (with seg_off) layer0's order from tile_plan_program on a blocks x threads grid.
+std::vector<comet::MTile> mtiles_of(const I64& expert_off, const I64* seg_off, int32_t world,
+                                    int32_t tile_m, I64* order, const Grid& g = {2, 1}) {
   const int32_t el = int32_t(expert_off.size()) - 1;
-  std::vector<comet::MTile> mt(size_t(comet::count_mtiles(expert_off.data(), el, tile_m)));
-  comet::build_mtiles(expert_off.data(), el, tile_m, mt.data());
+  int64_t cap = el;
+  for (int32_t e = 0; e < el; ++e) cap += (expert_off[e + 1] - expert_off[e]) / tile_m;
+  std::vector<comet::MTile> mt(size_t(std::max<int64_t>(cap, 1)));
+  if (order) order->assign(mt.size(), -1);
+  I32 bucket(size_t(world) + 1);
+  I64 no_seg(size_t(el) * (world + 1), 0);
+  comet::cpu::GridScratch sc(g.blocks, g.threads, world, 0, std::max(el, world));
+  const comet::PrologueScratch ps = sc.view();
+  const comet::TilePlanArgs a{expert_off.data(), seg_off ? seg_off->data() : no_seg.data(), world,
+                              el, tile_m, int64_t(mt.size()), mt.data(),
+                              order ? order->data() : nullptr, bucket.data()};
+  int64_t n = 0;
+  on_grid(g, [&](comet::cpu::CpuContext& ctx) {
+    const int64_t r = comet::tile_plan_program(ctx, ps, a);
+    if (comet::grid_rank(ctx) == 0) n = r;
+  });
+  mt.resize(size_t(n));
+  if (order) order->resize(size_t(n));
   return mt;
 }
 
 // [(row_begin, rows, expert)] in global m-tile numbering.
-std::vector<std::tuple<int64_t, int32_t, int32_t>> mtiles(const I64& expert_off, int32_t tile_m) {
+std::vector<std::tuple<int64_t, int32_t, int32_t>> mtiles(const I64& expert_off, int32_t tile_m,
+                                                          int32_t blocks, int32_t threads) {
   std::vector<std::tuple<int64_t, int32_t, int32_t>> out;
-  for (const auto& m : mtiles_of(expert_off, tile_m)) out.emplace_back(m.row_begin, m.rows, m.expert);
+  for (const auto& m : mtiles_of(expert_off, nullptr, 1, tile_m, nullptr, {blocks, threads}))
+    out.emplace_back(m.row_begin, m.rows, m.expert);
   return out;
 }
 
 // Visit order of GEMM tiles as [(mtile, ntile)]; layer 0 needs seg_off and world.
 std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& expert_off,
                                                     const I64& seg_off, int32_t world,
-                                                    int32_t tile_m, int32_t num_ntiles) {
-  auto mt = mtiles_of(expert_off, tile_m);
+                                                    int32_t tile_m, int32_t num_ntiles,
+                                                    int32_t blocks, int32_t threads) {
+  I64 order;
+  auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, &order, {blocks, threads});
   const int64_t n = int64_t(mt.size());
-  I64 order(static_cast<size_t>(n)), scratch(size_t(world) + 1);
-  if (layer == 0)
-    comet::layer0_mtile_order(mt.data(), n, seg_off.data(), world, order.data(), scratch.data());
   std::vector<std::pair<int64_t, int32_t>> out;
   for (int64_t i = 0; i < n * num_ntiles; ++i) {
     auto tc = layer == 0 ? comet::layer0_tile(i, order.data(), num_ntiles) : comet::layer1_tile(i, n);
@@ -68,7 +106,7 @@ std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& ex
 
 int32_t mtile_ring_distance(const I64& expert_off, const I64& seg_off, int32_t world,
                             int32_t tile_m, int64_t mtile) {
-  auto mt = mtiles_of(expert_off, tile_m);
+  auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, nullptr);
   return comet::mtile_ring_distance(mt.at(size_t(mtile)), seg_off.data(), world);
 }
 
@@ -79,13 +117,20 @@ py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank) {
 
 }  // namespace
 
+
+
 void bind_engine(py::module_& m) {
   auto e = m.def_submodule("engine", "the portable engine's planning functions, for tests");
-  e.def("send_plan", &send_plan);
+  e.def("send_plan", &send_plan, py::arg("ids"), py::arg("tokens"), py::arg("k"),
+        py::arg("num_experts"), py::arg("blocks") = 1, py::arg("threads") = 1);
   e.def("dispatch_layout", &dispatch_layout);
   e.def("dispatch_row", &dispatch_row);
-  e.def("mtiles", &mtiles);
-  e.def("tile_order", &tile_order);
+  e.def("mtiles", &mtiles, py::arg("expert_off"), py::arg("tile_m"), py::arg("blocks") = 1,
+        py::arg("threads") = 1);
+  e.def("tile_order", &tile_order, py::arg("layer"), py::arg("expert_off"), py::arg("seg_off"),
+        py::arg("world"), py::arg("tile_m"), py::arg("num_ntiles"), py::arg("blocks") = 1,
+        py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot);
+
 }

@@ -11,6 +11,10 @@ from comet import reference as ref
 eng = _C.engine
 
 
+# CPU grids (blocks, threads per block) the planning programs run on: results must not depend on it.
+GRIDS = [(1, 1), (3, 1), (5, 1)]
+
+
 @st.composite
 def worlds(draw):
     W = draw(st.integers(1, 8))
@@ -22,11 +26,12 @@ def worlds(draw):
         T = draw(st.integers(0, 9))
         flat = draw(st.lists(st.integers(-1, E - 1), min_size=T * k, max_size=T * k))
         ids.append(torch.tensor(flat, dtype=torch.int64).reshape(T, k))
-    return W, E, k, ids
+    grid = draw(st.sampled_from(GRIDS))
+    return W, E, k, ids, grid
 
 
-def plans(W, E, k, ids):
-    return [eng.send_plan(t.reshape(-1).int().tolist(), t.shape[0], k, E) for t in ids]
+def plans(W, E, k, ids, grid):
+    return [eng.send_plan(t.reshape(-1).int().tolist(), t.shape[0], k, E, *grid) for t in ids]
 
 
 def recv_counts_for(plan_list, dest, W, el):
@@ -40,8 +45,8 @@ def recv_counts_for(plan_list, dest, W, el):
 @settings(max_examples=150, deadline=None)
 @given(worlds())
 def test_send_plan_buckets_every_valid_slot_once_in_order(world):
-    W, E, k, ids = world
-    for t_ids, (bucket_off, send_slot, send_pos) in zip(ids, plans(W, E, k, ids)):
+    W, E, k, ids, grid = world
+    for t_ids, (bucket_off, send_slot, send_pos) in zip(ids, plans(W, E, k, ids, grid)):
         flat = t_ids.reshape(-1).tolist()
         valid = [i for i, e in enumerate(flat) if e >= 0]
         assert sorted(send_slot) == valid  # a permutation of the valid slots
@@ -56,9 +61,9 @@ def test_send_plan_buckets_every_valid_slot_once_in_order(world):
 @settings(max_examples=150, deadline=None)
 @given(worlds())
 def test_dispatch_rows_match_the_reference_order(world):
-    W, E, k, ids = world
+    W, E, k, ids, grid = world
     el = E // W
-    pl = plans(W, E, k, ids)
+    pl = plans(W, E, k, ids, grid)
     for d in range(W):
         expert_off, seg_off = eng.dispatch_layout(recv_counts_for(pl, d, W, el), d, W, el)
         rows = ref.dispatch_rows(ids, E, d)
@@ -78,12 +83,12 @@ def test_dispatch_rows_match_the_reference_order(world):
 @settings(max_examples=150, deadline=None)
 @given(worlds(), st.integers(1, 6), st.integers(1, 4))
 def test_tile_orders(world, tile_m, num_ntiles):
-    W, E, k, ids = world
+    W, E, k, ids, grid = world
     el = E // W
-    pl = plans(W, E, k, ids)
+    pl = plans(W, E, k, ids, grid)
     for d in range(W):
         expert_off, seg_off = eng.dispatch_layout(recv_counts_for(pl, d, W, el), d, W, el)
-        mtiles = eng.mtiles(expert_off, tile_m)
+        mtiles = eng.mtiles(expert_off, tile_m, *grid)
         # m-tiles cover each expert's rows exactly, never straddling experts
         covered = [r for (b, n, _e) in mtiles for r in range(b, b + n)]
         assert covered == list(range(expert_off[-1]))
@@ -91,7 +96,7 @@ def test_tile_orders(world, tile_m, num_ntiles):
                    for (b, n, e) in mtiles)
         all_tiles = sorted((m, n) for m in range(len(mtiles)) for n in range(num_ntiles))
         # layer0: a permutation; ring distance never decreases, so local-only tiles come first
-        o0 = eng.tile_order(0, expert_off, seg_off, W, tile_m, num_ntiles)
+        o0 = eng.tile_order(0, expert_off, seg_off, W, tile_m, num_ntiles, *grid)
         assert sorted(o0) == all_tiles
         dist = [eng.mtile_ring_distance(expert_off, seg_off, W, tile_m, m) for m, _ in o0]
         assert dist == sorted(dist)
@@ -101,7 +106,7 @@ def test_tile_orders(world, tile_m, num_ntiles):
                         for r in range(b, b + n)]
             assert max(rows_src) == eng.mtile_ring_distance(expert_off, seg_off, W, tile_m, m)
         # layer1: column-major across every expert
-        o1 = eng.tile_order(1, expert_off, seg_off, W, tile_m, num_ntiles)
+        o1 = eng.tile_order(1, expert_off, seg_off, W, tile_m, num_ntiles, *grid)
         assert o1 == [(m, n) for n in range(num_ntiles) for m in range(len(mtiles))]
 
 

@@ -14,7 +14,9 @@
 #include "comet/comm_layer0.h"
 #include "comet/comm_layer1.h"
 #include "comet/gemm_schedule.h"
+#include "comet/prologue.h"
 #include "comet/reduce_plan.h"
+#include "grid_scratch.h"
 #include "op_checks.h"
 #include "symm_heap.h"
 #include "tile_gemm.h"
@@ -77,6 +79,42 @@ auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
   }
 }
 
+// The prologue programs (comet/prologue.h) run on a grid of the call's blocks, as the CUDA
+// prologue kernels run them on many blocks.
+template <class Body>
+void run_prologue(const SymmHeap& heap, int32_t blocks, GridScratch& scratch, Body&& body) {
+  const PrologueScratch ps = scratch.view();
+  run_grid(&heap, blocks, 1, 0, [&](CpuContext& ctx) { body(ctx, ps); });
+}
+
+std::vector<const char*> peer_datas(const SymmHeap& heap) {
+  std::vector<const char*> d(static_cast<size_t>(heap.world()));
+  for (int32_t s = 0; s < heap.world(); ++s) d[size_t(s)] = heap.data(s);
+  return d;
+}
+
+// m-tiles (and layer0's visit order when `order` is given) of a dispatch layout of M rows.
+std::vector<MTile> plan_tiles(const SymmHeap& heap, int32_t blocks, const std::vector<int64_t>& expert_off,
+                              const std::vector<int64_t>& seg_off, int32_t El, int64_t M,
+                              int64_t tile_m, std::vector<int64_t>* order) {
+  const int32_t W = heap.world();
+  const int64_t cap = ceil_div(M, tile_m) + El;
+  std::vector<MTile> mtiles(static_cast<size_t>(cap));
+  if (order) order->resize(static_cast<size_t>(cap));
+  std::vector<int32_t> bucket(size_t(W) + 1);
+  GridScratch scratch(blocks, 1, W, 0, std::max(El, W));
+  const TilePlanArgs a{expert_off.data(), seg_off.data(), W, El, int32_t(tile_m), cap,
+                       mtiles.data(), order ? order->data() : nullptr, bucket.data()};
+  int64_t n = 0;
+  run_prologue(heap, blocks, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+    const int64_t r = tile_plan_program(ctx, ps, a);
+    if (grid_rank(ctx) == 0) n = r;
+  });
+  mtiles.resize(static_cast<size_t>(n));
+  if (order) order->resize(static_cast<size_t>(n));
+  return mtiles;
+}
+
 using Layer0Result =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -108,11 +146,16 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     char* mine = heap->data(d);
     at::Tensor ids = topk_ids.to(at::kInt).contiguous();
     at::Tensor send_pos = at::empty({T, k}, ids.options());
-    std::vector<int32_t> fill(static_cast<size_t>(E));
-    build_send_plan(ids.data_ptr<int32_t>(), T, k, E,
-                    reinterpret_cast<int32_t*>(mine + reg.bucket_off),
-                    reinterpret_cast<int32_t*>(mine + reg.send_slot), send_pos.data_ptr<int32_t>(),
-                    fill.data());
+    const int32_t grid = int32_t(n_comm + n_gemm);
+    {
+      GridScratch scratch(grid, 1, E, 0, 0);
+      const int32_t* idp = ids.data_ptr<int32_t>();
+      int32_t* pos = send_pos.data_ptr<int32_t>();
+      run_prologue(*heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+        send_plan_program(ctx, ps, idp, T, k, E, reinterpret_cast<int32_t*>(mine + reg.bucket_off),
+                          reinterpret_cast<int32_t*>(mine + reg.send_slot), pos);
+      });
+    }
     if (T > 0) std::memcpy(mine + reg.x, x.data_ptr(), size_t(T * H * elem));
     flag_release(heap->header(d)->data_epoch, epoch);
     for (int32_t s = 0; s < W; ++s) heap->wait(heap->header(s)->data_epoch, epoch, WaitSite::PeerData, s);
@@ -120,17 +163,12 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     // Dispatch layout from every source's bucket sizes.
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
     int32_t* rc = recv_counts.data_ptr<int32_t>();
-    for (int32_t s = 0; s < W; ++s) {
-      const int32_t* bo = reinterpret_cast<const int32_t*>(heap->data(s) + reg.bucket_off);
-      for (int32_t el = 0; el < El; ++el) rc[s * El + el] = bo[d * El + el + 1] - bo[d * El + el];
-    }
+    gather_recv_counts(peer_datas(*heap).data(), reg.bucket_off, d, W, El, rc);
     std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
     const int64_t M = build_dispatch_layout(rc, d, W, El, expert_off.data(), seg_off.data());
-    const int64_t MT = count_mtiles(expert_off.data(), El, int32_t(tile_m));
-    std::vector<MTile> mtiles(static_cast<size_t>(MT));
-    build_mtiles(expert_off.data(), El, int32_t(tile_m), mtiles.data());
-    std::vector<int64_t> order(static_cast<size_t>(MT)), scratch(size_t(W) + 1);
-    layer0_mtile_order(mtiles.data(), MT, seg_off.data(), W, order.data(), scratch.data());
+    std::vector<int64_t> order;
+    std::vector<MTile> mtiles = plan_tiles(*heap, grid, expert_off, seg_off, El, M, tile_m, &order);
+    const int64_t MT = int64_t(mtiles.size());
 
     at::Tensor a = at::empty({M, H}, x.options());
     at::Tensor y0 = at::empty({M, N0}, x.options());
@@ -193,33 +231,48 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
     std::memcpy(mine + reg.send_pos, send_pos.data_ptr(), size_t(T * k) * 4);
     std::memcpy(mine + reg.weights, weights.data_ptr(), size_t(T * k) * sizeof(Acc));
   }
+  const int32_t grid = int32_t(n_comm + n_gemm);
+  {
+    GridScratch scratch(grid, 1, W, T * k, 0);
+    const int32_t* idp = ids.data_ptr<int32_t>();
+    run_prologue(heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+      pair_list_program(ctx, ps, idp, T, k, E, W, reinterpret_cast<int32_t*>(mine + reg.pair_off),
+                        reinterpret_cast<int32_t*>(mine + reg.pair_slot));
+    });
+  }
   flag_release(heap.header(d)->data_epoch, epoch);
   for (int32_t s = 0; s < W; ++s) heap.wait(heap.header(s)->data_epoch, epoch, WaitSite::PeerData, s);
 
   std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
   build_dispatch_layout(recv_counts.data_ptr<int32_t>(), d, W, El, expert_off.data(),
                         seg_off.data());
-  std::vector<SourceRouting<Acc>> src(static_cast<size_t>(W));
-  for (int32_t s = 0; s < W; ++s) {
-    const char* sd = heap.data(s);
-    src[s] = SourceRouting<Acc>{reinterpret_cast<const int32_t*>(sd + reg.ids),
-                                reinterpret_cast<const int32_t*>(sd + reg.send_pos),
-                                reinterpret_cast<const Acc*>(sd + reg.weights),
-                                heap.metas()[s].tokens};
-  }
-  int64_t slots = 0;
-  const int64_t entries = reduce_plan_size(src.data(), W, k, El, d, &slots);
-  std::vector<int32_t> e_src(static_cast<size_t>(entries)), e_tok(static_cast<size_t>(entries)),
-      e_part(static_cast<size_t>(entries));
-  std::vector<int64_t> e_begin(static_cast<size_t>(entries) + 1), s_row(static_cast<size_t>(slots));
-  std::vector<Acc> s_w(static_cast<size_t>(slots));
+  std::vector<MTile> mtiles = plan_tiles(heap, grid, expert_off, seg_off, El, M, tile_m, nullptr);
+  const int64_t MT = int64_t(mtiles.size());
+
+  // The reduce plan from the peers' published routing and pair lists.
+  std::vector<PlanSource<Acc>> src(static_cast<size_t>(W));
+  for (int32_t s = 0; s < W; ++s) src[size_t(s)] = plan_source<Acc>(heap.data(s), reg);
+  const int64_t cap = std::max<int64_t>(M, 1);
+  std::vector<int32_t> e_src(static_cast<size_t>(cap)), e_tok(static_cast<size_t>(cap)),
+      e_part(static_cast<size_t>(cap));
+  std::vector<int64_t> e_begin(static_cast<size_t>(cap) + 1), s_row(static_cast<size_t>(cap));
+  std::vector<Acc> s_w(static_cast<size_t>(cap));
   ReducePlan<Acc> plan{0, e_src.data(), e_tok.data(), e_part.data(), e_begin.data(), s_row.data(),
                        s_w.data()};
-  build_reduce_plan(src.data(), W, k, El, d, seg_off.data(), plan);
+  int64_t slots = 0, entries = 0;
+  {
+    GridScratch scratch(grid, 1, W, 0, std::max(El, W));
+    const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots};
+    run_prologue(heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+      const int64_t n = reduce_plan_program(ctx, ps, ra);
+      if (grid_rank(ctx) == 0) entries = n;
+    });
+  }
+  TORCH_CHECK_VALUE(entries >= 0 && slots == M,
+                    "comet.moe_layer1: the peers' routing sends this rank more rows than the layout "
+                    "(recv_counts) says (", M, "): pass the layout moe_layer0 returned for this call");
+  plan.entries = entries;
 
-  const int64_t MT = count_mtiles(expert_off.data(), El, int32_t(tile_m));
-  std::vector<MTile> mtiles(static_cast<size_t>(MT));
-  build_mtiles(expert_off.data(), El, int32_t(tile_m), mtiles.data());
   const int32_t NT = int32_t(ceil_div(H, tile_n));
   auto& flags = heap.tile_flags();
   auto& counts = heap.tile_counts();

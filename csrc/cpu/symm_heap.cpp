@@ -64,7 +64,8 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
                     const std::atomic<bool>* abort) const {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  const bool peer_site = site != WaitSite::RowTile && site != WaitSite::ColumnTile;
+  const bool peer_site = site != WaitSite::RowTile && site != WaitSite::ColumnTile &&
+                         site != WaitSite::GridBarrier;
   for (uint64_t spin = 0;; ++spin) {
     if (flag_acquire(flag) >= epoch) return;
     if (abort && abort->load(std::memory_order_relaxed)) throw Aborted{};

@@ -16,11 +16,16 @@
 //   void fence_peers()                       make this thread's stores to peer memory visible to
 //                                            peers before a later release (system fence on GPU)
 //   void delay()                             stress hook: a random pause on the CPU, no-op on GPU
+//   void work(int64_t n)                     span accounting: n more elements assigned to this
+//                                            thread (counted on the CPU, no-op on the GPU)
+//   void* block_shared()                     the block's shared scratch, kBlockSharedBytes bytes
 #pragma once
 
 #include "comet/config.h"
 
 namespace comet {
+
+constexpr size_t kBlockSharedBytes = 16 * 1024;
 
 // What a wait was for, so a timeout can say which flag never arrived.
 enum class WaitSite : int32_t {
