@@ -14,7 +14,7 @@ export MAX_JOBS ?= 2
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1
 
-.PHONY: setup build demo test test-cpp test-py test-cuda-static test-gpu bench clean
+.PHONY: setup build demo test test-cpp test-tsan test-py test-cuda-static test-gpu bench clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ test-cpp:
 	cmake --build cbuild -j2
 	ctest --test-dir cbuild --output-on-failure
 
+# ThreadSanitizer build of the C++ tests (the prologue programs and the fused layers on thread
+# teams); any race report fails the run.
+test-tsan:
+	cmake -S . -B cbuild-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOMET_TSAN=ON > /dev/null
+	cmake --build cbuild-tsan -j2
+	TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ctest --test-dir cbuild-tsan --output-on-failure
+
 test-py: setup
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
@@ -47,7 +54,7 @@ test-cuda-static: $(VENV)/.deps
 		$(PY) tools/check_ptxas.py --jobs $(MAX_JOBS); \
 	else echo "nvcc not found: CUDA static checks skipped"; fi
 
-test: test-cpp test-cuda-static test-py
+test: test-cpp test-tsan test-cuda-static test-py
 
 # GPU tests: skip without a GPU; on a machine with N GPUs: make test-gpu NGPU=N
 NGPU ?= 1

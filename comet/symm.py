@@ -36,9 +36,12 @@ class Buffer:
     Create it on every rank of `group` (collectively), or let `comet.moe_layer0/1` create one per
     group on first use. `timeout` (seconds, default $COMET_TIMEOUT or 60) bounds every wait on a
     peer: a rank that died or called something else ends in an error naming what never arrived.
+    `threads_per_block` (CPU backend only; default $COMET_CPU_BLOCK_THREADS or 1) runs every block
+    of the CPU kernels as a team of that many OS threads, as a GPU block's threads cooperate.
     """
 
-    def __init__(self, group=None, *, timeout: float | None = None, _simulated=None):
+    def __init__(self, group=None, *, timeout: float | None = None,
+                 threads_per_block: int | None = None, _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
@@ -61,9 +64,12 @@ class Buffer:
             _C.heap_unlink_own(self.handle)
         _WORLD_OF_HANDLE[self.handle] = self.world
         self._finalizer = weakref.finalize(self, _release, self.handle)
+        if threads_per_block is not None:
+            self.set_threads_per_block(threads_per_block)
 
     @classmethod
-    def simulated_world(cls, world: int, *, timeout: float | None = None) -> list["Buffer"]:
+    def simulated_world(cls, world: int, *, timeout: float | None = None,
+                        threads_per_block: int | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -74,10 +80,17 @@ class Buffer:
             _C.heap_connect(h)
         for h in handles:
             _C.heap_unlink_own(h)
-        return [cls(_simulated=(r, world, h, None)) for r, h in enumerate(handles)]
+        return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block)
+                for r, h in enumerate(handles)]
 
     def set_timeout(self, seconds: float) -> None:
         _C.heap_set_timeout(self.handle, float(seconds))
+
+    def set_threads_per_block(self, threads: int) -> None:
+        """OS threads per block of the CPU kernels (1-1024); no effect on the CUDA backend."""
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+            raise ValueError(f"comet: threads_per_block must be an int in [1, 1024], got {threads!r}")
+        _C.heap_set_block_threads(self.handle, threads)
 
     def fail_call(self, op: int, message: str) -> None:
         """Report a local input error through the call protocol so every peer raises too."""

@@ -44,6 +44,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heap_unlink_own", [](int64_t h) { find_heap(h)->unlink_own(); });
   m.def("heap_release", &comet::cpu::release_heap);
   m.def("heap_set_timeout", [](int64_t h, double s) { find_heap(h)->set_timeout(s); });
+  m.def("heap_set_block_threads", [](int64_t h, int32_t n) {
+    if (n < 0 || n > 1024)
+      throw py::value_error("comet: threads_per_block must be in [1, 1024], got " +
+                            std::to_string(n));
+    find_heap(h)->set_block_threads(n);
+  });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
   bind_engine(m);
 #ifdef COMET_WITH_CUDA

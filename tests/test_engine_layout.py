@@ -12,7 +12,7 @@ eng = _C.engine
 
 
 # CPU grids (blocks, threads per block) the planning programs run on: results must not depend on it.
-GRIDS = [(1, 1), (3, 1), (5, 1)]
+GRIDS = [(1, 1), (3, 1), (5, 1), (1, 4), (2, 4), (3, 2)]  # (blocks, threads per block)
 
 
 @st.composite

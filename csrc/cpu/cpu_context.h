@@ -1,7 +1,15 @@
-// The CPU execution context: one OS thread per block (thread count 1), so block barriers are
-// no-ops and copies are memcpy. Waits go through the heap (timeouts, dead peers, abort on a
-// sibling's failure). With stress on, every delay() sleeps a random 0-300 us, which shuffles the
-// interleaving of comm and GEMM blocks across runs.
+// The CPU execution context (interface: comet/exec_context.h). A block is a team of OS threads,
+// like a GPU thread block: each thread has its own context (thread() in [0, threads())), the team
+// shares a barrier (sync()) and a shared scratch (block_shared()), and cooperative copies split
+// the bytes by thread rank exactly as the GPU's cooperative_copy does. So the GPU's cooperative
+// semantics (work split by thread rank, thread-0 sections, barriers, races between threads of a
+// block) run for real here; with one thread per block everything degenerates to plain memcpy.
+//
+// Waits are block-wide as on the GPU: thread 0 waits through the heap (timeouts, dead peers,
+// abort on a sibling's failure), then the team meets at the barrier. The barrier itself gives up
+// (throws Aborted) once any thread of the run failed, so a failure never leaves a team waiting.
+// With stress on, every delay() sleeps a random 0-300 us, which shuffles the interleaving of
+// blocks and of the threads inside a block across runs.
 #pragma once
 
 #include <atomic>
@@ -18,38 +26,93 @@
 
 namespace comet::cpu {
 
+// Spins on `done()`, yielding, then sleeping briefly (teams may outnumber the cores many times
+// over); throws Aborted once `abort` is set.
+template <class Done>
+void spin_until(Done&& done, const std::atomic<bool>& abort) {
+  for (uint64_t spin = 0; !done(); ++spin) {
+    if (abort.load(std::memory_order_relaxed)) throw Aborted{};
+    if (spin < 64) continue;
+    if (spin < 1024)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// State shared by the threads of one block.
+class Team {
+ public:
+  Team(int32_t threads, const std::atomic<bool>& abort) : threads_(threads), abort_(abort) {}
+  int32_t threads() const { return threads_; }
+  const std::atomic<bool>& abort() const { return abort_; }
+
+  // Reusable barrier. A thread reads the generation before arriving (it cannot advance before
+  // this thread arrives); the last arriver resets the count, then releases the next generation,
+  // so everything written before the barrier by any thread is visible after it to all.
+  void arrive_and_wait() {
+    if (threads_ == 1) return;
+    const uint32_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == threads_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    spin_until([&] { return generation_.load(std::memory_order_acquire) != gen; }, abort_);
+  }
+
+  void* shared() { return shared_; }
+
+ private:
+  const int32_t threads_;
+  const std::atomic<bool>& abort_;
+  std::atomic<int32_t> arrived_{0};
+  std::atomic<uint32_t> generation_{0};
+  alignas(64) char shared_[kBlockSharedBytes];
+};
+
 class CpuContext {
  public:
   // heap may be null (a grid running prologue programs on local memory): then data()/header()
   // must not be called and waits spin locally.
-  CpuContext(const SymmHeap* heap, int32_t block, int32_t blocks, const std::atomic<bool>& abort,
+  CpuContext(const SymmHeap* heap, Team& team, int32_t block, int32_t blocks, int32_t thread,
              uint64_t stress_seed)
-      : heap_(heap), block_(block), blocks_(blocks), abort_(abort), stress_(stress_seed != 0),
-        rng_(stress_seed * 1000003u + uint64_t(block) * 7919u + uint64_t(heap ? heap->rank() : 0)) {}
+      : heap_(heap), team_(team), block_(block), blocks_(blocks), thread_(thread),
+        stress_(stress_seed != 0),
+        rng_(stress_seed * 1000003u + uint64_t(block) * 7919u + uint64_t(thread) * 104729u +
+             uint64_t(heap ? heap->rank() : 0)) {}
 
   int32_t block() const { return block_; }
   int32_t blocks() const { return blocks_; }
-  int32_t thread() const { return 0; }
-  int32_t threads() const { return 1; }
-  void sync() {}
-  void copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+  int32_t thread() const { return thread_; }
+  int32_t threads() const { return team_.threads(); }
+  void sync() { team_.arrive_and_wait(); }
+
+  // The GPU's split: 16-byte vectors i = thread, thread + threads, ... when both sides are
+  // 16-byte aligned (else 4-, 2-, 1-byte units), the scalar tail split the same way.
+  void copy(void* dst, const void* src, size_t bytes) {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    const uintptr_t mis = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s);
+    const size_t unit = (mis & 15) == 0 ? 16 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
+    const size_t n = bytes / unit, t = size_t(thread_), nt = size_t(threads());
+    for (size_t i = t; i < n; i += nt) std::memcpy(d + i * unit, s + i * unit, unit);
+    for (size_t i = n * unit + t; i < bytes; i += nt) d[i] = s[i];
+  }
+
   char* data(int32_t rank) const { return heap_->data(rank); }
   RankHeader* header(int32_t rank) const { return heap_->header(rank); }
+
+  // Block-wide: thread 0 waits, the others meet it at the barrier.
   void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
     delay();
-    if (heap_) {
-      heap_->wait(flag, epoch, site, index, &abort_);
-      return;
+    if (thread_ == 0) {
+      if (heap_)
+        heap_->wait(flag, epoch, site, index, &team_.abort());
+      else
+        wait_local(flag, epoch, site, index);
     }
-    const auto start = std::chrono::steady_clock::now();
-    for (uint64_t spin = 0; flag_acquire(flag) < epoch; ++spin) {
-      if (abort_.load(std::memory_order_relaxed)) throw Aborted{};
-      if (spin < 64) continue;
-      std::this_thread::yield();
-      if (spin % 1024 == 0 && std::chrono::steady_clock::now() - start > std::chrono::seconds(60))
-        throw std::runtime_error(std::string("comet: gave up after 60 s waiting for ") +
-                                 wait_site_name(site) + " (index " + std::to_string(index) + ")");
-    }
+    sync();
   }
   void fence_peers() { std::atomic_thread_fence(std::memory_order_seq_cst); }
   // Span accounting of the prologue programs (parallel.h): elements this thread was assigned.
@@ -57,8 +120,7 @@ class CpuContext {
     if (work_) *work_ += n;
   }
   void count_work(int64_t* counter) { work_ = counter; }
-  // The block's shared scratch (the GPU's shared memory): one thread per block, so its own.
-  void* block_shared() { return shared_; }
+  void* block_shared() { return team_.shared(); }
   void delay() {
     if (!stress_) return;
     std::uniform_int_distribution<int> us(0, 300);
@@ -66,13 +128,26 @@ class CpuContext {
   }
 
  private:
+  void wait_local(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
+    const auto start = std::chrono::steady_clock::now();
+    spin_until(
+        [&] {
+          if (flag_acquire(flag) >= epoch) return true;
+          if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60))
+            throw std::runtime_error(std::string("comet: gave up after 60 s waiting for ") +
+                                     wait_site_name(site) + " (index " + std::to_string(index) +
+                                     ")");
+          return false;
+        },
+        team_.abort());
+  }
+
   const SymmHeap* heap_;
-  int32_t block_, blocks_;
-  const std::atomic<bool>& abort_;
+  Team& team_;
+  int32_t block_, blocks_, thread_;
   bool stress_;
   std::mt19937_64 rng_;
   int64_t* work_ = nullptr;
-  alignas(64) char shared_[kBlockSharedBytes];
 };
 
 }  // namespace comet::cpu

@@ -1,25 +1,17 @@
-// CPU kernels of torch.ops.comet.moe_layer0 / moe_layer1: the per-call protocol on the host, then
-// the fused "kernel" run by block_runner with the engine's comm programs and tile schedules
-// (csrc/include/comet/), the GEMM tiles computed by tile_gemm.
+// CPU kernels of torch.ops.comet.moe_layer0 / moe_layer1: input checks and the per-call protocol
+// on the host, then the torch-free fused layers of fused_cpu.h on the tensors' memory.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "block_runner.h"
-#include "comet/comm_layer0.h"
-#include "comet/comm_layer1.h"
-#include "comet/gemm_schedule.h"
-#include "comet/prologue.h"
-#include "comet/reduce_plan.h"
-#include "grid_scratch.h"
+#include "fused_cpu.h"
 #include "op_checks.h"
 #include "symm_heap.h"
-#include "tile_gemm.h"
 
 namespace comet::cpu {
 namespace {
@@ -60,12 +52,6 @@ uint64_t begin_checked_call(SymmHeap& heap, const CallMeta& me, const CheckResul
   TORCH_CHECK_VALUE(false, v);
 }
 
-int64_t max_tokens(const SymmHeap& heap) {
-  int64_t t = 0;
-  for (const CallMeta& m : heap.metas()) t = std::max<int64_t>(t, m.tokens);
-  return t;
-}
-
 // Runs the body of a call; a failure inside leaves peers in an unknown state: mark the heap broken.
 template <class Body>
 auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
@@ -79,40 +65,15 @@ auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
   }
 }
 
-// The prologue programs (comet/prologue.h) run on a grid of the call's blocks, as the CUDA
-// prologue kernels run them on many blocks.
-template <class Body>
-void run_prologue(const SymmHeap& heap, int32_t blocks, GridScratch& scratch, Body&& body) {
-  const PrologueScratch ps = scratch.view();
-  run_grid(&heap, blocks, 1, 0, [&](CpuContext& ctx) { body(ctx, ps); });
+// Threads per block of this heap's calls (Buffer(threads_per_block=), else the environment).
+int32_t block_threads(const SymmHeap& heap) {
+  return heap.block_threads() > 0 ? heap.block_threads() : default_block_threads();
 }
 
-std::vector<const char*> peer_datas(const SymmHeap& heap) {
-  std::vector<const char*> d(static_cast<size_t>(heap.world()));
-  for (int32_t s = 0; s < heap.world(); ++s) d[size_t(s)] = heap.data(s);
-  return d;
-}
-
-// m-tiles (and layer0's visit order when `order` is given) of a dispatch layout of M rows.
-std::vector<MTile> plan_tiles(const SymmHeap& heap, int32_t blocks, const std::vector<int64_t>& expert_off,
-                              const std::vector<int64_t>& seg_off, int32_t El, int64_t M,
-                              int64_t tile_m, std::vector<int64_t>* order) {
-  const int32_t W = heap.world();
-  const int64_t cap = ceil_div(M, tile_m) + El;
-  std::vector<MTile> mtiles(static_cast<size_t>(cap));
-  if (order) order->resize(static_cast<size_t>(cap));
-  std::vector<int32_t> bucket(size_t(W) + 1);
-  GridScratch scratch(blocks, 1, W, 0, std::max(El, W));
-  const TilePlanArgs a{expert_off.data(), seg_off.data(), W, El, int32_t(tile_m), cap,
-                       mtiles.data(), order ? order->data() : nullptr, bucket.data()};
-  int64_t n = 0;
-  run_prologue(heap, blocks, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
-    const int64_t r = tile_plan_program(ctx, ps, a);
-    if (grid_rank(ctx) == 0) n = r;
-  });
-  mtiles.resize(static_cast<size_t>(n));
-  if (order) order->resize(static_cast<size_t>(n));
-  return mtiles;
+CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64_t n_gemm,
+                     int64_t tile_m, int64_t tile_n) {
+  return CpuLaunch{int32_t(n_comm), int32_t(n_gemm), int32_t(tile_m), int32_t(tile_n),
+                   block_threads(heap), stress_seed(epoch, heap.rank())};
 }
 
 using Layer0Result =
@@ -122,6 +83,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                             int64_t tile_m, int64_t tile_n) {
   auto heap = heap_or_throw(buffer);
+  block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
   check_layer0(checker, {x, w0, topk_ids, num_experts}, heap->world(), launch);
@@ -133,74 +95,24 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer0");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> Layer0Result {
-    const int32_t W = heap->world(), d = heap->rank();
-    const int32_t E = int32_t(num_experts), El = E / W, k = int32_t(topk_ids.size(1));
-    const int64_t T = x.size(0), H = x.size(1), N0 = w0.size(1);
-    const int64_t elem = x.element_size();
-    const ScalarKind kind = scalar_kind(x.scalar_type());
-    const DataRegions reg = data_regions(OpKind::Layer0, max_tokens(*heap), int32_t(H), k, E, W,
-                                         int32_t(elem));
-    heap->reserve(reg.total);
-
-    // Publish this rank's send plan and tokens.
-    char* mine = heap->data(d);
+    const int64_t T = x.size(0), H = x.size(1), N0 = w0.size(1), k = topk_ids.size(1);
+    const int32_t W = heap->world(), El = int32_t(num_experts) / W;
     at::Tensor ids = topk_ids.to(at::kInt).contiguous();
     at::Tensor send_pos = at::empty({T, k}, ids.options());
-    const int32_t grid = int32_t(n_comm + n_gemm);
-    {
-      GridScratch scratch(grid, 1, E, 0, 0);
-      const int32_t* idp = ids.data_ptr<int32_t>();
-      int32_t* pos = send_pos.data_ptr<int32_t>();
-      run_prologue(*heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
-        send_plan_program(ctx, ps, idp, T, k, E, reinterpret_cast<int32_t*>(mine + reg.bucket_off),
-                          reinterpret_cast<int32_t*>(mine + reg.send_slot), pos);
-      });
-    }
-    if (T > 0) std::memcpy(mine + reg.x, x.data_ptr(), size_t(T * H * elem));
-    flag_release(heap->header(d)->data_epoch, epoch);
-    for (int32_t s = 0; s < W; ++s) heap->wait(heap->header(s)->data_epoch, epoch, WaitSite::PeerData, s);
-
-    // Dispatch layout from every source's bucket sizes.
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
-    int32_t* rc = recv_counts.data_ptr<int32_t>();
-    gather_recv_counts(peer_datas(*heap).data(), reg.bucket_off, d, W, El, rc);
-    std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
-    const int64_t M = build_dispatch_layout(rc, d, W, El, expert_off.data(), seg_off.data());
-    std::vector<int64_t> order;
-    std::vector<MTile> mtiles = plan_tiles(*heap, grid, expert_off, seg_off, El, M, tile_m, &order);
-    const int64_t MT = int64_t(mtiles.size());
-
+    const Layer0Problem p{x.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),
+                          scalar_kind(x.scalar_type()), T, H, N0, int32_t(num_experts),
+                          int32_t(k)};
+    Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
+                    send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
+    const int64_t M = call.rows();
     at::Tensor a = at::empty({M, H}, x.options());
     at::Tensor y0 = at::empty({M, N0}, x.options());
     at::Tensor row_source = at::empty({M}, ids.options());
     at::Tensor row_token = at::empty({M}, ids.options());
     at::Tensor row_slot = at::empty({M}, ids.options());
-    auto& flags = heap->tile_flags();
-    if (int64_t(flags.size()) < MT) flags.resize(size_t(MT), 0);
-
-    Layer0CommArgs ca{d, W, El, k, H * elem, epoch, reg, seg_off.data(), mtiles.data(),
-                      order.data(), MT, static_cast<char*>(a.data_ptr()), flags.data(),
-                      row_source.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(),
-                      row_slot.data_ptr<int32_t>()};
-    const int32_t NT = int32_t(ceil_div(N0, tile_n));
-    GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, order.data(), flags.data(), nullptr, nullptr};
-    const char* w0p = static_cast<const char*>(w0.data_ptr());
-    run_blocks(
-        *heap, int32_t(n_comm), int32_t(n_gemm), stress_seed(epoch, d),
-        [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
-        [&](CpuContext& ctx, int32_t g) {
-          std::vector<float> tmp32;
-          std::vector<double> tmp64;
-          layer0_gemm(ctx, g, int32_t(n_gemm), ga, [&](const MTile& mt, int32_t nt) {
-            TileGemmArgs t{a.data_ptr(), kind, w0p + int64_t(mt.expert) * N0 * H * elem, kind,
-                           y0.data_ptr(), kind, H, N0};
-            const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
-            if (kind == ScalarKind::F64)
-              tile_gemm(t, mt.row_begin, mt.rows, col0, cols, tmp64);
-            else
-              tile_gemm(t, mt.row_begin, mt.rows, col0, cols, tmp32);
-          });
-        });
+    call.run(a.data_ptr(), y0.data_ptr(), row_source.data_ptr<int32_t>(),
+             row_token.data_ptr<int32_t>(), row_slot.data_ptr<int32_t>());
     return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
   });
 }
@@ -210,97 +122,23 @@ template <class Acc>
 at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, const at::Tensor& w1,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        const at::Tensor& send_pos, const at::Tensor& recv_counts,
-                       int64_t num_experts, int64_t n_comm, int64_t n_gemm, int64_t tile_m,
-                       int64_t tile_n) {
-  const int32_t W = heap.world(), d = heap.rank();
-  const int32_t E = int32_t(num_experts), El = E / W, k = int32_t(topk_ids.size(1));
-  const int64_t T = topk_ids.size(0), M = h.size(0), N1 = h.size(1), H = w1.size(1);
-  const ScalarKind kind = scalar_kind(h.scalar_type());
+                       int64_t num_experts, const CpuLaunch& launch) {
   const at::ScalarType acc_type = sizeof(Acc) == 8 ? at::kDouble : at::kFloat;
-  const int64_t tmax = max_tokens(heap);
-  const DataRegions reg = data_regions(OpKind::Layer1, tmax, int32_t(H), k, E, W,
-                                       int32_t(h.element_size()), int32_t(sizeof(Acc)));
-  heap.reserve(std::max<size_t>(reg.total, 1));
-
-  // Publish this rank's routing, bucket positions and weights for the destinations.
-  char* mine = heap.data(d);
   at::Tensor ids = topk_ids.to(at::kInt).contiguous();
   at::Tensor weights = topk_weights.to(acc_type).contiguous();
-  if (T > 0) {
-    std::memcpy(mine + reg.ids, ids.data_ptr(), size_t(T * k) * 4);
-    std::memcpy(mine + reg.send_pos, send_pos.data_ptr(), size_t(T * k) * 4);
-    std::memcpy(mine + reg.weights, weights.data_ptr(), size_t(T * k) * sizeof(Acc));
-  }
-  const int32_t grid = int32_t(n_comm + n_gemm);
-  {
-    GridScratch scratch(grid, 1, W, T * k, 0);
-    const int32_t* idp = ids.data_ptr<int32_t>();
-    run_prologue(heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
-      pair_list_program(ctx, ps, idp, T, k, E, W, reinterpret_cast<int32_t*>(mine + reg.pair_off),
-                        reinterpret_cast<int32_t*>(mine + reg.pair_slot));
-    });
-  }
-  flag_release(heap.header(d)->data_epoch, epoch);
-  for (int32_t s = 0; s < W; ++s) heap.wait(heap.header(s)->data_epoch, epoch, WaitSite::PeerData, s);
-
-  std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
-  build_dispatch_layout(recv_counts.data_ptr<int32_t>(), d, W, El, expert_off.data(),
-                        seg_off.data());
-  std::vector<MTile> mtiles = plan_tiles(heap, grid, expert_off, seg_off, El, M, tile_m, nullptr);
-  const int64_t MT = int64_t(mtiles.size());
-
-  // The reduce plan from the peers' published routing and pair lists.
-  std::vector<PlanSource<Acc>> src(static_cast<size_t>(W));
-  for (int32_t s = 0; s < W; ++s) src[size_t(s)] = plan_source<Acc>(heap.data(s), reg);
-  const int64_t cap = std::max<int64_t>(M, 1);
-  std::vector<int32_t> e_src(static_cast<size_t>(cap)), e_tok(static_cast<size_t>(cap)),
-      e_part(static_cast<size_t>(cap));
-  std::vector<int64_t> e_begin(static_cast<size_t>(cap) + 1), s_row(static_cast<size_t>(cap));
-  std::vector<Acc> s_w(static_cast<size_t>(cap));
-  ReducePlan<Acc> plan{0, e_src.data(), e_tok.data(), e_part.data(), e_begin.data(), s_row.data(),
-                       s_w.data()};
-  int64_t slots = 0, entries = 0;
-  {
-    GridScratch scratch(grid, 1, W, 0, std::max(El, W));
-    const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots};
-    run_prologue(heap, grid, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
-      const int64_t n = reduce_plan_program(ctx, ps, ra);
-      if (grid_rank(ctx) == 0) entries = n;
-    });
-  }
-  TORCH_CHECK_VALUE(entries >= 0 && slots == M,
-                    "comet.moe_layer1: the peers' routing sends this rank more rows than the layout "
-                    "(recv_counts) says (", M, "): pass the layout moe_layer0 returned for this call");
-  plan.entries = entries;
-
-  const int32_t NT = int32_t(ceil_div(H, tile_n));
-  auto& flags = heap.tile_flags();
-  auto& counts = heap.tile_counts();
-  if (int64_t(flags.size()) < NT) flags.resize(size_t(NT), 0);
-  if (int64_t(counts.size()) < NT) counts.resize(size_t(NT), 0);
-
+  at::Tensor pos = send_pos.contiguous(), rc = recv_counts.contiguous();
+  const int64_t T = topk_ids.size(0), M = h.size(0), H = w1.size(1);
+  const Layer1Problem<Acc> p{h.data_ptr(), w1.data_ptr(), weights.data_ptr<Acc>(),
+                             ids.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
+                             rc.data_ptr<int32_t>(), scalar_kind(h.scalar_type()), T, M,
+                             h.size(1), H, int32_t(num_experts), int32_t(topk_ids.size(1))};
   at::Tensor c = at::empty({M, H}, h.options().dtype(acc_type));
   at::Tensor out = at::empty({T, H}, h.options());
-  Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), int32_t(tile_n), NT, tmax, epoch, reg,
-                         c.data_ptr<Acc>(), flags.data(), plan,
-                         std::max<int64_t>(1, ceil_div(entries, 4 * n_comm)), heap.blocks_done(),
-                         T, ids.data_ptr<int32_t>(), out.data_ptr(), kind};
-  GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
-  const char* w1p = static_cast<const char*>(w1.data_ptr());
-  const int64_t elem = h.element_size();
-  const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
-  run_blocks(
-      heap, int32_t(n_comm), int32_t(n_gemm), stress_seed(epoch, d),
-      [&](CpuContext& ctx) { layer1_comm(ctx, la); },
-      [&](CpuContext& ctx, int32_t g) {
-        std::vector<Acc> tmp;
-        layer1_gemm(ctx, g, int32_t(n_gemm), ga, [&](const MTile& mt, int32_t nt) {
-          TileGemmArgs t{h.data_ptr(), kind, w1p + int64_t(mt.expert) * H * N1 * elem, kind,
-                         c.data_ptr(), c_kind, N1, H};
-          const int64_t col0 = int64_t(nt) * tile_n;
-          tile_gemm(t, mt.row_begin, mt.rows, col0, std::min<int64_t>(tile_n, H - col0), tmp);
-        });
-      });
+  try {
+    layer1_call<Acc>(heap, epoch, p, launch, c.data_ptr<Acc>(), out.data_ptr());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
   return out;
 }
 
@@ -309,6 +147,7 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           const at::Tensor& recv_counts, int64_t num_experts, int64_t buffer,
                           int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n) {
   auto heap = heap_or_throw(buffer);
+  block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts},
@@ -321,11 +160,12 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
+    const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n);
     if (h.scalar_type() == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
-                                 recv_counts, num_experts, n_comm, n_gemm, tile_m, tile_n);
+                                 recv_counts, num_experts, launch);
     return layer1_body<float>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos, recv_counts,
-                              num_experts, n_comm, n_gemm, tile_m, tile_n);
+                              num_experts, launch);
   });
 }
 

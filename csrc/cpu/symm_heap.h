@@ -40,6 +40,9 @@ class SymmHeap {
   int64_t group_hash() const { return group_hash_; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double s) { timeout_s_ = s; }
+  // OS threads per CPU block for this heap's calls; 0 = $COMET_CPU_BLOCK_THREADS (default 1).
+  int32_t block_threads() const { return block_threads_; }
+  void set_block_threads(int32_t n) { block_threads_ = n; }
 
   RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
   char* data(int32_t r) const { return data_[r]; }
@@ -74,6 +77,7 @@ class SymmHeap {
   std::string job_;
   int64_t group_hash_;
   double timeout_s_;
+  int32_t block_threads_ = 0;
   uint64_t epoch_ = 0;
   uint64_t gen_ = 0;      // data segment generation, equal on every rank
   size_t capacity_ = 0;   // data segment bytes, equal on every rank

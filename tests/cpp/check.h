@@ -1,9 +1,10 @@
 // A minimal check macro for the C++ unit tests (no test framework dependency).
 #pragma once
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 
-inline int g_failures = 0;
+inline std::atomic<int> g_failures{0};  // CHECK may run on several threads
 #define CHECK(cond)                                                            \
   do {                                                                         \
     if (!(cond)) {                                                             \
@@ -12,5 +13,5 @@ inline int g_failures = 0;
     }                                                                          \
   } while (0)
 #define TEST_MAIN_END                                                          \
-  if (g_failures) std::fprintf(stderr, "%d check(s) failed\n", g_failures);    \
+  if (g_failures) std::fprintf(stderr, "%d check(s) failed\n", g_failures.load());    \
   return g_failures ? 1 : 0;

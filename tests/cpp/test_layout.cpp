@@ -1,17 +1,21 @@
-// Send plan, dispatch layout, m-tiles and tile orders on random worlds.
+// Dispatch layout, row origins and tile visit orders on random worlds, fed by the prologue
+// programs (send plan, tile plan) on a small CPU grid.
 #include <algorithm>
 #include <random>
 #include <vector>
 
 #include "check.h"
 #include "comet/layout.h"
+#include "comet/prologue.h"
 #include "comet/tile_order.h"
+#include "cpu/block_runner.h"
+#include "cpu/grid_scratch.h"
 
 using namespace comet;
 
 int main() {
   std::mt19937 rng(1);
-  for (int iter = 0; iter < 500; ++iter) {
+  for (int iter = 0; iter < 200; ++iter) {
     const int32_t W = 1 + rng() % 8, el = 1 + rng() % 3, E = W * el, k = 1 + rng() % 4;
     std::vector<std::vector<int32_t>> ids(W), bucket(W), slot(W), pos(W);
     std::vector<int64_t> tokens(W);
@@ -22,9 +26,14 @@ int main() {
       bucket[s].resize(size_t(E) + 1);
       slot[s].resize(ids[s].size());
       pos[s].resize(ids[s].size());
-      std::vector<int32_t> fill(static_cast<size_t>(E));
-      const int64_t rows = build_send_plan(ids[s].data(), tokens[s], k, E, bucket[s].data(),
-                                           slot[s].data(), pos[s].data(), fill.data());
+      cpu::GridScratch sc(2, 2, E, 0, 0);
+      const PrologueScratch ps = sc.view();
+      int64_t rows = -1;
+      cpu::run_grid(nullptr, 2, 2, 0, [&](cpu::CpuContext& ctx) {
+        const int64_t r = send_plan_program(ctx, ps, ids[s].data(), tokens[s], k, E,
+                                            bucket[s].data(), slot[s].data(), pos[s].data());
+        if (grid_rank(ctx) == 0) rows = r;
+      });
       CHECK(rows == std::count_if(ids[s].begin(), ids[s].end(), [](int32_t v) { return v >= 0; }));
     }
     for (int32_t d = 0; d < W; ++d) {
@@ -47,11 +56,21 @@ int main() {
       CHECK(std::all_of(seen.begin(), seen.end(), [](int v) { return v == 1; }));
       // tile orders
       const int32_t tm = 1 + rng() % 5, nt = 1 + rng() % 3;
-      const int64_t mt = count_mtiles(eo.data(), el, tm);
-      std::vector<MTile> tiles(static_cast<size_t>(mt));
-      build_mtiles(eo.data(), el, tm, tiles.data());
-      std::vector<int64_t> order(static_cast<size_t>(mt)), scratch(size_t(W) + 1);
-      layer0_mtile_order(tiles.data(), mt, so.data(), W, order.data(), scratch.data());
+      const int64_t cap = ceil_div(M, tm) + el;
+      std::vector<MTile> tiles(static_cast<size_t>(cap));
+      std::vector<int64_t> order(static_cast<size_t>(cap));
+      std::vector<int32_t> order_bucket(size_t(W) + 1);
+      cpu::GridScratch sc(2, 2, W, 0, std::max(el, W));
+      const PrologueScratch ps = sc.view();
+      const TilePlanArgs ta{eo.data(), so.data(), W, el, tm, cap, tiles.data(), order.data(),
+                            order_bucket.data()};
+      int64_t mt = -1;
+      cpu::run_grid(nullptr, 2, 2, 0, [&](cpu::CpuContext& ctx) {
+        const int64_t n = tile_plan_program(ctx, ps, ta);
+        if (grid_rank(ctx) == 0) mt = n;
+      });
+      CHECK(mt >= 0 && mt <= cap);
+      if (mt < 0) continue;
       int32_t last = 0;
       std::vector<int> visits(size_t(mt * nt), 0);
       for (int64_t i = 0; i < mt * nt; ++i) {

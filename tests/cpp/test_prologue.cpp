@@ -8,6 +8,7 @@
 
 #include "check.h"
 #include "cpu/block_runner.h"
+#include "cpu/grid_scratch.h"
 #include "comet/prologue.h"
 
 using namespace comet;
@@ -32,24 +33,11 @@ void oracle_send_plan(const std::vector<int32_t>& ids, int32_t E, std::vector<in
   }
 }
 
-// Grid scratch for a grid of `threads` total threads and keys up to max_keys.
-struct Scratch {
-  uint32_t arrived = 0;
-  uint64_t generation = 0;
-  std::vector<int32_t> counts, keys;
-  std::vector<int64_t> block_sum, total, small;
-  PrologueScratch view(int32_t blocks, int64_t threads, int32_t max_keys, int64_t items,
-                       int32_t small_n) {
-    counts.assign(size_t(prologue_count_cells(max_keys, threads)), 0);
-    keys.assign(size_t(std::max<int64_t>(items, 1)), 0);
-    block_sum.assign(size_t(blocks), 0);
-    total.assign(1, 0);
-    small.assign(size_t(small_n) + 1, 0);
-    return PrologueScratch{GridBarrier{&arrived, &generation},
-                           SortScratch{counts.data(), ScanScratch{block_sum.data(), total.data()}},
-                           keys.data(), small.data()};
-  }
-};
+bool token_has_local_slot(const int32_t* ids, int32_t k, int32_t experts_local, int32_t rank) {
+  for (int32_t j = 0; j < k; ++j)
+    if (ids[j] >= 0 && ids[j] / experts_local == rank) return true;
+  return false;
+}
 
 struct Grid {
   int32_t blocks, threads;
@@ -76,8 +64,8 @@ int main() {
       std::vector<int32_t> ob, os, op;
       oracle_send_plan(ids[s], E, ob, os, op);
 
-      Scratch sc;
-      const PrologueScratch ps = sc.view(g.blocks, P, std::max(E, W), int64_t(ids[s].size()), 0);
+      cpu::GridScratch sc(g.blocks, g.threads, std::max(E, W), int64_t(ids[s].size()), 0);
+      const PrologueScratch ps = sc.view();
       bucket[s].assign(size_t(E) + 1, -7);
       slot[s].assign(ids[s].size(), -7);
       pos[s].assign(ids[s].size(), -7);
@@ -168,8 +156,8 @@ int main() {
       std::vector<int64_t> order(size_t(mt) + 1);
       std::vector<int32_t> order_bucket(size_t(W) + 1);
       int64_t slots = -1, got_tiles = -1, entries = -1;
-      Scratch sc;
-      const PrologueScratch ps = sc.view(g.blocks, P, W, 0, std::max(el, W));
+      cpu::GridScratch sc(g.blocks, g.threads, W, 0, std::max(el, W));
+      const PrologueScratch ps = sc.view();
       ReducePlanArgs<float> ra{src.data(), d, W, k, el, so.data(), cap,
                                ReducePlan<float>{0, e_src.data(), e_tok.data(), e_part.data(),
                                                  e_begin.data(), s_row.data(), s_w.data()},

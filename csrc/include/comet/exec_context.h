@@ -50,6 +50,7 @@ COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout m
     case WaitSite::RowTile: return "layer0 m-tile rows (comm -> GEMM)";
     case WaitSite::ColumnTile: return "layer1 n-tile (GEMM -> comm)";
     case WaitSite::Partials: return "layer1 partial sums from peer";
+    case WaitSite::GridBarrier: return "grid barrier of a prologue program";
   }
   return "?";
 }

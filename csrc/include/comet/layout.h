@@ -21,34 +21,8 @@ COMET_HD int32_t ring_position(int32_t dest, int32_t source, int32_t world) {
   return (source - dest + world) % world;
 }
 
-// Source side. ids: [T*k] expert ids (-1 dropped, others validated to [0, E)). Outputs:
-//   bucket_off[E+1]  start of each expert's bucket in send_slot
-//   send_slot[R]     flat slot index t*k+j of each row, bucket-ordered (R = number of valid slots)
-//   send_pos[T*k]    position of slot (t, j) inside its bucket, -1 for dropped slots
-//   fill[E]          scratch
-// Returns R.
-COMET_HD int64_t build_send_plan(const int32_t* ids, int64_t tokens, int32_t k, int32_t num_experts,
-                                 int32_t* bucket_off, int32_t* send_slot, int32_t* send_pos,
-                                 int32_t* fill) {
-  for (int32_t e = 0; e <= num_experts; ++e) bucket_off[e] = 0;
-  for (int64_t i = 0; i < tokens * k; ++i)
-    if (ids[i] >= 0) ++bucket_off[ids[i] + 1];
-  for (int32_t e = 0; e < num_experts; ++e) {
-    bucket_off[e + 1] += bucket_off[e];
-    fill[e] = 0;
-  }
-  for (int64_t i = 0; i < tokens * k; ++i) {
-    int32_t e = ids[i];
-    if (e < 0) {
-      send_pos[i] = -1;
-      continue;
-    }
-    int32_t pos = fill[e]++;
-    send_pos[i] = pos;
-    send_slot[bucket_off[e] + pos] = int32_t(i);
-  }
-  return bucket_off[num_experts];
-}
+// Source side: the send plan (bucket_off, send_slot, send_pos) is built by send_plan_program
+// (comet/prologue.h), a stable counting sort of the routing slots by expert.
 
 // Destination side. recv_counts[s*E_local + el]: rows source s sends to local expert el of `dest`.
 // Outputs expert_off[E_local+1] and seg_off[E_local*(W+1)] (absolute rows). Returns M (total rows).

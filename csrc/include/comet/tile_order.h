@@ -24,23 +24,8 @@ struct MTile {
   int32_t expert;     // local expert
 };
 
-COMET_HD int64_t count_mtiles(const int64_t* expert_off, int32_t experts_local, int32_t tile_m) {
-  int64_t n = 0;
-  for (int32_t el = 0; el < experts_local; ++el)
-    n += ceil_div(expert_off[el + 1] - expert_off[el], tile_m);
-  return n;
-}
-
-// Fills mtiles[count_mtiles(...)] in global (expert-major) numbering.
-COMET_HD void build_mtiles(const int64_t* expert_off, int32_t experts_local, int32_t tile_m,
-                           MTile* mtiles) {
-  int64_t t = 0;
-  for (int32_t el = 0; el < experts_local; ++el)
-    for (int64_t r = expert_off[el]; r < expert_off[el + 1]; r += tile_m) {
-      int64_t left = expert_off[el + 1] - r;
-      mtiles[t++] = MTile{r, int32_t(left < tile_m ? left : tile_m), el};
-    }
-}
+// The m-tiles (expert-major cuts of tile_m rows) and layer0's visit order (a stable counting sort
+// of m-tile ids by ring distance) are built by tile_plan_program (comet/prologue.h).
 
 // Ring distance of the farthest source an m-tile needs (rows are ring-ordered inside an expert, so
 // that is the ring position of its last row).
@@ -48,24 +33,12 @@ COMET_HD int32_t mtile_ring_distance(const MTile& mt, const int64_t* seg_off, in
   return row_origin(seg_off, world, mt.expert, mt.row_begin + mt.rows - 1).ring_pos;
 }
 
-// layer0's m-tile visit order: a stable counting sort of m-tile ids by ring distance.
-// order[num_mtiles]; scratch[world + 1].
-COMET_HD void layer0_mtile_order(const MTile* mtiles, int64_t num_mtiles, const int64_t* seg_off,
-                                 int32_t world, int64_t* order, int64_t* scratch) {
-  for (int32_t p = 0; p <= world; ++p) scratch[p] = 0;
-  for (int64_t i = 0; i < num_mtiles; ++i)
-    ++scratch[mtile_ring_distance(mtiles[i], seg_off, world) + 1];
-  for (int32_t p = 0; p < world; ++p) scratch[p + 1] += scratch[p];
-  for (int64_t i = 0; i < num_mtiles; ++i)
-    order[scratch[mtile_ring_distance(mtiles[i], seg_off, world)]++] = i;
-}
-
 struct TileCoord {
   int64_t mtile;  // global m-tile id
   int32_t ntile;
 };
 
-// i-th tile visited by layer0, given layer0_mtile_order's output.
+// i-th tile visited by layer0, given tile_plan_program's m-tile order.
 COMET_HD TileCoord layer0_tile(int64_t i, const int64_t* mtile_order, int32_t num_ntiles) {
   return TileCoord{mtile_order[i / num_ntiles], int32_t(i % num_ntiles)};
 }

@@ -1,0 +1,77 @@
+// The CPU backend's fused layers without torch: what runs after the call protocol agreed on a call
+// (SymmHeap::begin_call returned its epoch). Both layers run the engine's prologue programs and
+// comm programs (csrc/include/comet/) on grids of thread teams (block_runner.h), the GEMM tiles by
+// tile_gemm.h. ops_cpu.cpp wraps them for torch.ops.comet; the C++ tests (and the ThreadSanitizer
+// build) call them directly. Callers own every buffer; sizes are stated per field.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comet/numeric.h"
+#include "comet/tile_order.h"
+#include "symm_heap.h"
+
+namespace comet::cpu {
+
+struct CpuLaunch {
+  int32_t n_comm, n_gemm;   // comm / GEMM blocks (n_gemm >= 1)
+  int32_t tile_m, tile_n;
+  int32_t threads;          // OS threads per block
+  uint64_t stress_seed;     // nonzero: random delays in every thread (cpu_context.h)
+};
+
+struct Layer0Problem {
+  const void* x;        // [T, H] this rank's tokens
+  const void* w0;       // [E_local, N0, H] this rank's experts
+  const int32_t* ids;   // [T, k] expert ids, -1 = dropped slot (already validated)
+  ScalarKind kind;      // of x, w0 and the outputs
+  int64_t tokens, hidden, n0;
+  int32_t experts, topk;
+};
+
+// layer0 in two steps, because the caller allocates outputs sized by the dispatched row count.
+class Layer0Call {
+ public:
+  // Publishes this rank's send plan and tokens, waits for every source's, builds the dispatch
+  // layout and the tile plan. Writes send_pos [T*k] and recv_counts [W*E_local].
+  Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, const CpuLaunch& l,
+             int32_t* send_pos, int32_t* recv_counts);
+  int64_t rows() const { return rows_; }  // M
+  // The fused kernel: rows into a [M, H], y0 [M, N0] = a @ w0[e]^T per expert, each row's origin.
+  void run(void* a, void* y0, int32_t* row_source, int32_t* row_token, int32_t* row_slot);
+
+ private:
+  SymmHeap& heap_;
+  uint64_t epoch_;
+  Layer0Problem p_;
+  CpuLaunch l_;
+  int64_t rows_ = 0;
+  std::vector<int64_t> expert_off_, seg_off_, order_;
+  std::vector<MTile> mtiles_;
+};
+
+template <class Acc>
+struct Layer1Problem {
+  const void* h;              // [M, N1] dispatched rows after the activation
+  const void* w1;             // [E_local, H, N1]
+  const Acc* weights;         // [T, k] top-k weights in the accumulator type
+  const int32_t* ids;         // [T, k]
+  const int32_t* send_pos;    // [T, k] from layer0
+  const int32_t* recv_counts; // [W, E_local] from layer0
+  ScalarKind kind;            // of h, w1 and out
+  int64_t tokens, rows, n1, hidden;
+  int32_t experts, topk;
+};
+
+// layer1: publishes routing, builds the reduce plan from every peer's, runs the fused kernel.
+// c [M, H] is the caller's scratch for the GEMM output; out [T, H] in p.kind. Throws
+// std::invalid_argument when the peers' routing does not match the layout (rows).
+template <class Acc>
+void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, const CpuLaunch& l,
+                 Acc* c, void* out);
+
+// Largest token count any rank announced for the current call (sizes the data regions).
+int64_t max_tokens(const SymmHeap& heap);
+
+}  // namespace comet::cpu
