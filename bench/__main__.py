@@ -1,9 +1,9 @@
-"""Both benchmarks, one after the other, from one command:
+"""The benchmarks (moe_layer, sweep_ncomm, prologue), one after the other, from one command:
 
     .venv/bin/python -m bench            # full CPU run (~1-2 min on 2 cores)
     .venv/bin/python -m bench --smoke    # CI-sized (< 30 s each)
 
-Options given here (--smoke, --out DIR) are passed to both scripts; run bench/moe_layer.py or
+Options given here (--smoke, --out DIR) are passed to every script; run bench/moe_layer.py or
 bench/sweep_ncomm.py directly for their other options. On a GPU run each script under torchrun
 instead (see bench/README.md).
 """
@@ -19,11 +19,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     extra = (["--smoke"] if a.smoke else []) + (["--out", a.out] if a.out else [])
-    from bench import moe_layer, sweep_ncomm
+    from bench import moe_layer, prologue, sweep_ncomm
 
     rc = moe_layer.main(extra)
     print()
-    return rc or sweep_ncomm.main(extra)
+    rc = rc or sweep_ncomm.main(extra)
+    print()
+    return rc or prologue.main(extra)
 
 
 if __name__ == "__main__":

@@ -235,3 +235,22 @@ def test_sweep_ncomm_smoke(tmp_path):
     assert "tuner" in proc.stdout and "NOT GPU" in proc.stdout
     _png_ok(tmp_path / "sweep_ncomm.png", proc.stdout)
     print(f"sweep_ncomm.py --smoke: {elapsed:.1f} s")
+
+
+def test_prologue_bench_smoke(tmp_path, capsys):
+    """bench.prologue --smoke: every program's span within 2x of T*k/P + E*W, and the span shrinks
+    as the grid grows (the work is really split)."""
+    from bench import prologue
+
+    assert prologue.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "span within 2x of T*k/P + E*W: 8/8 rows" in out
+    rows = json.loads((tmp_path / "prologue_smoke.json").read_text())["rows"]
+    assert len(rows) == 8 and all(r["within_2x"] for r in rows)
+    by_config = {}
+    for r in rows:
+        by_config.setdefault((r["T"], r["k"], r["E"]), {})[r["P"]] = r
+    for cfg, per_p in by_config.items():
+        for name in ("send_plan", "pair_list", "reduce_plan"):
+            assert per_p[16]["programs"][name]["span"] * 4 < per_p[1]["programs"][name]["span"], \
+                (cfg, name)

@@ -73,3 +73,18 @@ def test_missing_peer_with_teams_times_out_not_hangs():
 
     with pytest.raises(RuntimeError, match="gave up after"):
         run_threads(2, rank, buffers=bufs, timeout=30)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_gradients_with_teams_match_reference(monkeypatch, threads):
+    """The backward (fused ops again, plus virtual tokens) on thread teams of the environment's
+    size: gradients as the reference's."""
+    from tests.test_autograd import check_grads, comet_grads, cotangents, reference_grads
+
+    monkeypatch.setenv("COMET_CPU_BLOCK_THREADS", str(threads))
+    case = E6_ON_3
+    inputs = make_inputs(case, torch.float32)
+    vs = cotangents(case, torch.float32)
+    expect_outs, expect = reference_grads(case, torch.float32, inputs, vs)
+    got = comet_grads(case, inputs, vs, n_comm=2, tile=(4, 8))
+    check_grads(case, torch.float32, got, expect_outs, expect)
