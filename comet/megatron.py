@@ -92,7 +92,8 @@ class CometMoELayer(MoELayer):
     """Megatron's MoELayer with dispatch / expert compute / combine on Comet's fused ops.
 
     Extra keyword arguments: ``buffer`` (a comet.Buffer for the expert-parallel group; default:
-    comet.buffer_for(ep_group), created on first forward), ``n_comm`` / ``tile`` (launch
+    the ops' buffer of Megatron's expert-parallel group on the tokens' backend - the NVSHMEM one
+    for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
     overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
@@ -132,11 +133,6 @@ class CometMoELayer(MoELayer):
             raise ValueError("comet.megatron.CometMoELayer does not support: " + ", ".join(problems))
 
     # -- helpers -------------------------------------------------------------------------------------
-
-    def _buffer(self):
-        if self.comet_buffer is None:
-            self.comet_buffer = comet.buffer_for(self.ep_group)
-        return self.comet_buffer
 
     def _defer(self):
         if self.wgrad_queue is None:
@@ -179,7 +175,8 @@ class CometMoELayer(MoELayer):
         with self._defer():
             y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
                                           num_experts=self.config.num_moe_experts,
-                                          buffer=self._buffer(), **self.comet_launch)
+                                          group=self.ep_group, buffer=self.comet_buffer,
+                                          **self.comet_launch)
         return y0, (layout, topk_weights)
 
     def routed_experts_compute(self, hidden_states, probs):
@@ -195,8 +192,8 @@ class CometMoELayer(MoELayer):
         if topk_weights.dtype not in (torch.float32, h.dtype):
             topk_weights = topk_weights.float()
         with self._defer():
-            return comet.moe_layer1(h, w1, topk_weights, layout, buffer=self._buffer(),
-                                    **self.comet_launch)
+            return comet.moe_layer1(h, w1, topk_weights, layout, group=self.ep_group,
+                                    buffer=self.comet_buffer, **self.comet_launch)
 
     def postprocess(self, output, shared_expert_output):
         output = output.view(self._hidden_shape)

@@ -7,10 +7,15 @@ peer that is not reachable by pointer (another node) is reported when the buffer
 multi-node buffers are a later issue.
 
 NVSHMEM is bootstrapped once per process from torch.distributed: rank 0 creates a unique id and
-broadcasts it over the default group (a process without torch.distributed is a world of one). In
-this version a CUDA buffer's group must be that whole world (NVSHMEM allocations are collective
-over all PEs). The heap size is NVSHMEM's: set NVSHMEM_SYMMETRIC_SIZE (e.g. "8G") before the first
-buffer for large token counts.
+broadcasts it over the default group (a process without torch.distributed is a world of one). A
+buffer's group may be any process group (e.g. Megatron's expert-parallel group inside a larger
+data-parallel world): group rank r is PE `get_process_group_ranks(group)[r]`. NVSHMEM allocations
+are collective over all PEs, so buffers are created, reserved and closed by EVERY process of the
+world at the same point, each for its own group (several groups alive at once, e.g. two EP groups
+of 4 in a world of 8, each process creating the buffer of its group); a subgroup's buffer cannot
+grow inside a call: reserve() it (or pass capacity_bytes) for the largest token count first, else
+the call raises with the bytes it needs. The heap size is NVSHMEM's: set NVSHMEM_SYMMETRIC_SIZE
+(e.g. "8G") before the first buffer for large token counts.
 
 Calls without host synchronisation: inside `with buf.capturable(max_rows=R):` the ops never wait
 for the GPU, so they can be captured in CUDA graphs. moe_layer0 then returns row-indexed outputs
@@ -98,8 +103,9 @@ def _group_hash(members) -> int:
 class Buffer:
     """NVSHMEM symmetric memory and call state of one expert-parallel group on one GPU.
 
-    Create it on every rank of `group` together (or let comet.moe_layer0/1 create one per group
-    and device on first use). `timeout` (seconds, default $COMET_TIMEOUT or 60) bounds every
+    Create it on every rank of `group` together - for a subgroup of the world, on every process
+    of the world together, each for its own group (see the module docstring) - or let
+    comet.moe_layer0/1 create one per group and device on first use. `timeout` (seconds, default $COMET_TIMEOUT or 60) bounds every
     spin-wait of the kernels: a wait that times out records which flag never arrived, traps, and
     the op (or check()) raises with that description. `capacity_bytes` is the initial data
     segment (default $COMET_CUDA_BUFFER_BYTES or 64 MiB); eager calls grow it as needed.
@@ -114,21 +120,19 @@ class Buffer:
         init_nvshmem(self.device)
         if _distributed():
             self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            # Group rank r is NVSHMEM PE members[r] (NVSHMEM's world is the default group).
             members = dist.get_process_group_ranks(group or dist.group.WORLD)
-            if self.world != dist.get_world_size():
-                raise ValueError(
-                    f"comet.symm_cuda: the group has {self.world} of the {dist.get_world_size()} "
-                    "processes; in this version a CUDA buffer spans the default group (NVSHMEM's "
-                    "world)")
-            # The segment size must be equal everywhere (regions and growth derive from it).
-            sizes = [None] * self.world
-            dist.all_gather_object(sizes, capacity, group=group)
+            # nvshmem_malloc is collective over the whole world, so every process creates its
+            # buffer now (each for its own group) and the size must be equal everywhere.
+            sizes = [None] * dist.get_world_size()
+            dist.all_gather_object(sizes, capacity)
             capacity = max(sizes)
         else:
             self.rank, self.world, members = 0, 1, [0]
         ops = _ops()
-        self.handle = int(ops.buffer_create(self.rank, self.world, self.device.index, timeout,
-                                            _group_hash(members), capacity))
+        self.handle = int(ops.buffer_create(self.rank, self.world, members, self.device.index,
+                                            timeout, _group_hash(members), capacity))
+        self.subgroup = bool(ops.buffer_is_subgroup(self.handle))
         problems = [str(ops.buffer_unreachable(self.handle))]
         if _distributed():
             everyone = [None] * self.world
@@ -195,7 +199,12 @@ class Buffer:
     # -- collective operations ------------------------------------------------------------------
 
     def reserve_bytes(self, nbytes: int) -> None:
-        """Grows every rank's data segment to at least nbytes (collective)."""
+        """Grows every rank's data segment to at least nbytes (collective over the group; for a
+        subgroup's buffer over every process of the world, each reserving its own buffer)."""
+        if self.subgroup:
+            sizes = [None] * dist.get_world_size()
+            dist.all_gather_object(sizes, int(nbytes))
+            nbytes = max(sizes)
         _ops().buffer_reserve(self.handle, int(nbytes))
         self._barrier()
 
@@ -232,8 +241,8 @@ class Buffer:
         raise ValueError(verdict or message)
 
     def _barrier(self):
-        if _distributed():
-            dist.barrier(group=self.group)
+        if _distributed():  # NVSHMEM allocation is world-collective: a subgroup syncs the world
+            dist.barrier(group=None if self.subgroup else self.group)
 
     def __repr__(self):
         return (f"comet.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "

@@ -25,15 +25,21 @@ struct CallSummary {
 
 class CudaBuffer {
  public:
-  // Collective over the group (= the NVSHMEM world): every rank constructs it together.
-  CudaBuffer(int32_t rank, int32_t world, int device, int64_t group_hash, double timeout_s,
-             size_t capacity_bytes);
+  // pes[r]: the NVSHMEM PE of group rank r (the group may be a subgroup of the NVSHMEM world).
+  // Collective over the NVSHMEM world, because nvshmem_malloc is: every process of the world
+  // constructs its buffer (of whichever group) together, with the same capacity.
+  CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, int device, int64_t group_hash,
+             double timeout_s, size_t capacity_bytes);
   ~CudaBuffer();
   CudaBuffer(const CudaBuffer&) = delete;
   CudaBuffer& operator=(const CudaBuffer&) = delete;
 
   int32_t rank() const { return rank_; }
   int32_t world() const { return world_; }
+  // The group is a strict subgroup of the NVSHMEM world: growing needs every process of the world
+  // (nvshmem_malloc is world-collective), so it only happens in reserve(), never inside a call.
+  bool subgroup() const { return subgroup_; }
+  const std::vector<int32_t>& pes() const { return pes_; }
   int device() const { return device_; }
   int64_t group_hash() const { return group_hash_; }
   double timeout() const { return timeout_s_; }
@@ -55,7 +61,8 @@ class CudaBuffer {
   // that agrees on the shape, so it is the agreed stride of the regions).
   int64_t token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
                          int32_t elem_bytes) const;
-  // Collective: every rank grows together (they decide from the same call summary).
+  // Collective: every rank grows together (they decide from the same call summary); for a
+  // subgroup buffer, every process of the NVSHMEM world (reserve()).
   void grow(size_t bytes, cudaStream_t stream);
 
   DeviceState* state() const { return state_; }
@@ -77,6 +84,8 @@ class CudaBuffer {
   void refresh_tables(cudaStream_t stream);
 
   int32_t rank_, world_;
+  std::vector<int32_t> pes_;
+  bool subgroup_ = false;
   int device_;
   int64_t group_hash_;
   double timeout_s_;

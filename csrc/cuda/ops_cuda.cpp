@@ -290,6 +290,14 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
                                    p.num_experts, p.world, p.elem_bytes, 4)
                           .total;
   if (need > b.capacity()) {
+    if (b.subgroup()) {  // growing would need every process of the NVSHMEM world
+      launch_finish(p, stream);
+      TORCH_CHECK_VALUE(false, op_name, ": this call needs ", need, " bytes of symmetric memory "
+                        "per rank but the buffer of this subgroup holds ", b.capacity(),
+                        "; a subgroup's buffer cannot grow during a call (nvshmem_malloc is "
+                        "collective over every process): call buffer.reserve(tokens=..., ...) "
+                        "on every process first, or create it with a larger capacity_bytes");
+    }
     b.grow(need, stream);
     p.datas = b.datas_table();
   }

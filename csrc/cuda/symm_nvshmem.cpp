@@ -3,7 +3,11 @@
 // pointers this file puts in the tables, so no translation unit needs -rdc or libnvshmem_device.
 //
 // Bootstrap: once per process from a unique id that rank 0 creates and comet/symm_cuda.py
-// broadcasts over torch.distributed. The NVSHMEM world must be the buffer's group (PE = rank).
+// broadcasts over torch.distributed; the NVSHMEM world is the default group (PE = global rank).
+// A buffer's group may be any subgroup: group rank r lives on PE pes[r], peer pointers come from
+// nvshmem_ptr(.., pes[r]), and since nvshmem_malloc / nvshmem_free are collective over the whole
+// NVSHMEM world, buffers are created, grown (reserve) and released by every process of the world
+// together (each for its own group, e.g. every expert-parallel group at once).
 //
 // Also here: torch.ops.comet_cuda.*, the management ops comet/symm_cuda.py drives (create, grow,
 // release, settings, error checks). They take and return plain values.
@@ -54,21 +58,27 @@ void* symmetric_alloc(size_t bytes, const char* what) {
 
 }  // namespace
 
-CudaBuffer::CudaBuffer(int32_t rank, int32_t world, int device, int64_t group_hash,
-                       double timeout_s, size_t capacity_bytes)
-    : rank_(rank), world_(world), device_(device), group_hash_(group_hash), timeout_s_(timeout_s) {
+CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, int device,
+                       int64_t group_hash, double timeout_s, size_t capacity_bytes)
+    : rank_(rank), world_(world), pes_(std::move(pes)), device_(device), group_hash_(group_hash),
+      timeout_s_(timeout_s) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     throw std::runtime_error("comet.symm (CUDA): NVSHMEM is not initialised (create buffers "
                              "through comet.symm_cuda, which bootstraps it)");
-  if (nvshmem_n_pes() != world || nvshmem_my_pe() != rank) {
-    std::ostringstream m;
-    m << "comet.symm (CUDA): NVSHMEM was initialised as PE " << nvshmem_my_pe() << " of "
-      << nvshmem_n_pes() << " but this buffer's group has this process as rank " << rank
-      << " of " << world << "; a CUDA buffer's group must be the NVSHMEM world (the default "
-         "process group) in this version";
-    throw std::runtime_error(m.str());
-  }
+  std::ostringstream bad;
+  if (int32_t(pes_.size()) != world || rank < 0 || rank >= world)
+    bad << "the group has " << world << " ranks but " << pes_.size() << " PEs were given";
+  else if (pes_[size_t(rank)] != nvshmem_my_pe())
+    bad << "this process is PE " << nvshmem_my_pe() << " but group rank " << rank << " maps to PE "
+        << pes_[size_t(rank)];
+  for (size_t r = 0; bad.tellp() == 0 && r < pes_.size(); ++r)
+    if (pes_[r] < 0 || pes_[r] >= nvshmem_n_pes())
+      bad << "group rank " << r << " maps to PE " << pes_[r] << ", outside the NVSHMEM world of "
+          << nvshmem_n_pes();
+  if (bad.tellp() > 0)
+    throw std::runtime_error("comet.symm (CUDA): " + bad.str());
+  subgroup_ = world != nvshmem_n_pes();
   header_bytes_ = round_up(header_bytes(world), 256);
   header_ = symmetric_alloc(header_bytes_, "buffer header");
   capacity_ = round_up(capacity_bytes > kMinData ? capacity_bytes : kMinData, size_t(1) << 20);
@@ -103,8 +113,8 @@ void CudaBuffer::refresh_tables(cudaStream_t stream) {
   int64_t* t = host.data_ptr<int64_t>();
   std::ostringstream bad;
   for (int32_t r = 0; r < world_; ++r) {
-    void* h = nvshmem_ptr(header_, r);
-    void* d = nvshmem_ptr(data_, r);
+    void* h = nvshmem_ptr(header_, pes_[size_t(r)]);
+    void* d = nvshmem_ptr(data_, pes_[size_t(r)]);
     if (h == nullptr || d == nullptr) bad << (bad.tellp() > 0 ? ", " : "") << r;
     t[r] = reinterpret_cast<int64_t>(h);
     t[world_ + r] = reinterpret_cast<int64_t>(d);
@@ -276,11 +286,14 @@ bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64
   return true;
 }
 
-int64_t buffer_create(int64_t rank, int64_t world, int64_t device, double timeout,
-                      int64_t group_hash, int64_t capacity) {
+int64_t buffer_create(int64_t rank, int64_t world, at::IntArrayRef pes, int64_t device,
+                      double timeout, int64_t group_hash, int64_t capacity) {
+  std::vector<int32_t> p(pes.begin(), pes.end());
   return register_cuda_buffer(std::make_shared<CudaBuffer>(
-      int32_t(rank), int32_t(world), int(device), group_hash, timeout, size_t(capacity)));
+      int32_t(rank), int32_t(world), std::move(p), int(device), group_hash, timeout,
+      size_t(capacity)));
 }
+bool buffer_is_subgroup(int64_t h) { return find_cuda_buffer(h)->subgroup(); }
 
 std::string buffer_unreachable(int64_t h) { return find_cuda_buffer(h)->unreachable(); }
 void buffer_release(int64_t h) { release_cuda_buffer(h); }
@@ -347,9 +360,10 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("nvshmem_unique_id() -> Tensor", &nvshmem_unique_id);
   m.def("nvshmem_bootstrap(Tensor uid, int rank, int world, int device) -> bool",
         &nvshmem_bootstrap);
-  m.def("buffer_create(int rank, int world, int device, float timeout, int group_hash, "
-        "int capacity) -> int",
+  m.def("buffer_create(int rank, int world, int[] pes, int device, float timeout, "
+        "int group_hash, int capacity) -> int",
         &buffer_create);
+  m.def("buffer_is_subgroup(int handle) -> bool", &buffer_is_subgroup);
   m.def("buffer_unreachable(int handle) -> str", &buffer_unreachable);
   m.def("buffer_release(int handle) -> ()", &buffer_release);
   m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
