@@ -88,17 +88,15 @@ class CpuContext {
   int32_t threads() const { return team_.threads(); }
   void sync() { team_.arrive_and_wait(); }
 
-  // The GPU's split: 16-byte vectors i = thread, thread + threads, ... when both sides are
-  // 16-byte aligned (else 4-, 2-, 1-byte units), the scalar tail split the same way.
+  // The GPU's splits (copy.h): element i of the bytes / of a batch's vectors to thread i % T.
   void copy(void* dst, const void* src, size_t bytes) {
-    char* d = static_cast<char*>(dst);
-    const char* s = static_cast<const char*>(src);
-    const uintptr_t mis = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s);
-    const size_t unit = (mis & 15) == 0 ? 16 : (mis & 3) == 0 ? 4 : (mis & 1) == 0 ? 2 : 1;
-    const size_t n = bytes / unit, t = size_t(thread_), nt = size_t(threads());
-    for (size_t i = t; i < n; i += nt) std::memcpy(d + i * unit, s + i * unit, unit);
-    for (size_t i = n * unit + t; i < bytes; i += nt) d[i] = s[i];
+    cooperative_copy(dst, src, bytes, thread_, threads());
   }
+  void copy_rows(const RowCopy* rows, int32_t n, size_t bytes, bool vectorisable) {
+    comet::copy_rows(rows, n, bytes, vectorisable, thread_, threads());
+  }
+  // The host published and waited for every source's data before the kernel.
+  void acquire(int32_t) {}
 
   char* data(int32_t rank) const { return heap_->data(rank); }
   RankHeader* header(int32_t rank) const { return heap_->header(rank); }

@@ -221,7 +221,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
   run_blocks(
       heap, l.n_comm, l.n_gemm, l.threads, l.stress_seed,
-      [&](CpuContext& ctx) { layer1_comm(ctx, la); },
+      [&](CpuContext& ctx) { layer1_reduce_send(ctx, la); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<Acc> tmp;
         layer1_gemm(ctx, g, l.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
@@ -231,6 +231,9 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);
         });
       });
+  // The combine as a follow-on step on every block (the GPU's combine kernel over all SMs).
+  run_grid(&heap, l.n_comm + l.n_gemm, l.threads, l.stress_seed,
+           [&](CpuContext& ctx) { layer1_combine(ctx, la); });
 }
 
 template void layer1_call<float>(SymmHeap&, uint64_t, const Layer1Problem<float>&,

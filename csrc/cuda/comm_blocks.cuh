@@ -23,7 +23,7 @@ static __device__ __forceinline__ void finish_comm_block(const CallParams& p, ui
                        epoch);
 }
 
-static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch) {
+static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch, char* smem) {
   const DeviceState* st = p.state;
   if (st->status == int32_t(CallStatus::Ok)) {
     const int64_t num_mtiles = st->num_mtiles;
@@ -32,7 +32,7 @@ static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch) {
       for (int64_t i = blockIdx.x; i < num_mtiles; i += p.n_comm)
         if (threadIdx.x == 0) flag_release(&p.mtile_ready[p.mtile_order[i]], epoch);
     } else {
-      CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/true);
+      CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/true, smem);
       const Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
                              p.hidden * p.elem_bytes,          epoch,           p.regions,
                              p.seg_off,        p.mtiles,        p.mtile_order,   num_mtiles,
@@ -44,46 +44,42 @@ static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch) {
   finish_comm_block(p, epoch);
 }
 
-static __device__ void layer1_comm_block(const CallParams& p, uint64_t epoch) {
+// layer1's comm program arguments (the fused kernel's comm blocks and the combine kernel).
+static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const CallParams& p,
+                                                                         uint64_t epoch) {
+  ReducePlan<float> plan = p.plan;
+  plan.entries = p.state->plan_entries;
+  const int64_t per_item = ceil_div(plan.entries, int64_t(4) * p.n_comm);
+  return Layer1CommArgs<float>{p.rank,       p.world,         p.experts_local,
+                               p.topk,       int32_t(p.hidden), p.tile_n,
+                               p.num_ntiles, p.tcap,          epoch,
+                               p.regions,    p.c,             p.ntile_ready,
+                               plan,         per_item > 0 ? per_item : 1,
+                               &p.state->blocks_done,         p.tokens,
+                               p.ids,        p.out,           ScalarKind(p.kind)};
+}
+
+// layer1's comm blocks only reduce and send; the combine and the "done" handshake follow in the
+// combine kernel (combine.cu), on every SM.
+static __device__ void layer1_comm_block(const CallParams& p, uint64_t epoch, char* smem) {
   const DeviceState* st = p.state;
   if (st->status == int32_t(CallStatus::Ok) && p.mode != int32_t(BenchMode::GemmOnly)) {
-    CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/false);
-    ReducePlan<float> plan = p.plan;
-    plan.entries = st->plan_entries;
-    const int64_t per_item = ceil_div(plan.entries, int64_t(4) * p.n_comm);
-    const Layer1CommArgs<float> a{p.rank,
-                           p.world,
-                           p.experts_local,
-                           p.topk,
-                           int32_t(p.hidden),
-                           p.tile_n,
-                           p.num_ntiles,
-                           p.tcap,
-                           epoch,
-                           p.regions,
-                           p.c,
-                           p.ntile_ready,
-                           plan,
-                           per_item > 0 ? per_item : 1,
-                           &p.state->blocks_done,
-                           p.tokens,
-                           p.ids,
-                           p.out,
-                           ScalarKind(p.kind)};
-    layer1_comm(ctx, a);
+    CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/false, smem);
+    layer1_reduce_send(ctx, layer1_comm_args(p, epoch));
   }
-  finish_comm_block(p, epoch);
 }
 
 // The thread-block specialisation both fused kernels (sm80, sm90) start with: blocks
 // [0, n_comm) run the layer's comm program and report true; the caller's GEMM blocks go on.
+// smem: the kernel's dynamic shared memory (at least kBlockSharedBytes; the comm programs' scratch).
 template <int kLayer>
-static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint64_t epoch) {
+static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint64_t epoch,
+                                                      char* smem) {
   if (int32_t(blockIdx.x) >= p.n_comm) return false;
   if constexpr (kLayer == 0)
-    layer0_comm_block(p, epoch);
+    layer0_comm_block(p, epoch, smem);
   else
-    layer1_comm_block(p, epoch);
+    layer1_comm_block(p, epoch, smem);
   return true;
 }
 

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
-  if (ran_comm_block<kLayer>(p, epoch)) return;
+  if (ran_comm_block<kLayer>(p, epoch, smem)) return;
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   const bool compute = p.mode != int32_t(BenchMode::CommOnly);
   if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block

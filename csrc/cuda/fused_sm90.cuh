@@ -69,6 +69,8 @@ struct GemmConfig {
   static constexpr int kThreads = 384;        // producer warpgroup + 2 MMA warpgroups
   static constexpr int kMmaThreads = 256;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes >= int(kBlockSharedBytes),
+                "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
   static constexpr int kTileM = 128, kTileN = 128, kTileK = 64;
   static constexpr uint32_t kLoadRegisters = 40;
   static constexpr uint32_t kMmaRegisters = 232;
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(GemmConfig<T>::kThreads, 1)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
-  if (ran_comm_block<kLayer>(p, epoch)) return;
+  if (ran_comm_block<kLayer>(p, epoch, smem)) return;
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   if (p.mode == int32_t(BenchMode::CommOnly)) {
     // Comm-only timing: no MMA; layer1's columns are still published so the comm side runs.

@@ -85,50 +85,28 @@ static __device__ __forceinline__ void wait_timed_out(ErrorRecord* e, int32_t ra
   __trap();
 }
 
-// Single-thread spin until *flag >= epoch (acquire), bounded by the timeout.
+// Single-thread spin until *flag >= epoch (acquire: device scope for this GPU's own flags, system
+// scope for peers'), bounded by the timeout.
+static __device__ __forceinline__ uint64_t acquire_at(uint64_t* flag, bool local) {
+  return local ? local_flag_acquire(flag) : flag_acquire(flag);
+}
+
 static __device__ __forceinline__ void spin_until(const WaitConfig& wc, uint64_t* flag, uint64_t epoch,
                                            WaitSite site, int64_t index) {
-  uint64_t v = flag_acquire(flag);
+  const bool local = local_site(site);
+  uint64_t v = acquire_at(flag, local);
   if (v >= epoch) return;
   const uint64_t start = globaltimer_ns();
   uint32_t backoff = 32;
   for (;;) {
     __nanosleep(backoff);
     if (backoff < 1024) backoff <<= 1;
-    v = flag_acquire(flag);
+    v = acquire_at(flag, local);
     if (v >= epoch) return;
     const uint64_t now = globaltimer_ns();
     if (now - start > wc.timeout_ns)
       wait_timed_out(wc.error, wc.rank, flag, epoch, site, index, v, now - start);
   }
-}
-
-// Cooperative copy by the threads [tid, nthreads): 16-byte vectors when both sides allow, else the
-// widest common alignment, with a scalar tail. Plain (weak) loads and stores: the caller acquired
-// the data's readiness before, and releases what it wrote after.
-static __device__ __forceinline__ void cooperative_copy(void* dst, const void* src, size_t bytes,
-                                                 int tid, int nthreads) {
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  const uintptr_t mis = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s);
-  size_t done = 0;
-  if ((mis & 15) == 0) {
-    const size_t n = bytes / 16;
-    for (size_t i = tid; i < n; i += nthreads)
-      reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
-    done = n * 16;
-  } else if ((mis & 3) == 0) {
-    const size_t n = bytes / 4;
-    for (size_t i = tid; i < n; i += nthreads)
-      reinterpret_cast<uint32_t*>(d)[i] = reinterpret_cast<const uint32_t*>(s)[i];
-    done = n * 4;
-  } else if ((mis & 1) == 0) {
-    const size_t n = bytes / 2;
-    for (size_t i = tid; i < n; i += nthreads)
-      reinterpret_cast<uint16_t*>(d)[i] = reinterpret_cast<const uint16_t*>(s)[i];
-    done = n * 2;
-  }
-  for (size_t i = done + tid; i < bytes; i += nthreads) d[i] = s[i];
 }
 
 // Brackets a fused kernel's run in DeviceState (kernel_start / kernel_end, %globaltimer), so the
@@ -147,10 +125,13 @@ struct KernelClock {
 // Context of one comm block (all its threads).
 class CommContext {
  public:
+  // shared: the block's shared scratch for block_shared() (kBlockSharedBytes, 16-byte aligned;
+  // the fused kernels pass their dynamic shared memory, which the comm blocks do not use
+  // otherwise), or null for programs that need none.
   __device__ CommContext(const CallParams& p, int32_t block, int32_t blocks, uint64_t epoch,
-                         bool wait_source_data)
+                         bool wait_source_data, void* shared)
       : headers_(p.headers), datas_(p.datas), wc_{p.error, p.timeout_ns, p.rank}, epoch_(epoch),
-        block_(block), blocks_(blocks), rank_(p.rank), lazy_(wait_source_data) {}
+        block_(block), blocks_(blocks), rank_(p.rank), lazy_(wait_source_data), shared_(shared) {}
 
   __device__ int32_t block() const { return block_; }
   __device__ int32_t blocks() const { return blocks_; }
@@ -160,12 +141,15 @@ class CommContext {
   __device__ void copy(void* dst, const void* src, size_t bytes) {
     cooperative_copy(dst, src, bytes, int(threadIdx.x), int(blockDim.x));
   }
+  __device__ void copy_rows(const RowCopy* rows, int32_t n, size_t bytes, bool vectorisable) {
+    comet::copy_rows(rows, n, bytes, vectorisable, int(threadIdx.x), int(blockDim.x));
+  }
   // Called uniformly by every thread of the block (the programs do), so the wait inside is
   // block-wide.
-  __device__ char* data(int32_t r) {
+  __device__ void acquire(int32_t r) {
     if (lazy_ && r != rank_) acquire_source(r);
-    return datas_[r];
   }
+  __device__ char* data(int32_t r) const { return datas_[r]; }
   __device__ RankHeader* header(int32_t r) const { return headers_[r]; }
   __device__ void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {
     if (threadIdx.x == 0) spin_until(wc_, flag, epoch, site, index);
@@ -173,6 +157,7 @@ class CommContext {
   }
   __device__ void fence_peers() { __threadfence_system(); }
   __device__ void delay() {}
+  __device__ void* block_shared() const { return shared_; }
 
  private:
   __device__ void acquire_source(int32_t r) {
@@ -187,6 +172,7 @@ class CommContext {
   uint64_t epoch_;
   int32_t block_, blocks_, rank_;
   bool lazy_;
+  void* shared_;
   uint64_t ready_ = 0;
 };
 

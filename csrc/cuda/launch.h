@@ -25,6 +25,11 @@ void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream);
 void launch_publish(const CallParams& p, cudaStream_t stream);
 void launch_finish(const CallParams& p, cudaStream_t stream);
 
+// layer1's combine (combine.cu): after the fused kernel, on `grid` blocks (the fused kernel's
+// grid size, i.e. every SM) of kCombineThreads threads; ends the call's "done" handshake.
+constexpr int kCombineThreads = 256;
+void launch_combine(const CallParams& p, int grid, cudaStream_t stream);
+
 // What the occupancy check needs about a fused kernel.
 struct FusedKernelInfo {
   const void* func;   // the __global__ function, for cudaOccupancyMaxActiveBlocksPerMultiprocessor

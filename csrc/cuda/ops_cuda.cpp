@@ -551,6 +551,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   LaunchPlan run = lp;
   if (run.sm90 && M < 1) run.sm90 = false;
   launch_fused(1, kind, p, run, stream);
+  launch_combine(p, run.grid, stream);
+  check_cuda(cudaGetLastError(), "launching the combine kernel");
   return out;
 }
 

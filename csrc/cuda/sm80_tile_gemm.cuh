@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include "comet/exec_context.h"  // kBlockSharedBytes
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cute/arch/copy_sm75.hpp>
@@ -54,6 +56,8 @@ struct TileGemm {
 
   static constexpr int kSmemBytes =
       int(cosize_v<SmemLayoutA> + cosize_v<SmemLayoutB>) * int(sizeof(T));
+  static_assert(kSmemBytes >= int(kBlockSharedBytes),
+                "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
 
   struct Operand {
     const T* ptr;  // first row of the tile

@@ -1,8 +1,10 @@
 // layer0's comm block program: pull token rows from the source ranks' symmetric buffers into the
 // local shared tensor A (dispatch layout), one m-tile at a time in layer0's tile order, and publish
-// each finished m-tile with release so GEMM blocks waiting on it may load its rows.
+// each finished m-tile with release so GEMM blocks waiting on it may load its rows. The release by
+// thread 0 follows a block barrier, so every thread's stores of the tile happen before it.
 #pragma once
 
+#include "comet/copy.h"
 #include "comet/exec_context.h"
 #include "comet/flags.h"
 #include "comet/layout.h"
@@ -27,30 +29,51 @@ struct Layer0CommArgs {
   int32_t* row_slot;
 };
 
+// Rows of an m-tile are handled in batches of up to kRowBatch rows, their descriptors in the
+// block's shared memory: first every thread resolves one row's origin (its two index loads from
+// the source's published send plan), so a batch pays those dependent remote loads once instead
+// of once per row; then the block copies the whole batch with several 16-byte loads in flight per
+// thread (copy.h).
+constexpr int32_t kRowBatch = int32_t(kBlockSharedBytes / sizeof(RowCopy));
+
 template <class Ctx>
 COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
+  RowCopy* batch = static_cast<RowCopy*>(ctx.block_shared());
+  // Every row is 16-byte aligned at both ends when the row size and both bases are: A's, and the
+  // x region's (at the same offset in every rank's segment, whose bases are page-aligned).
+  const bool vec = a.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a.a) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(ctx.data(a.rank) + a.regions.x) % 16 == 0;
   for (int64_t i = ctx.block(); i < a.num_mtiles; i += ctx.blocks()) {
     const int64_t id = a.mtile_order[i];
     const MTile mt = a.mtiles[id];
-    for (int64_t row = mt.row_begin; row < mt.row_begin + mt.rows; ++row) {
-      const RowOrigin o = row_origin(a.seg_off, a.world, mt.expert, row);
-      const int32_t src = ring_source(a.rank, o.ring_pos, a.world);
-      const char* sd = ctx.data(src);
-      const int32_t* bucket_off = reinterpret_cast<const int32_t*>(sd + a.regions.bucket_off);
-      const int32_t* send_slot = reinterpret_cast<const int32_t*>(sd + a.regions.send_slot);
-      const int32_t slot = send_slot[bucket_off[a.rank * a.experts_local + mt.expert] + o.index];
-      const int32_t token = slot / a.topk;
-      ctx.copy(a.a + row * a.row_bytes, sd + a.regions.x + int64_t(token) * a.row_bytes,
-               size_t(a.row_bytes));
-      if (ctx.thread() == 0) {
+    // The sources this tile reads: a contiguous range of ring positions (rows are ring-ordered
+    // within an expert). Acquiring them is block-wide, so it happens here, uniformly.
+    const int32_t p_first = row_origin(a.seg_off, a.world, mt.expert, mt.row_begin).ring_pos;
+    const int32_t p_last = mtile_ring_distance(mt, a.seg_off, a.world);
+    for (int32_t p = p_first; p <= p_last; ++p) ctx.acquire(ring_source(a.rank, p, a.world));
+    for (int64_t b0 = mt.row_begin; b0 < mt.row_begin + mt.rows; b0 += kRowBatch) {
+      const int64_t left = mt.row_begin + mt.rows - b0;
+      const int32_t n = int32_t(left < kRowBatch ? left : kRowBatch);
+      for (int32_t r = ctx.thread(); r < n; r += ctx.threads()) {
+        const int64_t row = b0 + r;
+        const RowOrigin o = row_origin(a.seg_off, a.world, mt.expert, row);
+        const int32_t src = ring_source(a.rank, o.ring_pos, a.world);
+        const char* sd = ctx.data(src);
+        const int32_t* bucket_off = reinterpret_cast<const int32_t*>(sd + a.regions.bucket_off);
+        const int32_t* send_slot = reinterpret_cast<const int32_t*>(sd + a.regions.send_slot);
+        const int32_t slot = send_slot[bucket_off[a.rank * a.experts_local + mt.expert] + o.index];
+        const int32_t token = slot / a.topk;
+        batch[r] = RowCopy{a.a + row * a.row_bytes, sd + a.regions.x + int64_t(token) * a.row_bytes};
         a.row_source[row] = src;
         a.row_token[row] = token;
         a.row_slot[row] = slot % a.topk;
       }
+      ctx.sync();
+      ctx.copy_rows(batch, n, size_t(a.row_bytes), vec);
+      ctx.sync();  // the batch's slots are rewritten next
     }
     ctx.delay();
-    ctx.sync();
-    if (ctx.thread() == 0) flag_release(&a.mtile_ready[id], a.epoch);
+    if (ctx.thread() == 0) local_flag_release(&a.mtile_ready[id], a.epoch);  // read on this GPU only
   }
 }
 

@@ -1,15 +1,30 @@
-// layer1's comm block program, in two phases:
-//  1. reduce-and-send: for each n-tile in column order (the order the GEMM blocks finish them),
-//     wait for its completion flag, reduce every local token's slots (weighted, fp32, ascending
-//     slot) over the tile's columns and store the partial slice straight into the token's home
-//     rank's receive buffer. The last comm block to finish tells every rank its partials are there.
-//  2. combine: once every rank's partials for this rank have arrived, sum each local token's at
-//     most min(k, W) partials in ascending partial slot (= ascending sending rank) and store the
-//     result in the output dtype. Acc is the accumulator: float (fp32) everywhere, double only
-//     for float64 on the CPU backend. Every step has a fixed order, so results are bitwise
-//     reproducible whatever the block counts and timing.
+// layer1's comm programs, in two steps:
+//  1. reduce-and-send (comm blocks of the fused kernel): for each n-tile in column order (the order
+//     the GEMM blocks finish them), wait for its completion flag, reduce every local token's slots
+//     (weighted, fp32, ascending slot) over the tile's columns and store the partial slice, in the
+//     activation dtype, straight into the token's home rank's receive buffer. The last comm block
+//     to finish tells every rank its partials are there.
+//  2. combine (a follow-on step on every block: all SMs, not just the comm blocks): once every
+//     rank's partials for this rank have arrived, sum each local token's at most min(k, W)
+//     partials in fp32 in ascending partial slot (= ascending sending rank) and store the result
+//     in the output dtype.
+// Acc is the accumulator: float (fp32) everywhere, double only for float64 on the CPU backend.
+// Every step has a fixed order, so results are bitwise reproducible whatever the block counts,
+// thread counts and timing.
+//
+// Work layout: a thread reduces one (entry, group of kColGroup = 8 columns) pair; pairs are
+// numbered entry-major, so a warp covers 32 x 8 = 256 contiguous columns of one token (one partial
+// row). In the vector path (fp32 Acc, H and tile_n multiples of 8, aligned buffers) a pair reads
+// two 16-byte vectors of C per slot and writes one 16-byte vector of bf16/fp16 partials (two for
+// fp32), so the loads and stores are 128-bit; otherwise one column per pair, scalar.
+//
+// Partials travel in the activation dtype (bf16/fp16 on the GPU): half the bytes of fp32 on the
+// links and in the home rank's buffer. The cost is one extra rounding of each partial before the
+// fp32 combine (relative 2^-9 for bf16, the same as the final rounding of the output);
+// tests/test_partials_precision.py measures it against the fp32-partial result and the reference.
 #pragma once
 
+#include "comet/copy.h"
 #include "comet/exec_context.h"
 #include "comet/flags.h"
 #include "comet/layout.h"
@@ -37,13 +52,70 @@ struct Layer1CommArgs {
   int64_t tokens;       // local T
   const int32_t* ids;   // local routing [T*k]
   void* out;            // [T, H]
-  ScalarKind out_kind;
+  ScalarKind out_kind;  // also the partials' dtype
 };
+
+constexpr int32_t kColGroup = 8;
+
+// Whether both steps may use 16-byte vectors: fp32 accumulation, 8-column groups that never
+// straddle a tile, and 16-byte aligned bases (row offsets are then multiples of 8 elements).
+template <class Ctx, class Acc>
+COMET_HD bool layer1_vectorised(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(a.c) | reinterpret_cast<uintptr_t>(a.out) |
+                          reinterpret_cast<uintptr_t>(ctx.data(a.rank) + a.regions.recv);
+  return sizeof(Acc) == 4 && a.hidden % kColGroup == 0 && a.tile_n % kColGroup == 0 &&
+         bases % 16 == 0;
+}
+
+// kColGroup fp32 values from 16-byte aligned memory.
+COMET_HD void load_group(const float* p, float (&v)[kColGroup]) {
+#pragma unroll
+  for (int i = 0; i < kColGroup / 4; ++i) {
+    const Vec16 q = reinterpret_cast<const Vec16*>(p)[i];
+    memcpy(&v[4 * i], &q, 16);
+  }
+}
+
+// kColGroup values stored as `kind` (fp32, bf16 or fp16) into 16-byte aligned memory.
+COMET_HD void store_group(void* p, ScalarKind kind, const float (&v)[kColGroup]) {
+  if (kind == ScalarKind::F32) {
+#pragma unroll
+    for (int i = 0; i < kColGroup / 4; ++i) {
+      Vec16 q;
+      memcpy(&q, &v[4 * i], 16);
+      reinterpret_cast<Vec16*>(p)[i] = q;
+    }
+    return;
+  }
+  uint16_t h[kColGroup];
+#pragma unroll
+  for (int i = 0; i < kColGroup; ++i)
+    h[i] = kind == ScalarKind::BF16 ? float_to_bf16(v[i]) : float_to_f16(v[i]);
+  Vec16 q;
+  memcpy(&q, h, 16);
+  *reinterpret_cast<Vec16*>(p) = q;
+}
+
+// kColGroup values of `kind` from 16-byte aligned memory, widened to fp32.
+COMET_HD void load_group_as(const void* p, ScalarKind kind, float (&v)[kColGroup]) {
+  if (kind == ScalarKind::F32) {
+    load_group(static_cast<const float*>(p), v);
+    return;
+  }
+  const Vec16 q = *reinterpret_cast<const Vec16*>(p);
+  uint16_t h[kColGroup];
+  memcpy(h, &q, 16);
+#pragma unroll
+  for (int i = 0; i < kColGroup; ++i)
+    v[i] = kind == ScalarKind::BF16 ? bf16_to_float(h[i]) : f16_to_float(h[i]);
+}
 
 template <class Ctx, class Acc>
 COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
+  const bool vec = layer1_vectorised(ctx, a);
   const int64_t chunks = ceil_div(a.plan.entries, a.entries_per_item);
   const int64_t items = chunks * a.num_ntiles;
+  const int64_t pstride = a.tmax * a.hidden;  // elements per partial slot
   for (int64_t i = ctx.block(); i < items; i += ctx.blocks()) {
     const int32_t n = int32_t(i / chunks);
     const int64_t first = (i % chunks) * a.entries_per_item;
@@ -52,15 +124,29 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     ctx.wait(&a.ntile_ready[n], a.epoch, WaitSite::ColumnTile, n);
     const int32_t col0 = n * a.tile_n;
     const int32_t cols = a.hidden - col0 < a.tile_n ? a.hidden - col0 : a.tile_n;
-    for (int64_t e = first; e < last; ++e) {
-      Acc* dst = reinterpret_cast<Acc*>(ctx.data(a.plan.entry_source[e]) + a.regions.recv) +
-                   (int64_t(a.plan.entry_partial[e]) * a.tmax + a.plan.entry_token[e]) * a.hidden +
-                   col0;
-      for (int32_t c = ctx.thread(); c < cols; c += ctx.threads()) {
+    const uint32_t groups = uint32_t(vec ? cols / kColGroup : cols);
+    const uint32_t pairs = uint32_t(last - first) * groups;
+    for (uint32_t q = uint32_t(ctx.thread()); q < pairs; q += uint32_t(ctx.threads())) {
+      const int64_t e = first + q / groups;
+      const int32_t col = col0 + int32_t(q % groups) * (vec ? kColGroup : 1);
+      const int64_t s0 = a.plan.entry_begin[e], s1 = a.plan.entry_begin[e + 1];
+      char* part = ctx.data(a.plan.entry_source[e]) + a.regions.recv;
+      const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
+                         int64_t(a.plan.entry_token[e]) * a.hidden + col;
+      if (vec) {
+        float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t s = s0; s < s1; ++s) {
+          const float w = float(a.plan.slot_weight[s]);
+          float v[kColGroup];
+          load_group(reinterpret_cast<const float*>(a.c) + a.plan.slot_row[s] * a.hidden + col, v);
+#pragma unroll
+          for (int j = 0; j < kColGroup; ++j) acc[j] += w * v[j];
+        }
+        store_group(part + at * scalar_bytes(a.out_kind), a.out_kind, acc);
+      } else {
         Acc acc = 0;
-        for (int64_t s = a.plan.entry_begin[e]; s < a.plan.entry_begin[e + 1]; ++s)
-          acc += a.plan.slot_weight[s] * a.c[a.plan.slot_row[s] * a.hidden + col0 + c];
-        dst[c] = acc;
+        for (int64_t s = s0; s < s1; ++s) acc += a.plan.slot_weight[s] * a.c[a.plan.slot_row[s] * a.hidden + col];
+        store_as<Acc>(part, at, a.out_kind, acc);
       }
     }
     ctx.delay();
@@ -79,28 +165,42 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   }
 }
 
+// The follow-on step, on every block of a grid: tokens split over blocks, (token, column group)
+// pairs over the threads of a block.
 template <class Ctx, class Acc>
 COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   for (int32_t s = 0; s < a.world; ++s)
     ctx.wait(header_arrive(ctx.header(a.rank), s), a.epoch, WaitSite::Partials, s);
-  const Acc* recv = reinterpret_cast<const Acc*>(ctx.data(a.rank) + a.regions.recv);
+  const bool vec = layer1_vectorised(ctx, a);
+  const char* recv = ctx.data(a.rank) + a.regions.recv;
+  const int64_t pstride = a.tmax * a.hidden;
   const int64_t per_block = ceil_div(a.tokens, ctx.blocks());
   const int64_t t0 = per_block * ctx.block();
   const int64_t t1 = t0 + per_block < a.tokens ? t0 + per_block : a.tokens;
-  for (int64_t t = t0; t < t1; ++t) {
+  if (t1 <= t0) return;
+  const uint32_t groups = uint32_t(vec ? a.hidden / kColGroup : a.hidden);
+  const uint32_t pairs = uint32_t(t1 - t0) * groups;
+  const int64_t eb = scalar_bytes(a.out_kind);
+  for (uint32_t q = uint32_t(ctx.thread()); q < pairs; q += uint32_t(ctx.threads())) {
+    const int64_t t = t0 + q / groups;
+    const int64_t col = int64_t(q % groups) * (vec ? kColGroup : 1);
     const int32_t parts = partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank).count;
-    for (int32_t c = ctx.thread(); c < a.hidden; c += ctx.threads()) {
+    if (vec) {
+      float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int32_t p = 0; p < parts; ++p) {
+        float v[kColGroup];
+        load_group_as(recv + (p * pstride + t * a.hidden + col) * eb, a.out_kind, v);
+#pragma unroll
+        for (int j = 0; j < kColGroup; ++j) acc[j] += v[j];
+      }
+      store_group(static_cast<char*>(a.out) + (t * a.hidden + col) * eb, a.out_kind, acc);
+    } else {
       Acc acc = 0;
-      for (int32_t p = 0; p < parts; ++p) acc += recv[(int64_t(p) * a.tmax + t) * a.hidden + c];
-      store_as<Acc>(a.out, t * a.hidden + c, a.out_kind, acc);
+      for (int32_t p = 0; p < parts; ++p)
+        acc += load_as<Acc>(recv, p * pstride + t * a.hidden + col, a.out_kind);
+      store_as<Acc>(a.out, t * a.hidden + col, a.out_kind, acc);
     }
   }
-}
-
-template <class Ctx, class Acc>
-COMET_HD void layer1_comm(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
-  layer1_reduce_send(ctx, a);
-  layer1_combine(ctx, a);
 }
 
 }  // namespace comet

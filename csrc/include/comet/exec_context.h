@@ -7,7 +7,14 @@
 //   void copy(void* dst, const void* src, size_t bytes)
 //                                            cooperative copy by all threads of the block (16-byte
 //                                            vectors on the GPU); dst/src may be peer memory
-//   char* data(int32_t rank)                 base of a rank's symmetric data segment (own or peer)
+//   void copy_rows(const RowCopy* rows, int32_t n, size_t bytes, bool vectorisable)
+//                                            cooperative copy of a batch of rows (copy.h): several
+//                                            16-byte loads in flight per thread
+//   void acquire(int32_t rank)               block-wide: make a source rank's published data
+//                                            readable (the GPU waits for its data flag once per
+//                                            call; a no-op where the host waited before the kernel)
+//   char* data(int32_t rank)                 base of a rank's symmetric data segment (own or peer);
+//                                            a source's only after acquire(rank)
 //   RankHeader* header(int32_t rank)         base of a rank's symmetric header
 //   void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index)
 //                                            block-wide: returns once *flag >= epoch (acquire);
@@ -22,6 +29,7 @@
 #pragma once
 
 #include "comet/config.h"
+#include "comet/copy.h"
 
 namespace comet {
 
@@ -39,6 +47,12 @@ enum class WaitSite : int32_t {
   Partials = 7,      // layer1: a peer's partial sums of our tokens
   GridBarrier = 8,   // a grid barrier of a multi-block program
 };
+
+// Flags of these sites are written and read by this GPU only (device-scope acquire suffices);
+// the others are written by peers (system scope).
+COMET_HD bool local_site(WaitSite s) {
+  return s == WaitSite::RowTile || s == WaitSite::ColumnTile || s == WaitSite::GridBarrier;
+}
 
 COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout messages)
   switch (s) {

@@ -28,12 +28,30 @@ using count_ref = std::atomic_ref<uint32_t>;
 namespace mo = std;
 #endif
 
+// Flags that only this GPU writes and reads (tile readiness, grid barriers): device scope is
+// enough, and cheaper than system scope (no ordering with the host or peer GPUs to maintain).
+// Morally strong with the system-scope operations on the same flag: both scopes include every
+// thread of this GPU.
+#if COMET_DEVICE_CODE
+using local_flag_ref = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
+#else
+using local_flag_ref = std::atomic_ref<uint64_t>;
+#endif
+
 COMET_HD void flag_release(uint64_t* flag, uint64_t value) {
   flag_ref(*flag).store(value, mo::memory_order_release);
 }
 
 COMET_HD uint64_t flag_acquire(uint64_t* flag) {
   return flag_ref(*flag).load(mo::memory_order_acquire);
+}
+
+COMET_HD void local_flag_release(uint64_t* flag, uint64_t value) {
+  local_flag_ref(*flag).store(value, mo::memory_order_release);
+}
+
+COMET_HD uint64_t local_flag_acquire(uint64_t* flag) {
+  return local_flag_ref(*flag).load(mo::memory_order_acquire);
 }
 
 COMET_HD uint64_t flag_relaxed(uint64_t* flag) {

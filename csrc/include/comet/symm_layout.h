@@ -68,13 +68,14 @@ struct DataRegions {
   size_t weights;     // acc   [tmax*k]
   size_t pair_off;    // int32 [W+1]     its (token, destination) pairs by destination
   size_t pair_slot;   // int32 [tmax*k]  (prologue.h: pair_list_program)
-  // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot
-  size_t recv;        // acc   [partials, tmax, H]
+  // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot,
+  // in the activation dtype (comm_layer1.h says why)
+  size_t recv;        // elem  [partials, tmax, H]
   size_t total;
 };
 
 // partials = min(k, W): a token's slots reach at most that many distinct ranks. acc_bytes is the
-// accumulator size (4: fp32; 8: fp64 on the CPU backend).
+// accumulator size of the weights (4: fp32; 8: fp64 on the CPU backend).
 COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
                                   int32_t num_experts, int32_t world, int32_t elem_bytes,
                                   int32_t acc_bytes = 4) {
@@ -98,7 +99,7 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.weights = take(slots * acc_bytes);
     r.pair_off = take(size_t(world + 1) * 4);
     r.pair_slot = take(slots * 4);
-    r.recv = take(size_t(partials) * tmax * hidden * acc_bytes);
+    r.recv = take(size_t(partials) * tmax * hidden * elem_bytes);
   }
   r.total = off;
   return r;
