@@ -17,7 +17,8 @@ DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvid
 
 .PHONY: setup build demo test test-cpp test-tsan test-py test-cuda-static test-gpu bench clean
 
-$(VENV)/.deps:
+# Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
+$(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEPS)
