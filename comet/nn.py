@@ -127,8 +127,8 @@ class MoE(nn.Module):
             raise ValueError(f"comet.nn.MoE: topk={topk} must be in [1, num_experts={num_experts}]")
         if shared_ffn_hidden_size is not None and (isinstance(shared_ffn_hidden_size, bool) or
                                                    int(shared_ffn_hidden_size) < 1):
-            raise ValueError(f"comet.nn.MoE: shared_ffn_hidden_size={shared_ffn_hidden_size!r} must "
-                             "be a positive int or None")
+            raise ValueError(f"comet.nn.MoE: shared_ffn_hidden_size={shared_ffn_hidden_size!r} "
+                             "must be a positive int or None")
         if shared_expert_gate and shared_ffn_hidden_size is None:
             raise ValueError("comet.nn.MoE: shared_expert_gate=True needs shared_ffn_hidden_size")
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)

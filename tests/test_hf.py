@@ -167,7 +167,7 @@ def test_errors_name_the_problem():
         comet.hf.shard_experts(torch.nn.Linear(2, 2), buffer=buffers[0])
 
 
-# -- expert parallelism over 2 processes -------------------------------------------------------------
+# -- expert parallelism over 2 processes ----------------------------------------------------------
 
 def _ep_body(rank, world, family):
     import torch.distributed as dist

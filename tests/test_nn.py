@@ -148,7 +148,8 @@ def test_shared_expert_equals_sequential_computation(world, gate):
 
     got = run_threads(world, fused, buffers=bufs)
     params = [{n: p for n, p in m.named_parameters() if n.startswith("shared_")} for m, _, _ in got]
-    assert sorted(params[0]) == sorted(["shared_w0", "shared_w1"] + (["shared_gate"] if gate else []))
+    names = ["shared_w0", "shared_w1"] + (["shared_gate"] if gate else [])
+    assert sorted(params[0]) == sorted(names)
     ref = run_threads(world, sequential, buffers=ref_bufs)
     for r in range(world):
         (m_c, dx_c, out_c), (m_r, dx_r, out_r, g_shared) = got[r], ref[r]
@@ -182,8 +183,10 @@ def test_shared_expert_runs_between_the_two_ops(monkeypatch):
     """The overlap point: the shared expert is issued after moe_layer0 and before moe_layer1."""
     order = []
     real0, real1 = comet.moe_layer0, comet.moe_layer1
-    monkeypatch.setattr(comet, "moe_layer0", lambda *a, **k: order.append("layer0") or real0(*a, **k))
-    monkeypatch.setattr(comet, "moe_layer1", lambda *a, **k: order.append("layer1") or real1(*a, **k))
+    monkeypatch.setattr(comet, "moe_layer0",
+                        lambda *a, **k: order.append("layer0") or real0(*a, **k))
+    monkeypatch.setattr(comet, "moe_layer1",
+                        lambda *a, **k: order.append("layer1") or real1(*a, **k))
     moe = comet.nn.MoE(H, F, E, K, buffer=comet.Buffer.simulated_world(1)[0],
                        shared_ffn_hidden_size=4)
     real_shared = moe.shared_expert
