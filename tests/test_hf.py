@@ -215,3 +215,48 @@ def test_example_prints_small_difference(capsys):
     line = next(x for x in out.splitlines() if "max |logits difference|" in x)
     diff = float(line.rsplit(":", 1)[1])
     assert diff < 1e-5, out
+
+
+def test_ungated_biased_experts_module(monkeypatch):
+    """The other layout flags of @use_experts_implementation: no gate (up_proj + act_fn), biases
+    on untransposed weights, on a standalone experts module with its own eager forward."""
+    from transformers import PretrainedConfig
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(has_gate=False, has_bias=True)
+    class UngatedExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = E
+            self.up_proj = torch.nn.Parameter(torch.randn(E, F, H) * 0.3)
+            self.up_proj_bias = torch.nn.Parameter(torch.randn(E, F))
+            self.down_proj = torch.nn.Parameter(torch.randn(E, H, F) * 0.3)
+            self.down_proj_bias = torch.nn.Parameter(torch.randn(E, H))
+            self.act_fn = torch.nn.GELU()
+
+        def forward(self, x, ids, weights):
+            up = torch.einsum("th,tkfh->tkf", x, self.up_proj[ids]) + self.up_proj_bias[ids]
+            down = torch.einsum("tkf,tkhf->tkh", self.act_fn(up), self.down_proj[ids])
+            return ((down + self.down_proj_bias[ids]) * weights[..., None]).sum(1)
+
+    torch.manual_seed(3)
+    config = PretrainedConfig(experts_implementation="eager")
+    module = UngatedExperts(config)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(9)])
+    w = torch.rand(9, K, generator=g)
+    results, calls = [], count_calls(monkeypatch)
+    for impl in ("eager", "comet"):
+        config._experts_implementation = impl
+        module.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        out = module(xr, ids, w)
+        out.square().sum().backward()
+        results.append((out.detach(), xr.grad, [p.grad for p in module.parameters()]))
+    assert calls == {"layer0": 1, "layer1": 1}  # the comet pass, and only it
+    (o_e, dx_e, g_e), (o_c, dx_c, g_c) = results
+    torch.testing.assert_close(o_c, o_e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_c, dx_e, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
