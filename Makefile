@@ -10,13 +10,15 @@ export MAX_JOBS ?= 2
 
 # torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0 compiles the kernels against it, it runs on CPU too),
 # the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests,
-# matplotlib for the benchmark plots, megatron-core (newest for Python 3.11) for comet.megatron.
+# matplotlib for the benchmark plots, megatron-core (newest for Python 3.11) for comet.megatron,
+# transformers 5.23.0 for comet.hf (its pluggable "experts implementation" interface, new in 5.x).
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
-        nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1
+        nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
 
 .PHONY: setup build demo test test-cpp test-tsan test-py test-cuda-static test-gpu bench clean
 
-$(VENV)/.deps:
+# Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
+$(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEPS)

@@ -4,15 +4,18 @@
 ``CometMoELayer`` is a ``megatron.core.transformer.moe.moe_layer.MoELayer`` that keeps everything
 Megatron's layer owns -- the router (TopKRouter with its score function, group-limited routing,
 token dropping, aux/z losses, expert bias), the expert modules and their parameters (so state
-dicts and checkpoints are unchanged), shared experts -- and replaces only the data path:
+dicts and checkpoints are unchanged), the shared experts module -- and replaces only the data path:
 
     Megatron                         CometMoELayer
     route                            route (Megatron's router: probs [T, E], routing_map [T, E])
     preprocess  (permute 1)          routing_map/probs -> topk_ids [T, k] (-1 = dropped), weights
+    shared experts (before routing)  deferred: only the input is kept (and, on CUDA, an event)
     dispatch    (all-to-all)         comet.moe_layer0: dispatch fused with the fc1 GEMM
-    routed_experts_compute           the activation (GLU / SwiGLU, clamp and offset as configured)
+    routed_experts_compute           shared experts issued (CUDA: on a side stream, overlapping
+                                     the routed kernels), then the activation (GLU / SwiGLU,
+                                     clamp and offset as configured)
     combine     (all-to-all)         comet.moe_layer1: fc2 GEMM + weighted top-k reduce + combine
-    postprocess (unpermute)          reshape, + shared experts
+    postprocess (unpermute)          reshape, + shared experts' output
 
 The probabilities are applied in layer1's fp32 reduce (Megatron's experts apply them after the
 activation, before fc2: the same function, fc2 being linear and bias-free). Gradients flow to the
@@ -28,14 +31,19 @@ Megatron's layer loads unchanged.
 get_gpt_layer_with_transformer_engine_spec or get_gpt_decoder_block_spec) to CometMoELayer, so a
 GPTModel built from it uses Comet in every MoE layer.
 
+Shared experts (config.moe_shared_expert_intermediate_size, optional moe_shared_expert_gate) are
+Megatron's own SharedExpertMLP, computed between dispatch and combine (with Megatron's selective
+recompute of "shared_experts" if configured). config.moe_shared_expert_overlap is accepted and
+changes nothing: Comet always overlaps them (Megatron's version of that overlap lives in its token
+dispatcher, which Comet does not use).
+
 Deferred weight gradients: with ``delay_wgrad=True`` (default: config.delay_wgrad_compute) the
 expert weight gradients of a backward are recorded and applied by ``backward_dw()``, as Megatron's
 schedules expect (comet.autograd.defer_weight_grads).
 
 Not supported (rejected at construction): expert tensor parallelism > 1, attention tensor
 parallelism > 1, MoE latent projections, padding expert inputs to capacity, router padding for
-quantization, FP8/FP4, shared-expert overlap with the dispatcher, biases in the experts, probs
-applied on the input.
+quantization, FP8/FP4, biases in the experts, probs applied on the input.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 import comet
 from comet import autograd as cag
+from comet import sidestream
 
 __all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
 
@@ -107,6 +116,7 @@ class CometMoELayer(MoELayer):
             delay_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
         self.wgrad_queue = cag.DeferredWeightGrads() if delay_wgrad else None
         self._hidden_shape = None
+        self._shared = None  # shared experts: (input, ready event), then their pending output
 
     def _check_supported(self):
         c = self.config
@@ -123,8 +133,6 @@ class CometMoELayer(MoELayer):
             problems.append("moe_router_padding_for_quantization")
         if c.fp8 or getattr(c, "fp4", None):
             problems.append("fp8/fp4")
-        if self.use_shared_expert and self.shared_expert_overlap:
-            problems.append("moe_shared_expert_overlap")
         if c.add_bias_linear:
             problems.append("add_bias_linear (expert biases)")
         if c.moe_apply_probs_on_input:
@@ -160,7 +168,24 @@ class CometMoELayer(MoELayer):
             return (c.activation_func(gate) * (linear + c.glu_linear_offset)).contiguous()
         return c.activation_func(y).contiguous()
 
+    def _shared_forward(self, hidden_states):
+        """Megatron's shared experts on hidden_states, with its selective recompute if set."""
+        if self.shared_experts_recompute:
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+        return self.shared_experts(hidden_states)
+
     # -- the MoELayer steps ----------------------------------------------------------------------
+
+    def shared_experts_compute(self, hidden_states):
+        """Megatron computes the shared experts here, before routing; Comet only notes their input
+        and issues them between dispatch and combine (routed_experts_compute). Returns None: the
+        output is added in postprocess."""
+        self._shared = None
+        if self.use_shared_expert:
+            self._shared = (hidden_states, sidestream.mark_ready(hidden_states))
+        return None
 
     def preprocess(self, hidden_states, probs, routing_map):
         """Flatten the tokens and turn Megatron's routing into comet's (ids, weights)."""
@@ -182,6 +207,9 @@ class CometMoELayer(MoELayer):
     def routed_experts_compute(self, hidden_states, probs):
         """The activation on the dispatched rows; fc2 runs fused with the combine."""
         layout, topk_weights = probs
+        if self._shared is not None:  # layer0 is issued: the shared experts go beside it
+            shared_input, ready = self._shared
+            self._shared = sidestream.run_beside(self._shared_forward, shared_input, ready)
         return (self._activation(hidden_states), layout, topk_weights), None
 
     def combine(self, output):
@@ -197,6 +225,11 @@ class CometMoELayer(MoELayer):
 
     def postprocess(self, output, shared_expert_output):
         output = output.view(self._hidden_shape)
+        if self._shared is not None:
+            if isinstance(self._shared, tuple):
+                raise RuntimeError("comet.megatron: the shared experts were not issued (the "
+                                   "layer's steps ran out of order)")
+            shared_expert_output, self._shared = sidestream.join(self._shared), None
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output

@@ -18,6 +18,14 @@
   experts [r*E/W, (r+1)*E/W): w0 [E/W, 2F, H] (gate rows first, then up rows) and w1 [E/W, H, F].
   layer0 = dispatch + W0 GEMM, the SwiGLU runs on the dispatched rows, layer1 = W1 GEMM + weighted
   top-k reduce + combine (comet.moe_layer0/1); both ops are differentiable (comet.autograd).
+* Shared expert (optional, `shared_ffn_hidden_size=S`; DeepSeek-MoE / Qwen2-MoE style): a SwiGLU
+  MLP every token passes through, `silu(x Ws_gate^T) * (x Ws_up^T) Ws_down^T` with shared_w0 [2S, H]
+  (gate rows first) and shared_w1 [H, S], replicated on every rank, optionally scaled per token by
+  `sigmoid(x shared_gate^T)` (`shared_expert_gate=True`, shared_gate [1, H], as Qwen2-MoE's
+  shared_expert_gate). It is computed after moe_layer0 is issued and before moe_layer1, and added
+  to the routed output: on CUDA on a side stream (comet.sidestream), overlapping the routed
+  path's dispatch and GEMMs; on the CPU in between the two ops. The result equals computing it
+  separately and adding it.
 * Expert parameters carry `param.comet_expert_parallel = True` (and `allreduce = False`, the flag
   Megatron's optimizer uses): each rank owns them and their gradients already contain every rank's
   tokens, so data-parallel gradient averaging must skip them over the expert-parallel group.
@@ -34,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comet
-from comet import symm
+from comet import sidestream, symm
 
 __all__ = ["MoE", "allreduce_gradients", "load_balancing_loss", "swiglu"]
 
@@ -90,6 +98,8 @@ class MoE(nn.Module):
         renormalize: divide each token's top-k weights by their sum.
         aux_loss_coeff: coefficient of the load-balancing loss (0 disables it).
         dtype: dtype of the expert weights and activations (router stays fp32).
+        shared_ffn_hidden_size: S, hidden size of an optional shared expert (None: none).
+        shared_expert_gate: scale the shared expert's output by a learned sigmoid gate per token.
         n_comm, tile: launch overrides passed to the ops (default: the tuner's choice).
         seed, init_std: deterministic initialisation (normal(0, init_std); w1 scaled by
             1/sqrt(2 * num_layers) as in GPT-2 when num_layers is given).
@@ -101,7 +111,8 @@ class MoE(nn.Module):
                  group=None, buffer: symm.Buffer | None = None, renormalize: bool = False,
                  aux_loss_coeff: float = 1e-2, dtype: torch.dtype | None = None,
                  device=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
-                 seed: int = 0, init_std: float = 0.02, num_layers: int | None = None):
+                 seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
+                 shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False):
         super().__init__()
         if buffer is not None:
             rank, world = buffer.rank, buffer.world
@@ -114,6 +125,12 @@ class MoE(nn.Module):
                              f"expert-parallel group size {world}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"comet.nn.MoE: topk={topk} must be in [1, num_experts={num_experts}]")
+        if shared_ffn_hidden_size is not None and (isinstance(shared_ffn_hidden_size, bool) or
+                                                   int(shared_ffn_hidden_size) < 1):
+            raise ValueError(f"comet.nn.MoE: shared_ffn_hidden_size={shared_ffn_hidden_size!r} "
+                             "must be a positive int or None")
+        if shared_expert_gate and shared_ffn_hidden_size is None:
+            raise ValueError("comet.nn.MoE: shared_expert_gate=True needs shared_ffn_hidden_size")
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
@@ -133,6 +150,16 @@ class MoE(nn.Module):
         for p in (self.w0, self.w1):
             p.comet_expert_parallel = True
             p.allreduce = False
+        # The shared expert is replicated like the router (its gradients are averaged over ranks).
+        self.shared_ffn_hidden_size = None if shared_ffn_hidden_size is None \
+            else int(shared_ffn_hidden_size)
+        self.shared_w0 = self.shared_w1 = self.shared_gate = None
+        if self.shared_ffn_hidden_size is not None:
+            s = self.shared_ffn_hidden_size
+            self.shared_w0 = nn.Parameter(torch.empty(2 * s, hidden_size, **factory))
+            self.shared_w1 = nn.Parameter(torch.empty(hidden_size, s, **factory))
+            if shared_expert_gate:
+                self.shared_gate = nn.Parameter(torch.empty(1, hidden_size, **factory))
         self.aux_loss: torch.Tensor | None = None
         self.reset_parameters()
 
@@ -146,6 +173,13 @@ class MoE(nn.Module):
             ge = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * (self.expert_offset + le) + 1)
             self.w0[le].copy_(torch.randn(self.w0.shape[1:], generator=ge) * self.init_std)
             self.w1[le].copy_(torch.randn(self.w1.shape[1:], generator=ge) * self.out_std)
+        if self.shared_w0 is not None:  # own generator: the routed weights do not depend on it
+            gs = torch.Generator().manual_seed(self.seed * 1_000_003 + 104_729)
+            self.shared_w0.copy_(torch.randn(self.shared_w0.shape, generator=gs) * self.init_std)
+            self.shared_w1.copy_(torch.randn(self.shared_w1.shape, generator=gs) * self.out_std)
+            if self.shared_gate is not None:
+                self.shared_gate.copy_(torch.randn(self.shared_gate.shape, generator=gs) *
+                                       self.init_std)
 
     @torch.no_grad()
     def load_global_experts(self, w0: torch.Tensor, w1: torch.Tensor) -> None:
@@ -171,6 +205,16 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids, probs
 
+    def shared_expert(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert alone on tokens [T, H] (None without one): SwiGLU MLP, times
+        sigmoid(tokens shared_gate^T) when gated."""
+        if self.shared_w0 is None:
+            return None
+        out = F.linear(swiglu(F.linear(tokens, self.shared_w0)), self.shared_w1)
+        if self.shared_gate is not None:
+            out = out * torch.sigmoid(F.linear(tokens, self.shared_gate))
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if shape[-1] != self.hidden_size:
@@ -179,8 +223,13 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.hidden_size).to(self.w0.dtype).contiguous()
         weights, ids, probs = self.route(tokens)
         kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
+        ready = sidestream.mark_ready(tokens) if self.shared_w0 is not None else None
         y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts, **kw)
+        # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
+        shared = sidestream.run_beside(self.shared_expert, tokens, ready)
         out = comet.moe_layer1(swiglu(y0), self.w1, weights, layout, **kw)
+        if shared is not None:
+            out = out + sidestream.join(shared).to(out.dtype)
         self.aux_loss = None
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             aux = self.aux_loss_coeff * load_balancing_loss(probs, ids, self.num_experts)
@@ -193,7 +242,9 @@ class MoE(nn.Module):
                 f"num_experts={self.num_experts}, topk={self.topk}, world={self.world}, "
                 f"local_experts=[{self.expert_offset}, "
                 f"{self.expert_offset + self.num_local_experts}), renormalize={self.renormalize}, "
-                f"aux_loss_coeff={self.aux_loss_coeff}")
+                f"aux_loss_coeff={self.aux_loss_coeff}, "
+                f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
+                f"shared_expert_gate={self.shared_gate is not None}")
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

@@ -9,6 +9,8 @@ What upstream assumes a GPU for, and what replaces it here:
   when Transformer Engine imports (NameError without it): defined as None, the torch.mm path.
 * Router.gating moves a CPU router weight to torch.cuda.current_device(), and the all-to-all
   mapping allocates its output on torch.cuda.current_device(): current_device() answers "cpu".
+* SharedExpertMLP creates a class-wide torch.cuda.Stream when moe_shared_expert_overlap is set
+  (for upstream's dispatcher-side overlap): a placeholder stream (comet.megatron never uses it).
 * Attention forks the CUDA RNG tracker around its dropout (whose states are CUDA generator
   states): fork() does nothing (the tests run without dropout).
 """
@@ -49,6 +51,10 @@ def apply() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    if SharedExpertMLP.stream is None:
+        SharedExpertMLP.stream = _NoStream()
     mcore_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
     _applied = True

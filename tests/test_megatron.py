@@ -2,7 +2,8 @@
 dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weights (Megatron's
 state dict loads unchanged), same input -> same output, input gradient and every parameter
 gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
-1 rank and expert parallelism over 2 ranks; the layer-spec helper in a GPT model.
+1 rank and expert parallelism over 2 ranks; shared experts (plain, gated, Megatron's overlap flag),
+computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
 Upstream needs a few CPU patches (tests/megatron_cpu_patches.py); comet.megatron needs none.
 Skipped when megatron-core is not installed."""
@@ -42,7 +43,7 @@ def _config(**over):
     return TransformerConfig(**kw)
 
 
-def _layers(cfg, **comet_kw):
+def _layers(cfg, comet_cfg=None, **comet_kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
@@ -54,7 +55,7 @@ def _layers(cfg, **comet_kw):
     upstream = build_module(spec.submodules.mlp, config=cfg)
     comet_spec = comet_moe_spec(spec).submodules.mlp
     comet_spec.params = dict(comet_spec.params, **comet_kw)
-    ours = build_module(comet_spec, config=cfg)
+    ours = build_module(comet_spec, config=comet_cfg or cfg)
     assert type(upstream) is MoELayer and type(ours) is CometMoELayer
     ours.load_state_dict(upstream.state_dict(), strict=True)  # the same checkpoint format
     return upstream, ours
@@ -120,8 +121,45 @@ def _one_rank_checks(rank, world):
     upstream, ours = _layers(_config(), delay_wgrad=True)
     diffs["deferred"] = _compare(upstream, ours, x, v, "deferred", deferred=True)
 
+    diffs.update(_shared_expert_checks(x, v))
     diffs["gpt"] = _gpt_model_check()
     return diffs
+
+
+def _shared_expert_checks(x, v):
+    """Megatron's shared experts (SharedExpertMLP, optionally gated): upstream computes them
+    before routing, comet between dispatch and combine; same output and gradients."""
+    import comet
+
+    diffs = {}
+    cfg = _config(moe_shared_expert_intermediate_size=8)
+    upstream, ours = _layers(cfg)
+    assert ours.shared_experts is not None
+    order = []
+    real0, real1, real_shared = comet.moe_layer0, comet.moe_layer1, ours.shared_experts.forward
+    comet.moe_layer0 = lambda *a, **k: order.append("layer0") or real0(*a, **k)
+    comet.moe_layer1 = lambda *a, **k: order.append("layer1") or real1(*a, **k)
+    ours.shared_experts.forward = lambda *a, **k: order.append("shared") or real_shared(*a, **k)
+    try:
+        diffs["shared"] = _compare(upstream, ours, x, v, "shared")
+    finally:
+        comet.moe_layer0, comet.moe_layer1 = real0, real1
+        del ours.shared_experts.forward
+    assert order[:3] == ["layer0", "shared", "layer1"], order  # the forward's order
+
+    cfg = _config(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    upstream, ours = _layers(cfg)
+    assert ours.shared_experts.gate_weight is not None
+    diffs["shared_gate"] = _compare(upstream, ours, x, v, "shared_gate")
+
+    # Megatron's overlap flag (its overlap needs a CUDA stream in upstream's dispatcher, so the
+    # reference is upstream without the flag; the weights are the same)
+    overlap = _config(moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True)
+    upstream, ours = _layers(_config(moe_shared_expert_intermediate_size=8), comet_cfg=overlap)
+    assert ours.shared_expert_overlap
+    diffs["shared_overlap"] = _compare(upstream, ours, x, v, "shared_overlap")
+    return diffs
+
 
 
 def _gpt_model_check():
@@ -162,7 +200,8 @@ def _gpt_model_check():
 
 def test_matches_megatron_moe_layer_one_rank():
     diffs = run_ranks(_one_rank_checks, 1, timeout=150)[0]
-    assert set(diffs) == {"dropless", "capacity", "sigmoid", "bf16", "deferred", "gpt"}
+    assert set(diffs) == {"dropless", "capacity", "sigmoid", "bf16", "deferred", "shared",
+                          "shared_gate", "shared_overlap", "gpt"}
     print(diffs)
 
 
@@ -173,7 +212,11 @@ def _two_rank_checks(rank, world):
     v = torch.randn(5 + 2 * rank, 2, H, generator=g)
     upstream, ours = _layers(_config())
     assert ours.num_local_experts == E // world
-    return _compare(upstream, ours, x, v, f"ep2 rank {rank}")
+    diffs = [_compare(upstream, ours, x, v, f"ep2 rank {rank}")]
+    upstream, ours = _layers(_config(moe_shared_expert_intermediate_size=8,
+                                     moe_shared_expert_gate=True))
+    diffs.append(_compare(upstream, ours, x, v, f"ep2 shared rank {rank}"))
+    return diffs
 
 
 def test_matches_megatron_expert_parallel_two_ranks():

@@ -110,3 +110,86 @@ def test_training_example_reduces_loss_on_two_processes():
     assert losses[0] == losses[1]  # the global mean, all-reduced
     first, last = losses[0][0], min(losses[0][-5:])
     assert last < 0.25 * first, losses[0]
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_shared_expert_equals_sequential_computation(world, gate):
+    """A MoE with a shared expert (computed between moe_layer0 and moe_layer1) against the same
+    routed MoE without one plus the shared expert computed separately and added: output and
+    every gradient (input, router, routed and shared weights)."""
+    S = 6
+    xs, vs = token_batches(world, seed=8)
+    bufs = comet.Buffer.simulated_world(world, timeout=20)
+    ref_bufs = comet.Buffer.simulated_world(world, timeout=20)
+    kw = dict(aux_loss_coeff=0.1, init_std=0.3, seed=4, n_comm=2, tile=(4, 8))
+
+    def fused(r, buf):
+        moe = comet.nn.MoE(H, F, E, K, buffer=buf, shared_ffn_hidden_size=S,
+                           shared_expert_gate=gate, **kw)
+        x = xs[r].clone().requires_grad_()
+        out = moe(x)
+        (out * vs[r]).sum().backward()
+        return moe, x.grad, out.detach()
+
+    def sequential(r, buf):
+        moe = comet.nn.MoE(H, F, E, K, buffer=buf, **kw)  # same seed: same routed weights
+        shared = {n: p.detach().clone().requires_grad_() for n, p in params[r].items()}
+        x = xs[r].clone().requires_grad_()
+        routed = moe(x)
+        extra = torch.nn.functional.linear(
+            comet.nn.swiglu(torch.nn.functional.linear(x, shared["shared_w0"])),
+            shared["shared_w1"])
+        if gate:
+            extra = extra * torch.sigmoid(torch.nn.functional.linear(x, shared["shared_gate"]))
+        out = routed + extra
+        (out * vs[r]).sum().backward()
+        return moe, x.grad, out.detach(), {n: p.grad for n, p in shared.items()}
+
+    got = run_threads(world, fused, buffers=bufs)
+    params = [{n: p for n, p in m.named_parameters() if n.startswith("shared_")} for m, _, _ in got]
+    names = ["shared_w0", "shared_w1"] + (["shared_gate"] if gate else [])
+    assert sorted(params[0]) == sorted(names)
+    ref = run_threads(world, sequential, buffers=ref_bufs)
+    for r in range(world):
+        (m_c, dx_c, out_c), (m_r, dx_r, out_r, g_shared) = got[r], ref[r]
+        if xs[r].shape[0]:
+            assert out_r.abs().max() > 0.1, "outputs too small for a meaningful comparison"
+        tight = dict(atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out_c, out_r, **tight)
+        torch.testing.assert_close(dx_c, dx_r, **tight)
+        for name in ("router.weight", "w0", "w1"):
+            torch.testing.assert_close(m_c.get_parameter(name).grad, m_r.get_parameter(name).grad,
+                                       **tight)
+        for name, g in g_shared.items():
+            torch.testing.assert_close(m_c.get_parameter(name).grad, g, **tight)
+    # replicated like the router: averaged by allreduce_gradients, not owned per rank
+    assert set(got[0][0].replicated_parameters()) >= set(params[0].values())
+
+
+def test_shared_expert_arguments_are_checked():
+    buf = comet.Buffer.simulated_world(1)[0]
+    with pytest.raises(ValueError, match="shared_ffn_hidden_size=0 must be a positive int"):
+        comet.nn.MoE(H, F, E, K, buffer=buf, shared_ffn_hidden_size=0)
+    with pytest.raises(ValueError, match="shared_expert_gate=True needs shared_ffn_hidden_size"):
+        comet.nn.MoE(H, F, E, K, buffer=buf, shared_expert_gate=True)
+    a = comet.nn.MoE(H, F, E, K, buffer=buf, seed=3)
+    b = comet.nn.MoE(H, F, E, K, buffer=buf, seed=3, shared_ffn_hidden_size=5)
+    assert torch.equal(a.w0, b.w0) and torch.equal(a.router.weight, b.router.weight)
+    assert b.shared_w0.shape == (10, H) and b.shared_w1.shape == (H, 5) and b.shared_gate is None
+
+
+def test_shared_expert_runs_between_the_two_ops(monkeypatch):
+    """The overlap point: the shared expert is issued after moe_layer0 and before moe_layer1."""
+    order = []
+    real0, real1 = comet.moe_layer0, comet.moe_layer1
+    monkeypatch.setattr(comet, "moe_layer0",
+                        lambda *a, **k: order.append("layer0") or real0(*a, **k))
+    monkeypatch.setattr(comet, "moe_layer1",
+                        lambda *a, **k: order.append("layer1") or real1(*a, **k))
+    moe = comet.nn.MoE(H, F, E, K, buffer=comet.Buffer.simulated_world(1)[0],
+                       shared_ffn_hidden_size=4)
+    real_shared = moe.shared_expert
+    moe.shared_expert = lambda t: order.append("shared") or real_shared(t)
+    moe(torch.randn(5, H))
+    assert order == ["layer0", "shared", "layer1"]

@@ -1,0 +1,234 @@
+"""Comet as a Hugging Face transformers "experts implementation" (transformers 5.x).
+
+transformers 5 routes the forward of every MoE experts module decorated with
+``@use_experts_implementation`` (Mixtral, Qwen2-MoE, OLMoE, GPT-OSS, Qwen3-MoE, DeepSeek-V2/3, ...)
+through ``ExpertsInterface`` by the name in ``config._experts_implementation``. ``register()`` adds
+"comet" there; the experts then run ``comet.moe_layer0`` (dispatch + first GEMM) -> the model's own
+activation -> ``comet.moe_layer1`` (second GEMM + weighted top-k reduce + combine):
+
+    import comet.hf
+    comet.hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="comet")
+    # or: model = MixtralForCausalLM(MixtralConfig(..., experts_implementation="comet"))
+    # or, on a built model: model.set_experts_implementation("comet")
+
+Weights are read from the module's own parameters on every forward (checkpoints, optimisers and
+``state_dict`` are unchanged) and brought into comet's layouts as differentiable views, so the
+gradients land on the model's parameters:
+
+* w0 [E, N0, H]: ``gate_up_proj`` (``up_proj`` for experts without a gate); models that store it
+  transposed (``is_transposed``, e.g. GPT-OSS: [E, H, N0]) are transposed (a copy per forward).
+  The N0 columns keep the model's order, concatenated [gate; up] or interleaved [g0, u0, g1, ...]
+  (GPT-OSS), because the activation applied to layer0's rows is the module's own ``_apply_gate``
+  (``act_fn`` without a gate): GPT-OSS's clamped, alpha-scaled SwiGLU with the +1 on up included.
+* w1 [E, H, N1]: ``down_proj`` ([E, N1, H] transposed for ``is_transposed`` models).
+* Biases (``has_bias``, e.g. GPT-OSS): comet's GEMMs have no bias argument, so they are emulated
+  exactly: x gets a column of ones and w0 the column ``gate_up_proj_bias`` (y0 = [x, 1] [W0, b0]^T
+  = x W0^T + b0), and likewise the activated rows get a ones column and w1 the column
+  ``down_proj_bias``, so b1 is added per row on the expert's own rank before the weighted top-k
+  reduce, exactly as ``out = sum_j w_j (h_j W1^T + b1[e_j])``. The bias gradients are those of the
+  extra columns. Cost: one extra column in each GEMM and a copy of x and of the activated rows.
+
+Expert parallelism: ``shard_experts(model, group)`` keeps on each rank r of a W-rank
+torch.distributed group experts [r*E/W, (r+1)*E/W) (every experts parameter is sliced) and makes
+the experts run comet with that group: each rank feeds its own tokens, comet sends every token to
+the ranks of its experts and the results back. See its docstring for the gradient semantics.
+
+Not supported (a clear error at the first forward): experts with a post-expert norm
+(``has_post_expert_norm``: it sits between the second GEMM and the weighted reduce that comet
+fuses), transformers' own expert parallelism (``_is_expert_parallel``: use ``shard_experts``),
+and, in a process where torch.distributed is initialised, unsharded experts on CUDA (comet would
+need a single-rank group there; shard the experts instead).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import comet
+from comet import symm
+
+__all__ = ["NAME", "register", "experts_forward", "comet_weights", "shard_experts",
+           "is_experts_module"]
+
+NAME = "comet"
+
+# Parameters of an experts module that have one slice per expert along dim 0.
+_EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                  "down_proj_bias")
+
+
+def register(name: str = NAME) -> str:
+    """Register comet's experts forward in transformers' ExpertsInterface under `name` (idempotent).
+    Afterwards ``experts_implementation=name`` is accepted by configs, ``from_pretrained`` and
+    ``model.set_experts_implementation``. Returns the name."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, experts_forward)
+    return name
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for modules built by transformers' ``@use_experts_implementation`` (they carry the
+    layout flags it sets) that have 3-D expert weights."""
+    return (hasattr(module, "is_transposed") and hasattr(module, "has_gate")
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+            and module.down_proj.dim() == 3)
+
+
+def _num_experts(module) -> int:
+    """The global expert count (shard_experts keeps it when the weights become local slices)."""
+    return int(getattr(module, "comet_num_experts", module.num_experts))
+
+
+def comet_weights(module: nn.Module):
+    """(w0 [E_local, N0(+1), H(+1)], w1 [E_local, H, N1(+1)], has_bias) in comet's layouts from a
+    transformers experts module: differentiable views (a transpose copies), so gradients reach the
+    module's parameters. With biases, w0 and w1 carry them as an extra last column (see the module
+    docstring); the caller appends the matching ones columns to x and to the activated rows."""
+    if module.has_gate:
+        w0, b0 = module.gate_up_proj, getattr(module, "gate_up_proj_bias", None)
+    else:
+        w0, b0 = module.up_proj, getattr(module, "up_proj_bias", None)
+    w1, b1 = module.down_proj, getattr(module, "down_proj_bias", None)
+    if module.is_transposed:  # stored [E, in, out]: comet wants [E, out, in]
+        w0, w1 = w0.transpose(1, 2), w1.transpose(1, 2)
+    has_bias = bool(module.has_bias)
+    if has_bias:
+        if b0 is None or b1 is None:
+            raise ValueError(f"comet.hf: {type(module).__name__} has has_bias=True but no "
+                             "gate_up_proj_bias/up_proj_bias and down_proj_bias parameters")
+        w0 = torch.cat([w0, b0.to(w0.dtype).unsqueeze(-1)], dim=2)
+        w1 = torch.cat([w1, b1.to(w1.dtype).unsqueeze(-1)], dim=2)
+    return w0.contiguous(), w1.contiguous(), has_bias
+
+
+def _ones_column(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_ones(t.shape[0], 1)], dim=1)
+
+
+_local = {}
+_local_lock = threading.Lock()
+
+
+def _call_args(module, x: torch.Tensor) -> dict:
+    """group/buffer for the ops: the sharded module's group, else a world of one."""
+    if getattr(module, "comet_sharded", False):
+        return dict(group=module.comet_group, buffer=module.comet_buffer)
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(group=None, buffer=None)  # the ops' default is a world of one here
+    # torch.distributed is up (e.g. data parallelism), but these experts are whole on every rank:
+    # the default group would make them expert-parallel over it. Use a private world of one.
+    if x.device.type != "cpu":
+        raise NotImplementedError(
+            f"comet.hf: unsharded experts on {x.device} in a process where torch.distributed is "
+            "initialised; call comet.hf.shard_experts(model, group) to run them expert-parallel")
+    with _local_lock:
+        if "cpu" not in _local:
+            _local["cpu"] = symm.Buffer.simulated_world(1)[0]
+        return dict(group=None, buffer=_local["cpu"])
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The forward comet registers for transformers' experts modules (``self`` is the module):
+    hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H] in hidden_states'
+    dtype, equal to the module's eager forward."""
+    name = type(self).__name__
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"comet.hf: {name} applies a norm after each expert, between the second GEMM and the "
+            "weighted reduce that comet fuses; use another experts_implementation for it")
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError(
+            f"comet.hf: {name} is sharded by transformers' own expert parallelism; load the model "
+            "unsharded and use comet.hf.shard_experts(model, group) instead")
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
+            top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"comet.hf: expected hidden_states [T, H] and top_k_index / top_k_weights "
+                         f"[T, k], got {tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, "
+                         f"{tuple(top_k_weights.shape)}")
+    w0, w1, has_bias = comet_weights(self)
+    num_experts = _num_experts(self)
+    x = hidden_states.to(w0.dtype)
+    if has_bias:
+        x = _ones_column(x)
+    x = x.contiguous()
+    weights = top_k_weights
+    if weights.dtype not in (torch.float32, w1.dtype):
+        weights = weights.float()  # comet takes fp32 or the activations' dtype
+    kw = _call_args(self, x)
+    y0, layout = comet.moe_layer0(x, w0, top_k_index, num_experts=num_experts, **kw)
+    # The module's own activation on the dispatched rows (same column order as its weights).
+    h = self._apply_gate(y0) if self.has_gate else self.act_fn(y0)
+    if has_bias:
+        h = _ones_column(h)
+    out = comet.moe_layer1(h.contiguous(), w1, weights.contiguous(), layout, **kw)
+    return out.to(hidden_states.dtype)
+
+
+def shard_experts(model: nn.Module, group=None, *, buffer: symm.Buffer | None = None,
+                  set_implementation: bool = True) -> nn.Module:
+    """Shard every transformers experts module of `model` over an expert-parallel group, in place.
+
+    Rank r of the W ranks of `group` (None: the default torch.distributed group; or `buffer`, a
+    comet.Buffer, which defines the group) keeps experts [r*E/W, (r+1)*E/W) of each experts
+    module: every per-expert parameter (gate_up_proj / up_proj, down_proj and their biases) is
+    replaced by a new Parameter holding that slice. The module then runs comet's ops over the
+    group: each rank passes its own tokens through the whole model, and comet dispatches each
+    (token, expert) pair to the expert's rank and combines the results on the token's rank.
+    Everything else (attention, routers, embeddings) stays replicated. Call it on every rank, on
+    identical unsharded models (e.g. after from_pretrained), before building the optimiser.
+
+    Gradients: an expert parameter's gradient on its rank already sums every rank's tokens (the
+    backward sends them there), while replicated parameters see only the local tokens; the
+    parameters carry ``comet_expert_parallel = True`` (and ``allreduce = False``) so
+    ``comet.nn.allreduce_gradients(model, group)`` averages the replicated gradients over the
+    group and divides the expert gradients by W (the gradients of the mean loss over the ranks).
+
+    `set_implementation` also switches the model to comet (``set_experts_implementation``; the
+    name must be registered, see register()); the sharded modules cannot run eagerly any more.
+    Raises ValueError naming the module when its expert count is not divisible by W.
+    Returns the model.
+    """
+    if buffer is not None:
+        rank, world = buffer.rank, buffer.world
+    elif group is not None or (dist.is_available() and dist.is_initialized()):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    else:
+        raise ValueError("comet.hf.shard_experts: torch.distributed is not initialised and no "
+                         "group or buffer was given")
+    experts = [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
+    if not experts:
+        raise ValueError(f"comet.hf.shard_experts: {type(model).__name__} has no transformers "
+                         "experts module (@use_experts_implementation)")
+    for name, m in experts:
+        if getattr(m, "comet_sharded", False):
+            raise ValueError(f"comet.hf.shard_experts: {name} is already sharded")
+        e = int(m.num_experts)
+        if e % world:
+            raise ValueError(f"comet.hf.shard_experts: {name} has num_experts={e}, not divisible "
+                             f"by the group size {world}")
+    for _, m in experts:
+        e = int(m.num_experts)
+        per = e // world
+        sl = slice(rank * per, (rank + 1) * per)
+        for pname in _EXPERT_PARAMS:
+            p = getattr(m, pname, None)
+            if not isinstance(p, torch.Tensor):
+                continue
+            local = nn.Parameter(p.detach()[sl].clone(), requires_grad=p.requires_grad)
+            local.comet_expert_parallel = True
+            local.allreduce = False
+            setattr(m, pname, local)
+        # num_experts stays global (the routers' ids are global); an eager forward over the
+        # local slices would then fail on indexing instead of silently skipping experts.
+        m.comet_num_experts = e
+        m.comet_expert_offset = rank * per
+        m.comet_group, m.comet_buffer, m.comet_sharded = group, buffer, True
+    if set_implementation and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(NAME)
+    return model
