@@ -1,4 +1,4 @@
-"""The benchmarks (moe_layer, sweep_ncomm, prologue), one after the other, from one command:
+"""The benchmarks (moe_layer, sweep_ncomm, prologue, comm_copy), one after the other, from one command:
 
     .venv/bin/python -m bench            # full CPU run (~1-2 min on 2 cores)
     .venv/bin/python -m bench --smoke    # CI-sized (< 30 s each)
@@ -19,13 +19,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     extra = (["--smoke"] if a.smoke else []) + (["--out", a.out] if a.out else [])
-    from bench import moe_layer, prologue, sweep_ncomm
+    from bench import comm_copy, moe_layer, prologue, sweep_ncomm
 
     rc = moe_layer.main(extra)
     print()
     rc = rc or sweep_ncomm.main(extra)
     print()
-    return rc or prologue.main(extra)
+    rc = rc or prologue.main(extra)
+    print()
+    return rc or comm_copy.main(extra)
 
 
 if __name__ == "__main__":

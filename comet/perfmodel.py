@@ -109,11 +109,31 @@ __all__ = [
     "comm_saturation_blocks",
     "gemm_time",
     "predict",
+    "prologue_time",
+    "combine_time",
     "choose_n_comm",
     "DEFAULT_TILE",
 ]
 
 DEFAULT_TILE: Tuple[int, int] = (128, 128)
+
+# Independent 16-byte loads in flight per thread in layer0's row copy: kCopyUnroll of
+# csrc/include/comet/copy.h (tests/test_perfmodel.py checks they agree).
+COPY_UNROLL = 4
+
+# The per-call prologue and the combine launch (seconds), estimated from the kernels' structure
+# (csrc/cuda/prologue.cu, combine.cu; README "The per-call prologue"), not measured:
+#   layer0: source kernel (send plan: count, scan (2 grid barriers), offsets, scatter: ~5 grid
+#           barriers), begin kernel (metadata exchange: ~2 peer round trips), publish kernel
+#           (m-tiles + layer0 order: ~6 grid barriers): 3 launches, ~11 grid barriers;
+#   layer1: source (pair lists: ~5), begin, publish (m-tiles ~4 + reduce plan ~6): ~15 barriers,
+#           plus the combine kernel's launch after the fused kernel.
+# A grid barrier is an atomic arrival through L2 and a spin on the generation flag; each thread
+# handles ~T*k/P elements (P = prologue threads, 4096 elements per block), a few passes.
+KERNEL_GAP_S = 3e-6     # back-to-back launch on one stream (assumption)
+GRID_BARRIER_S = 1.5e-6  # one grid-wide barrier of a prologue kernel (assumption)
+PROLOGUE_BARRIERS = {0: 11, 1: 15}
+PROLOGUE_LAUNCHES = {0: 3, 1: 3}
 
 # ----------------------------------------------------------------------------------------------
 # Hardware
@@ -139,7 +159,11 @@ class GpuSpec:
     link_latency_us: float  # alpha: first remote row visible after this long (assumption)
     link: str = "nvlink"
     blocks_per_sm: int = 1
-    block_link_gbs: float = 12.0  # what one comm block moves over the link (assumption)
+    # What one comm block moves over the link, derived from the kernel (see block_link_bw);
+    # a number here overrides the derivation (used for the CPU backend's spec).
+    block_link_gbs: Optional[float] = None
+    comm_threads: int = 384  # threads of a comm block = the fused kernel's block (sm90 path 384, sm80 256)
+    remote_load_us: float = 2.0  # round trip of a peer load under load (assumption; Little's law below)
     gemm_eff: float = 0.75  # fraction of tensor peak a tuned grouped GEMM mainloop reaches
     hbm_eff: float = 0.80  # achievable fraction of HBM bandwidth
     link_eff: float = 0.80  # achievable fraction of link bandwidth (DeepEP: ~160 of 200 GB/s on H800)
@@ -165,7 +189,15 @@ class GpuSpec:
 
     @property
     def block_link_bw(self) -> float:
-        return self.block_link_gbs * 1e9
+        """Bytes/s one comm block moves over the link. Little's law: bytes in flight / latency.
+        layer0's row copy (csrc/include/comet/copy.h, checked in the SASS by tools/sass_check.py)
+        keeps COPY_UNROLL independent 16-byte loads in flight per thread, so a block has
+        comm_threads * COPY_UNROLL * 16 bytes outstanding per remote round trip
+        (sm90 path: 384 * 4 * 16 = 24 KiB / 2 us = 12.3 GB/s; sm80 path: 256 threads, 8.2 GB/s).
+        layer1's partial stores do not wait for a round trip, so this bounds them from below."""
+        if self.block_link_gbs is not None:
+            return self.block_link_gbs * 1e9
+        return self.comm_threads * COPY_UNROLL * 16 / (self.remote_load_us * 1e-6)
 
     @property
     def block_hbm_bw(self) -> float:
@@ -198,9 +230,9 @@ class GpuSpec:
 GPUS: Dict[str, GpuSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 tensor 312 TFLOPS dense, FP32 19.5,
     # HBM2e 2,039 GB/s, NVLink 600 GB/s; NVIDIA A100 Tensor Core GPU Architecture whitepaper:
-    # 108 SMs.  Comm per block lower than Hopper's (no TMA, lower clock): assumption.
+    # 108 SMs.  The sm80 kernel path: 256 threads per block, so less in flight per comm block.
     "a100": GpuSpec(
-        "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, block_link_gbs=8.0,
+        "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, comm_threads=256,  # sm80 path
         gemm_eff=0.80,
         source="NVIDIA A100 datasheet (SXM4 80GB); A100 architecture whitepaper",
     ),
@@ -233,10 +265,10 @@ GPUS: Dict[str, GpuSpec] = {
     # NVIDIA L20 datasheet: FP16/BF16 tensor 119.5 TFLOPS dense (239 with sparsity), FP32 59.8,
     # GDDR6 864 GB/s, PCIe Gen4 x16 (64 GB/s bidirectional -> 32 GB/s per direction, no NVLink);
     # 11,776 CUDA cores / 128 per Ada SM (NVIDIA Ada GPU architecture whitepaper) = 92 SMs.
-    # Peer traffic crosses PCIe: higher latency and lower per-block rate (assumptions).
+    # Peer traffic crosses PCIe: a longer round trip (assumption: 4 us), so less per block.
     "l20": GpuSpec(
-        "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", block_link_gbs=4.0,
-        link_eff=0.75,
+        "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", comm_threads=256,  # sm80 path
+        remote_load_us=4.0, link_eff=0.75,
         source="NVIDIA L20 datasheet; Ada architecture whitepaper (128 cores/SM)",
     ),
 }
@@ -512,14 +544,45 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int):
         m = sum(expert_rows(shape))
         l_bytes = m * shape.row_bytes + local_rows(shape, 1) * shape.H * eb
         # the home rank sums its partials (local + received) at full HBM bandwidth
-        n_partials = local_rows(shape, 1) + remote_rows(shape, 1)
-        tail = (n_partials * shape.H * eb + shape.T * shape.row_bytes) / spec.hbm_bw
-    link_bw = min(n_comm * spec.block_link_bw, spec.link_bw)
+        # (the combine kernel, after the fused kernel, on every SM: full HBM rate plus a launch)
+        tail = combine_time(shape, spec)
+    link_bw = min(n_comm * block_link_rate(shape, spec, layer), spec.link_bw)
     hbm_bw = min(n_comm * spec.block_hbm_bw, spec.hbm_bw)
     remote_s = r_bytes / link_bw if r_bytes > 0 else 0.0
     local_s = l_bytes / hbm_bw if l_bytes > 0 else 0.0
     alpha = spec.alpha if r_bytes > 0 else 0.0
     return alpha, local_s, remote_s, tail
+
+
+def combine_time(shape: MoEShape, spec: GpuSpec) -> float:
+    """layer1's combine kernel: read every partial (activation dtype) of this rank's tokens and
+    write the output, on all SMs at the achievable HBM rate, after one launch gap."""
+    n_partials = local_rows(shape, 1) + remote_rows(shape, 1)
+    eb = _link_elem_bytes(shape, 1)
+    return KERNEL_GAP_S + (n_partials * shape.H * eb + shape.T * shape.row_bytes) / spec.hbm_bw
+
+
+def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
+    """The per-call prologue kernels before the fused kernel (an estimate, see the constants):
+    launches, grid barriers, two peer round trips of the metadata exchange, and each prologue
+    thread's share of the T*k routing slots (a few passes at ~0.05 us per element)."""
+    _check_layer(layer)
+    threads = max(1, math.ceil(shape.T * shape.k / 4096)) * 256
+    per_thread = 3 * math.ceil(shape.T * shape.k / threads) * 0.05e-6
+    return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * GRID_BARRIER_S
+            + 2 * spec.alpha + per_thread)
+
+
+def block_link_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
+    """Bytes/s one comm block moves over the link for ``layer``. layer0: per m-tile a block first
+    resolves the rows' origins (two dependent peer index loads, all rows of the tile at once),
+    then streams the tile's rows at spec.block_link_bw: tile_bytes / (tile_bytes / rate + 2 round
+    trips). layer1: spec.block_link_bw (stores of partials, no index round trips per tile)."""
+    rate = spec.block_link_bw
+    if layer == 1:
+        return rate
+    tile_bytes = DEFAULT_TILE[0] * shape.row_bytes
+    return tile_bytes / (tile_bytes / rate + 2 * spec.remote_load_us * 1e-6)
 
 
 def _comm_body(layer: int, local_s: float, remote_s: float) -> float:
@@ -538,7 +601,7 @@ def comm_time(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> float:
 def comm_saturation_blocks(shape: MoEShape, spec: GpuSpec, layer: int) -> int:
     """Smallest ``n_comm`` from which :func:`comm_time` no longer decreases (it is constant after)."""
     _check_layer(layer)
-    hi = max(1, math.ceil(spec.link_bw / spec.block_link_bw - 1e-9),
+    hi = max(1, math.ceil(spec.link_bw / block_link_rate(shape, spec, layer) - 1e-9),
              math.ceil(spec.hbm_bw / spec.block_hbm_bw - 1e-9))
     floor = comm_time(shape, spec, hi, layer)
     for n in range(1, hi + 1):  # comm_time is non-increasing: the first n at the floor
@@ -680,8 +743,10 @@ def predict(
     """Predicted seconds for ``layer`` with ``n_comm`` comm blocks (see the module doc).
 
     ``n_blocks`` bounds the grid (co-residency); the GEMM gets ``min(spec.max_blocks, n_blocks) -
-    n_comm`` blocks.  Returns ``comm``, ``gemm``, ``fused``, ``sequential``, ``baseline``,
-    ``limit``, ``comm_full``, ``gemm_full`` (seconds) and ``n_comm``, ``n_gemm``.
+    n_comm`` blocks.  Returns ``comm``, ``gemm``, ``prologue``, ``combine`` (layer1's combine
+    kernel, part of comm), ``kernel`` (the pipelined fused kernel), ``fused`` (prologue + kernel),
+    ``sequential`` (comm + gemm),
+    ``baseline``, ``limit``, ``comm_full``, ``gemm_full`` (seconds) and ``n_comm``, ``n_gemm``.
     """
     _check_layer(layer)
     total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
@@ -700,10 +765,16 @@ def predict(
         fused = _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm)
     # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
     fused = min(max(fused, comm, gemm), comm + gemm)
+    # The per-call prologue runs before the fused kernel. The baseline is charged nothing for its
+    # own layout/notify steps (a conservative comparison against Comet).
+    prologue = prologue_time(shape, spec, layer)
     return {
         "comm": comm,
         "gemm": gemm,
-        "fused": fused,
+        "prologue": prologue,
+        "combine": combine_time(shape, spec) if layer == 1 else 0.0,
+        "kernel": fused,
+        "fused": fused + prologue,
         "sequential": comm + gemm,
         "baseline": comm_full + gemm_full,
         "limit": max(comm_full, gemm_full),

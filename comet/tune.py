@@ -145,7 +145,9 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
         rows.append([
             f"layer{layer}", f"{m:.0f}x{n_out}x{k_red}", str(p["n_comm"]), str(p["n_gemm"]),
             f"{tile[0]}x{tile[1]}", f"{pm.remote_rows(shape, layer):.0f}",
-            _ms(p["comm"]), _ms(p["gemm"]), _ms(p["fused"]), _ms(p["baseline"]), _ms(p["limit"]),
+            _ms(p["comm"]), _ms(p["gemm"]), _ms(p["prologue"]),
+            _ms(p["combine"]) if layer == 1 else "-", _ms(p["fused"]), _ms(p["baseline"]),
+            _ms(p["limit"]),
             f"{p['baseline'] / p['fused']:.2f}x" if p["fused"] > 0 else "-",
         ])
         if tuner is not None:
@@ -162,9 +164,14 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
             f"{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} N1={n1} "
             f"T={tokens} tokens/rank, {dtype}; expected distinct ranks per token {d:.2f}")
     headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "remote rows", "comm ms",
-               "gemm ms", "fused ms", "unfused ms", "limit ms", "speedup"]
-    foot = ("comm/gemm: each part alone with this split; fused: pipelined; unfused: comm then "
-            "GEMM, each on the whole GPU; limit: max of the two on the whole GPU.")
+               "gemm ms", "prologue ms", "combine ms", "fused ms", "unfused ms", "limit ms",
+               "speedup"]
+    foot = ("comm/gemm: each part alone with this split (layer1's comm includes the combine "
+            "kernel); prologue: the per-call planning kernels (estimate); fused: prologue + the "
+            "pipelined kernel; unfused: comm then GEMM, each on the whole GPU, charged no "
+            "prologue; limit: max of the two on the whole GPU. Comm rate per block: "
+            f"{spec.block_link_bw / 1e9:.1f} GB/s ({spec.comm_threads} threads x {pm.COPY_UNROLL} "
+            f"x 16 B in flight / {spec.remote_load_us:g} us, Little's law).")
     return "\n".join([head, _table(headers, rows), foot, *notes])
 
 

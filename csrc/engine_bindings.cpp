@@ -120,10 +120,12 @@ py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank) {
 
 
 void bind_prologue_bench(py::module_& engine);  // prologue_bench.cpp
+void bind_copy_bench(py::module_& engine);      // copy_bench.cpp
 
 void bind_engine(py::module_& m) {
   auto e = m.def_submodule("engine", "the portable engine's planning functions, for tests");
   bind_prologue_bench(e);
+  bind_copy_bench(e);
   e.def("send_plan", &send_plan, py::arg("ids"), py::arg("tokens"), py::arg("k"),
         py::arg("num_experts"), py::arg("blocks") = 1, py::arg("threads") = 1);
   e.def("dispatch_layout", &dispatch_layout);

@@ -6,6 +6,10 @@ architecture of COMET_CUDA_ARCHS (default "80;90a") with `-Xptxas -v`, or parses
 (--log, e.g. a build run with COMET_PTXAS_VERBOSE=1), and prints one row per kernel and
 architecture: registers, static and dynamic shared memory, stack frame, spill stores / loads.
 
+Also reads each object's SASS (tools/sass_check.py): layer0's row copy must keep kCopyUnroll
+128-bit loads in flight per thread, layer1's comm path and the combine kernel must use 128-bit
+loads and stores.
+
 Fails (exit code 1) when
   - a GEMM kernel (the fused kernels: comm + GEMM blocks) spills registers;
   - ptxas reports C7509 / C7510 ("wgmma.mma_async instructions are serialized": every wgmma
@@ -29,8 +33,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import comet_build  # noqa: E402  (the build's flags)
+import sass_check  # noqa: E402  (tools/sass_check.py: the comm paths' SASS)
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 PROPS = re.compile(r"Function properties for (\S+)")
@@ -111,7 +117,7 @@ def parse(text: str, source: str):
     return rows, problems
 
 
-def compile_one(source: str, archs: list[str], outdir: str):
+def compile_one(source: str, archs: list[str], outdir: str, objdump: str | None):
     obj = os.path.join(outdir, os.path.basename(source) + ".o")
     cmd = comet_build.nvcc_command(ROOT, os.path.join(ROOT, source), archs[0],
                                    ["-Xptxas=-v", "-o", obj])
@@ -119,7 +125,11 @@ def compile_one(source: str, archs: list[str], outdir: str):
     cmd[1:1] = comet_build.gencode_flags(archs[1:])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    return source, proc.returncode, proc.stdout + proc.stderr, time.time() - start
+    secs = time.time() - start
+    sass = ([], [])
+    if proc.returncode == 0 and objdump:
+        sass = sass_check.check(obj, source, objdump, sass_check.copy_unroll())
+    return source, proc.returncode, proc.stdout + proc.stderr, secs, sass
 
 
 def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
@@ -152,7 +162,7 @@ def main(argv=None) -> int:
     os.environ["COMET_CUDA_ARCHS"] = args.archs
     archs = comet_build.archs()
 
-    rows, problems, failures = [], [], []
+    rows, problems, failures, sass_rows = [], [], [], []
     if args.log:
         with open(args.log) as f:
             r, p = parse(f.read(), os.path.basename(args.log))
@@ -168,9 +178,15 @@ def main(argv=None) -> int:
             print("check_ptxas: no csrc/cuda/*.cu", file=sys.stderr)
             return 2
         t0 = time.time()
+        objdump = sass_check.cuobjdump()
+        if objdump is None:
+            print("check_ptxas: no cuobjdump (CUDA toolkit or triton wheel): SASS checks skipped")
         with tempfile.TemporaryDirectory() as tmp, \
                 cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for source, rc, out, secs in pool.map(lambda s: compile_one(s, archs, tmp), sources):
+            for source, rc, out, secs, (srows, sprobs) in pool.map(
+                    lambda s: compile_one(s, archs, tmp, objdump), sources):
+                sass_rows += srows
+                problems += sprobs
                 print(f"compiled {source} for {','.join('sm_' + a for a in archs)} in {secs:.0f} s"
                       + ("" if rc == 0 else "  FAILED"))
                 if rc != 0:
@@ -209,6 +225,15 @@ def main(argv=None) -> int:
         print("\n(smem dynamic: the fused kernels' dynamic shared memory per block; "
               "threads per block: " + ", ".join(f"{k} {v[1]}" for k, v in sorted(smem.items()))
               + "; stack frames of the fused kernels are the timeout path's printf buffer)")
+    if sass_rows:
+        sass_names = demangle(sorted({r[0] for r in sass_rows}))
+        print("\nSASS of the comm paths (128-bit global/generic loads and stores; 'in flight': "
+              "longest run of 128-bit loads with no 128-bit store between them)")
+        print(f"{'kernel':44s}  {'arch':7s}  {'path':7s}  {'ld.128':>6s}  {'st.128':>6s}  "
+              f"{'in flight':>9s}")
+        for name, arch, k, st in sorted(sass_rows, key=lambda r: (sass_names[r[0]], r[1])):
+            print(f"{short(sass_names[name]):44s}  {arch:7s}  {k:7s}  {st['loads']:6d}  "
+                  f"{st['stores']:6d}  {st['in_flight']:9d}")
     if not rows and not failures:
         failures.append("no kernel found in the ptxas output (was -Xptxas -v passed?)")
     for f in failures:

@@ -63,6 +63,9 @@ COMET_HD void cooperative_copy(void* dst, const void* src, size_t bytes, int tid
 // flight; the (row, vector) position advances by adding (not dividing) after the first. Rows that
 // are not all 16-byte aligned (vectorisable false: the caller knows it once per call, from the
 // row size and the buffers' bases) go one by one through cooperative_copy.
+// Unroll is kCopyUnroll in both backends; other values exist for the CPU micro-benchmark that
+// measures what the unroll buys (bench/comm_copy.py).
+template <int Unroll = kCopyUnroll>
 COMET_HD void copy_rows(const RowCopy* rows, int32_t n, size_t bytes, bool vectorisable, int tid,
                         int nthreads) {
   if (!vectorisable) {
@@ -72,22 +75,22 @@ COMET_HD void copy_rows(const RowCopy* rows, int32_t n, size_t bytes, bool vecto
   const uint32_t per_row = uint32_t(bytes / 16);
   if (per_row == 0 || n == 0) return;
   const uint32_t total = uint32_t(n) * per_row;
-  const uint32_t step = uint32_t(nthreads) * kCopyUnroll;  // advance of each slot per iteration
+  const uint32_t step = uint32_t(nthreads) * Unroll;  // advance of each slot per iteration
   const uint32_t step_rows = step / per_row, step_cols = step % per_row;
-  uint32_t row[kCopyUnroll], col[kCopyUnroll];
+  uint32_t row[Unroll], col[Unroll];
 #pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
+  for (int u = 0; u < Unroll; ++u) {
     const uint32_t i = uint32_t(tid) + uint32_t(u) * uint32_t(nthreads);
     row[u] = i / per_row;
     col[u] = i % per_row;
   }
   for (uint32_t base = uint32_t(tid); base < total; base += step) {
-    Vec16 v[kCopyUnroll];
+    Vec16 v[Unroll];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u)
+    for (int u = 0; u < Unroll; ++u)
       if (row[u] < uint32_t(n)) v[u] = reinterpret_cast<const Vec16*>(rows[row[u]].src)[col[u]];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < Unroll; ++u) {
       if (row[u] < uint32_t(n)) reinterpret_cast<Vec16*>(rows[row[u]].dst)[col[u]] = v[u];
       row[u] += step_rows;
       col[u] += step_cols;

@@ -1,0 +1,109 @@
+"""What the comm paths of comet's CUDA kernels compile to, read from the SASS (cuobjdump -sass; no
+GPU needed). Used by tools/check_ptxas.py on every object it compiles.
+
+Checks, per kernel and architecture (stubs - the sm_90a path built for another architecture,
+a few instructions - are skipped):
+  - layer0 fused kernels (fused_kernel<T, 0>): some straight run of at least kCopyUnroll
+    (csrc/include/comet/copy.h) 128-bit global/generic loads (LDG.E.128 / LD.E.128; not
+    LDGSTS, the GEMM's cp.async) with no 128-bit store between them: the row copy keeps that
+    many loads in flight per thread;
+  - layer1 fused kernels (fused_kernel<T, 1>): 128-bit loads of C and 128-bit stores of partials;
+  - the combine kernel: 128-bit loads of partials and 128-bit stores of the output.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOAD128 = re.compile(r"\b(LDG|LD)\.E(\.\w+)*\.128\b")
+STORE128 = re.compile(r"\b(STG|ST)\.E(\.\w+)*\.128\b")
+FUNC = re.compile(r"Function : (\S+)")
+ARCH = re.compile(r"arch = (sm_\w+)")
+STUB_INSTRUCTIONS = 40
+
+
+def copy_unroll() -> int:
+    with open(os.path.join(ROOT, "csrc", "include", "comet", "copy.h")) as f:
+        return int(re.search(r"kCopyUnroll\s*=\s*(\d+)", f.read()).group(1))
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the one the triton wheel (a torch dependency) ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates = [os.path.join(home, "bin", "cuobjdump")]
+    import site
+    for d in site.getsitepackages():
+        candidates += glob.glob(os.path.join(d, "triton", "backends", "nvidia", "bin", "cuobjdump"))
+    return next((c for c in candidates if os.path.exists(c)), None)
+
+
+def functions(sass: str):
+    """(arch, mangled name, instruction lines) per function of a cuobjdump -sass listing."""
+    arch, name, body = None, None, []
+    for line in sass.splitlines():
+        m = ARCH.search(line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = FUNC.search(line)
+        if m:
+            if name:
+                yield arch, name, body
+            name, body = m.group(1), []
+            continue
+        if name and "/*" in line and ";" in line:
+            body.append(line)
+    if name:
+        yield arch, name, body
+
+
+def stats(body: list[str]) -> dict:
+    """128-bit loads and stores, and the longest run of 128-bit loads without a 128-bit store."""
+    loads = stores = run = best = 0
+    for line in body:
+        if "LDGSTS" in line:
+            continue
+        if LOAD128.search(line):
+            loads += 1
+            run += 1
+            best = max(best, run)
+        elif STORE128.search(line):
+            stores += 1
+            run = 0
+    return dict(loads=loads, stores=stores, in_flight=best, instructions=len(body))
+
+
+def kind(mangled: str) -> str | None:
+    if "fused_kernel" in mangled:
+        return "layer0" if "ELi0E" in mangled else "layer1" if "ELi1E" in mangled else None
+    if "combine_kernel" in mangled:
+        return "combine"
+    return None
+
+
+def check(obj: str, source: str, tool: str, unroll: int):
+    """Rows (kernel, arch, kind, stats) and problems of one compiled object."""
+    sass = subprocess.run([tool, "-sass", obj], capture_output=True, text=True).stdout
+    rows, problems = [], []
+    for arch, name, body in functions(sass):
+        k = kind(name)
+        if k is None:
+            continue
+        s = stats(body)
+        if s["instructions"] < STUB_INSTRUCTIONS:
+            continue
+        rows.append((name, arch, k, s))
+        if k == "layer0" and s["in_flight"] < unroll:
+            problems.append(f"{source}: {name} ({arch}): at most {s['in_flight']} 128-bit loads "
+                            f"in a row in the row copy, want {unroll} (kCopyUnroll)")
+        if k in ("layer1", "combine") and (s["loads"] < 1 or s["stores"] < 1):
+            problems.append(f"{source}: {name} ({arch}): {s['loads']} 128-bit loads, "
+                            f"{s['stores']} 128-bit stores in the {k} comm path, want both")
+    return rows, problems
