@@ -19,14 +19,23 @@ layer1 (out_s[t] = sum_j w[t,j] * h[row] @ W1[e_j]^T):
   g[row]    = dout_s[t] @ W1[e_j]                -> moe_layer0(dout, W1^T): dispatch + GEMM; its `a`
                                                      output is the dispatched dout.
   dh[row]   = w[t,j] * g[row]                    -> the per-row weight w[t,j] is dispatched with a
-                                                     "virtual token" moe_layer0 call (one scalar
-                                                     per slot, ids reshaped to [T*k, 1]: the rows
-                                                     come out in exactly the real dispatch order).
+                                                     "virtual token" moe_layer0 call (one row per
+                                                     slot, ids reshaped to [T*k, 1]: the rows
+                                                     come out in exactly the real dispatch order;
+                                                     the scalar as bf16 pieces, see below).
   dw[t,j]   = <dout_s[t], h[row] @ W1[e_j]^T> = <g[row], h[row]>, computed on the expert's rank
                                                   and sent home with a virtual-token moe_layer1
                                                   call (unit weights and unit 1x1 experts).
   dW1[e]    = (w * dispatched dout)_e^T @ h_e.
 Dropped slots (id -1) have no row: they contribute nothing and get exactly zero weight gradient.
+Biases: db0[e] / db1[e] are column sums of dy0 / (w * dispatched dout) over the expert's rows, and
+dw[t,j] gains <dout[t], b1[e_j]>. Transposed weights need no copy in backward: the dx / dh calls
+read the forward's weight in the other layout (w0 [E, N0, H] is layer1's w1 read transposed).
+With max_rows, every backward call keeps the forward's bound (padded rows are not read).
+
+Every call backward makes takes only what the CUDA kernels accept (bf16/fp16 activations, fp32
+top-k weights, 16-byte rows): proven on the CPU with COMET_CPU_CUDA_RULES=1
+(tests/test_cuda_rules.py runs the autograd tests so).
 
 Weight gradients (Lancet): dW0/dW1 depend on nothing the backward communication produces after
 them, so they run concurrently with it. In eager mode on the CPU backend each dW GEMM is issued on
@@ -282,31 +291,102 @@ class _WeightGrad:
 # --------------------------------------------------------------------------------------------------
 # Virtual-token helpers: per-slot scalars over the same fused ops
 # --------------------------------------------------------------------------------------------------
+#
+# A per-slot scalar (a top-k weight, its gradient) travels as a "virtual token": a row of its own
+# through a moe_layer0 / moe_layer1 call with identity experts, so it comes out in exactly the
+# dispatch layout (or lands on its home slot). The row must be something the CUDA kernels take:
+# 8 elements (16 bytes, their vector width) of bfloat16. An fp32 scalar goes as three bf16 pieces
+# hi + mid + lo (each the bf16 rounding of what the previous ones left): 3 x 8 significant bits
+# hold fp32's 24, and bf16 has fp32's exponent range, so the sum of the pieces is the value
+# exactly. Identity experts move every piece unchanged (x * 1 summed with zeros in fp32, then
+# rounded to bf16, which it already is), and layer1's single unit-weighted slot per virtual token
+# is one exact partial. Exact for 0 and 2^-100 <= |v| <= 2^127 (tests/test_cuda_rules.py); a
+# value under ~2^-110 loses bits below bf16's subnormal step 2^-133. float64 scalars (CPU
+# gradient checks) travel as float64 rows instead.
+
+VT_WIDTH = 8
+VT_PIECES = 3
 
 
-def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg):
-    """values [T, k] on the source rank -> [M] on the destination, in the dispatch layout of
-    topk_ids (a moe_layer0 call with every (t, j) as its own token and 1x1 unit experts)."""
+def encode_scalars(values: torch.Tensor) -> torch.Tensor:
+    """[n] fp32/fp64 -> [n, VT_WIDTH] transport rows (bf16 pieces, or float64 as itself)."""
+    n = values.shape[0]
+    if values.dtype == torch.float64:
+        rows = values.new_zeros(n, VT_WIDTH)
+        rows[:, 0] = values
+        return rows
+    rows = values.new_zeros(n, VT_WIDTH, dtype=torch.bfloat16)
+    rest = values.float()
+    for i in range(VT_PIECES):
+        piece = rest.to(torch.bfloat16)
+        rows[:, i] = piece
+        rest = rest - piece.float()
+    return rows
+
+
+def decode_scalars(rows: torch.Tensor) -> torch.Tensor:
+    """[n, VT_WIDTH] transport rows -> [n] (float64 or float32), inverse of encode_scalars."""
+    if rows.dtype == torch.float64:
+        return rows[:, 0]
+    p = rows[:, :VT_PIECES].float()
+    return (p[:, 0] + p[:, 1]) + p[:, 2]
+
+
+def _identity_experts(experts_local, rows):
+    return torch.eye(VT_WIDTH, dtype=rows.dtype, device=rows.device).expand(
+        experts_local, VT_WIDTH, VT_WIDTH).contiguous()
+
+
+def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg, max_rows=-1):
+    """values [T, k] on the source rank -> [M] on the destination ([max_rows] with a bound), in
+    the dispatch layout of topk_ids (a moe_layer0 call with every (t, j) as its own token)."""
     T, k = topk_ids.shape
-    v = torch.where(topk_ids >= 0, values, torch.zeros_like(values)).reshape(T * k, 1).contiguous()
-    ones = torch.ones(experts_local, 1, 1, dtype=v.dtype, device=v.device)
-    rows = torch.ops.comet.moe_layer0(v, ones, topk_ids.reshape(T * k, 1), num_experts, buffer,
-                                      *cfg)[0]
-    return rows.reshape(-1)
+    v = torch.where(topk_ids >= 0, values, torch.zeros_like(values)).reshape(T * k)
+    enc = encode_scalars(v)
+    rows = torch.ops.comet.moe_layer0(enc, _identity_experts(experts_local, enc),
+                                      topk_ids.reshape(T * k, 1), num_experts, buffer, *cfg,
+                                      None, False, max_rows)[0]
+    return decode_scalars(rows)
 
 
-def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg):
-    """rows [M] in the dispatch layout of topk_ids -> [T, k] on each row's home rank (a moe_layer1
-    call over the virtual-token layout with unit weights); dropped slots get 0."""
+def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg, max_rows=-1):
+    """rows [M] ([max_rows]) in the dispatch layout of topk_ids -> [T, k] on each row's home rank
+    (a moe_layer1 call over the virtual-token layout with unit weights); dropped slots get 0."""
     T, k = topk_ids.shape
-    el = recv_counts.shape[1]
-    ones_w = torch.ones(el, 1, 1, dtype=rows.dtype, device=rows.device)
-    unit = torch.ones(T * k, 1, dtype=rows.dtype, device=rows.device)
-    out = torch.ops.comet.moe_layer1(rows.reshape(-1, 1).contiguous(), ones_w, unit,
+    enc = encode_scalars(rows)
+    unit = torch.ones(T * k, 1, dtype=torch.float32, device=rows.device)
+    out = torch.ops.comet.moe_layer1(enc, _identity_experts(recv_counts.shape[1], enc), unit,
                                      topk_ids.reshape(T * k, 1), send_pos.reshape(T * k, 1),
-                                     recv_counts, num_experts, buffer, *cfg)
-    out = out.reshape(T, k)
+                                     recv_counts, num_experts, buffer, *cfg, None, False,
+                                     max_rows)
+    out = decode_scalars(out).reshape(T, k)
     return torch.where(topk_ids >= 0, out, torch.zeros_like(out))
+
+
+def _expert_bias_grad(grad, recv_counts, out_dtype):
+    """Per local expert, the sum of grad's rows [M, P] of that expert: [E_local, P]."""
+    ones = grad.new_ones(grad.shape[0], 1)
+    return expert_weight_grad(grad, ones, recv_counts, out_dtype).squeeze(-1)
+
+
+def _row_experts(recv_counts, rows):
+    """Local expert of each of `rows` rows of the dispatch layout (rows past M: expert 0)."""
+    counts = recv_counts.sum(0).to(torch.int64)
+    el = torch.arange(counts.shape[0], device=recv_counts.device)
+    e = torch.repeat_interleave(el, counts)
+    return torch.cat([e, e.new_zeros(rows - e.shape[0])]) if rows > e.shape[0] else e
+
+
+def _needs(ctx, *positions):
+    """needs_input_grad at these input positions (a call that left the trailing optional
+    arguments out has fewer entries: those inputs need nothing)."""
+    n = ctx.needs_input_grad
+    return tuple(i < len(n) and bool(n[i]) for i in positions)
+
+
+def _grads(ctx, grads: dict):
+    """One gradient per input of the call (None where not given)."""
+    return tuple(grads.get(i) for i in range(len(ctx.needs_input_grad)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,11 +395,14 @@ def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, c
 
 
 def _layer0_setup_context(ctx, inputs, output):
-    x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n = inputs
+    (x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0, w0_transposed,
+     max_rows) = inputs
     _y0, a, recv_counts, send_pos, _rs, _rt, _rsl = output
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
+    ctx.w0_transposed, ctx.max_rows = bool(w0_transposed), int(max_rows)
     ctx.x_dtype = x.dtype
+    ctx.b0_dtype = None if b0 is None else b0.dtype
     ctx.wgrad_queue = _active_queue()
     ctx.save_for_backward(w0, topk_ids, a, recv_counts, send_pos)
 
@@ -327,8 +410,10 @@ def _layer0_setup_context(ctx, inputs, output):
 def _layer0_backward(ctx, dy0, da, *_int_grads):
     w0, topk_ids, a, recv_counts, send_pos = ctx.saved_tensors
     num_experts, buffer, cfg = ctx.cfg
-    need_x, need_w0 = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    el, n0, hidden = w0.shape
+    w0_t, max_rows = ctx.w0_transposed, ctx.max_rows
+    need_x, need_w0, need_b0 = _needs(ctx, 0, 1, 9)
+    el = w0.shape[0]
+    n0, hidden = (w0.shape[2], w0.shape[1]) if w0_t else (w0.shape[1], w0.shape[2])
     if dy0 is None:
         dy0 = a.new_zeros(a.shape[0], n0)
     dy0 = dy0.to(ctx.x_dtype).contiguous()
@@ -336,20 +421,27 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
     dw0 = None
     if need_w0:  # independent of the collective below: runs while it communicates
-        dw0 = _WeightGrad(ctx, w0, lambda: expert_weight_grad(dy0, a, recv_counts, w0.dtype),
+        # dW0 in w0's own layout: [E_local, N0, H] = dy0^T a, or [E_local, H, N0] = a^T dy0
+        ops = (a, dy0) if w0_t else (dy0, a)
+        dw0 = _WeightGrad(ctx, w0, lambda: expert_weight_grad(*ops, recv_counts, w0.dtype),
                           traced)
+    db0 = _expert_bias_grad(dy0, recv_counts, ctx.b0_dtype) if need_b0 else None
     dx = None
     if need_x:
         T, k = topk_ids.shape
         unit = torch.ones(T, k, dtype=torch.float32, device=dy0.device)
-        h, w = dy0, w0.transpose(1, 2)  # dx[t] = sum_j dy0[row] @ W0[e_j]
+        # dx[t] = sum_j dy0[row] @ W0[e_j]: moe_layer1 with w0 as its [E_local, H, N1=N0] weight,
+        # which is w0 itself read transposed (no copy) or, for w0_transposed, w0 as it is.
+        h, w, w_t = dy0, w0, not w0_t
         if da is not None:  # a = dispatched x: its gradient goes home with the same call
             eye = torch.eye(hidden, dtype=w0.dtype, device=w0.device).expand(el, hidden, hidden)
             h = torch.cat([dy0, da.to(dy0.dtype)], dim=1)
-            w = torch.cat([w, eye], dim=2)
+            w = torch.cat([w0 if w0_t else w0.transpose(1, 2), eye], dim=2)
+            w_t = False
         dx = torch.ops.comet.moe_layer1(h.contiguous(), w.contiguous(), unit, topk_ids, send_pos,
-                                        recv_counts, num_experts, buffer, *cfg)
-    return dx, None if dw0 is None else dw0.result(), None, None, None, None, None, None, None
+                                        recv_counts, num_experts, buffer, *cfg, None, w_t,
+                                        max_rows)
+    return _grads(ctx, {0: dx, 1: None if dw0 is None else dw0.result(), 9: db0})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,22 +451,24 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
 def _layer1_setup_context(ctx, inputs, output):
     (h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer, n_comm, n_gemm,
-     tile_m, tile_n) = inputs
+     tile_m, tile_n, b1, w1_transposed, max_rows) = inputs
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
+    ctx.w1_transposed, ctx.max_rows = bool(w1_transposed), int(max_rows)
     ctx.wgrad_queue = _active_queue()
-    ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts)
+    ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1)
 
 
 def _layer1_backward(ctx, dout):
-    h, w1, topk_weights, topk_ids, send_pos, recv_counts = ctx.saved_tensors
+    h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1 = ctx.saved_tensors
     num_experts, buffer, cfg = ctx.cfg
-    need_h, need_w1, need_w = ctx.needs_input_grad[:3]
-    nones = (None,) * 9
-    if not (need_h or need_w1 or need_w):
-        return (None, None, None) + nones
+    w1_t, max_rows = ctx.w1_transposed, ctx.max_rows
+    need_h, need_w1, need_w, need_b1 = _needs(ctx, 0, 1, 2, 12)
+    if not (need_h or need_w1 or need_w or need_b1):
+        return _grads(ctx, {})
     T = topk_ids.shape[0]
-    el, hidden, _n1 = w1.shape
+    el = w1.shape[0]
+    hidden = w1.shape[2] if w1_t else w1.shape[1]
     acc = _acc_dtype(h.dtype)
     sdt = torch.float64 if torch.float64 in (h.dtype, topk_weights.dtype) else torch.float32
     if dout is None:
@@ -382,24 +476,33 @@ def _layer1_backward(ctx, dout):
     dout = dout.to(h.dtype).contiguous()
     traced = _tracing(dout, h, w1)
 
-    # g[row] = dout[t] @ W1[e]; a_d = the dispatched dout rows.
-    g, a_d, *_ = torch.ops.comet.moe_layer0(dout, w1.transpose(1, 2).contiguous(), topk_ids,
-                                             num_experts, buffer, *cfg)
+    # g[row] = dout[t] @ W1[e]: moe_layer0 with w1 as its [E_local, N0=N1, H] weight (w1 read
+    # transposed, no copy; w1_transposed: as it is); a_d = the dispatched dout rows.
+    g, a_d, *_ = torch.ops.comet.moe_layer0(dout, w1, topk_ids, num_experts, buffer, *cfg, None,
+                                             not w1_t, max_rows)
     gf = g.to(acc)
-    dh = dw1 = dweights = None
-    if need_h or need_w1:
-        row_w = _slots_to_rows(topk_weights.to(sdt), topk_ids, el, num_experts, buffer, cfg)
+    dh = dw1 = dweights = db1 = None
+    if need_h or need_w1 or need_b1:
+        row_w = _slots_to_rows(topk_weights.to(sdt), topk_ids, el, num_experts, buffer, cfg,
+                               max_rows)
         row_w = row_w.to(acc).unsqueeze(1)
-        if need_w1:  # dW1[e] = (w * dout)_e^T @ h_e, while the weight gradients travel home
-            dw1 = _WeightGrad(ctx, w1, lambda: expert_weight_grad(a_d.to(acc) * row_w, h,
-                                                                  recv_counts, w1.dtype), traced)
+        wd = a_d.to(acc) * row_w  # the weighted dispatched dout: d(h @ W1^T + b1) per row
+        if need_w1:  # dW1 while the weight gradients travel home; in w1's own layout
+            ops = (h, wd) if w1_t else (wd, h)
+            dw1 = _WeightGrad(ctx, w1, lambda: expert_weight_grad(*ops, recv_counts, w1.dtype),
+                              traced)
+        if need_b1:
+            db1 = _expert_bias_grad(wd, recv_counts, b1.dtype)
         if need_h:
             dh = (gf * row_w).to(h.dtype)
     if need_w:
-        drow = (gf * h.to(acc)).sum(1).to(sdt)
-        dweights = _rows_to_slots(drow, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg)
+        drow = (gf * h.to(acc)).sum(1)
+        if b1 is not None:  # d out / d w[t, j] includes the bias: <dout[t], b1[e_j]>
+            drow = drow + (a_d.to(acc) * b1.to(acc)[_row_experts(recv_counts, a_d.shape[0])]).sum(1)
+        dweights = _rows_to_slots(drow.to(sdt), topk_ids, send_pos, recv_counts, num_experts,
+                                  buffer, cfg, max_rows)
         dweights = dweights.to(topk_weights.dtype)
-    return (dh, None if dw1 is None else dw1.result(), dweights) + nones
+    return _grads(ctx, {0: dh, 1: None if dw1 is None else dw1.result(), 2: dweights, 12: db1})
 
 
 torch.library.register_autograd("comet::moe_layer0", _layer0_backward,

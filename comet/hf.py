@@ -12,22 +12,19 @@ activation -> ``comet.moe_layer1`` (second GEMM + weighted top-k reduce + combin
     # or: model = MixtralForCausalLM(MixtralConfig(..., experts_implementation="comet"))
     # or, on a built model: model.set_experts_implementation("comet")
 
-Weights are read from the module's own parameters on every forward (checkpoints, optimisers and
-``state_dict`` are unchanged) and brought into comet's layouts as differentiable views, so the
-gradients land on the model's parameters:
+Weights are the module's own parameters, passed to the ops as they are (checkpoints, optimisers and
+``state_dict`` are unchanged; no copy, and the gradients land on the parameters):
 
-* w0 [E, N0, H]: ``gate_up_proj`` (``up_proj`` for experts without a gate); models that store it
-  transposed (``is_transposed``, e.g. GPT-OSS: [E, H, N0]) are transposed (a copy per forward).
+* w0: ``gate_up_proj`` (``up_proj`` for experts without a gate), [E, N0, H]; models that store it
+  transposed (``is_transposed``, e.g. GPT-OSS: [E, H, N0]) pass ``w0_transposed=True`` (read
+  through strides on the CPU backend; the CUDA backend copies it into its layout per call).
   The N0 columns keep the model's order, concatenated [gate; up] or interleaved [g0, u0, g1, ...]
   (GPT-OSS), because the activation applied to layer0's rows is the module's own ``_apply_gate``
   (``act_fn`` without a gate): GPT-OSS's clamped, alpha-scaled SwiGLU with the +1 on up included.
-* w1 [E, H, N1]: ``down_proj`` ([E, N1, H] transposed for ``is_transposed`` models).
-* Biases (``has_bias``, e.g. GPT-OSS): comet's GEMMs have no bias argument, so they are emulated
-  exactly: x gets a column of ones and w0 the column ``gate_up_proj_bias`` (y0 = [x, 1] [W0, b0]^T
-  = x W0^T + b0), and likewise the activated rows get a ones column and w1 the column
-  ``down_proj_bias``, so b1 is added per row on the expert's own rank before the weighted top-k
-  reduce, exactly as ``out = sum_j w_j (h_j W1^T + b1[e_j])``. The bias gradients are those of the
-  extra columns. Cost: one extra column in each GEMM and a copy of x and of the activated rows.
+* w1: ``down_proj`` [E, H, N1] ([E, N1, H] with ``w1_transposed`` for ``is_transposed`` models).
+* Biases (``has_bias``, e.g. GPT-OSS): the ops' b0 = ``gate_up_proj_bias`` / ``up_proj_bias``
+  and b1 = ``down_proj_bias``, added in the GEMMs' epilogue; b1 is part of each slot's result, so
+  ``out = sum_j w_j (h_j W1^T + b1[e_j])`` as in the eager module.
 
 Expert parallelism: ``shard_experts(model, group)`` keeps on each rank r of a W-rank
 torch.distributed group experts [r*E/W, (r+1)*E/W) (every experts parameter is sliced) and makes
@@ -85,29 +82,22 @@ def _num_experts(module) -> int:
 
 
 def comet_weights(module: nn.Module):
-    """(w0 [E_local, N0(+1), H(+1)], w1 [E_local, H, N1(+1)], has_bias) in comet's layouts from a
-    transformers experts module: differentiable views (a transpose copies), so gradients reach the
-    module's parameters. With biases, w0 and w1 carry them as an extra last column (see the module
-    docstring); the caller appends the matching ones columns to x and to the activated rows."""
+    """The ops' weight arguments of a transformers experts module: a dict with w0, w1, b0, b1 (the
+    module's parameters themselves, None for absent biases) and w0_transposed / w1_transposed."""
     if module.has_gate:
         w0, b0 = module.gate_up_proj, getattr(module, "gate_up_proj_bias", None)
     else:
         w0, b0 = module.up_proj, getattr(module, "up_proj_bias", None)
     w1, b1 = module.down_proj, getattr(module, "down_proj_bias", None)
-    if module.is_transposed:  # stored [E, in, out]: comet wants [E, out, in]
-        w0, w1 = w0.transpose(1, 2), w1.transpose(1, 2)
-    has_bias = bool(module.has_bias)
-    if has_bias:
+    if module.has_bias:
         if b0 is None or b1 is None:
             raise ValueError(f"comet.hf: {type(module).__name__} has has_bias=True but no "
                              "gate_up_proj_bias/up_proj_bias and down_proj_bias parameters")
-        w0 = torch.cat([w0, b0.to(w0.dtype).unsqueeze(-1)], dim=2)
-        w1 = torch.cat([w1, b1.to(w1.dtype).unsqueeze(-1)], dim=2)
-    return w0.contiguous(), w1.contiguous(), has_bias
-
-
-def _ones_column(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t, t.new_ones(t.shape[0], 1)], dim=1)
+    else:
+        b0 = b1 = None
+    t = bool(module.is_transposed)  # stored [E, in, out]: the ops read it as it is
+    return dict(w0=w0.contiguous(), w1=w1.contiguous(), b0=b0, b1=b1, w0_transposed=t,
+                w1_transposed=t)
 
 
 _local = {}
@@ -151,22 +141,20 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         raise ValueError(f"comet.hf: expected hidden_states [T, H] and top_k_index / top_k_weights "
                          f"[T, k], got {tuple(hidden_states.shape)}, {tuple(top_k_index.shape)}, "
                          f"{tuple(top_k_weights.shape)}")
-    w0, w1, has_bias = comet_weights(self)
+    w = comet_weights(self)
     num_experts = _num_experts(self)
-    x = hidden_states.to(w0.dtype)
-    if has_bias:
-        x = _ones_column(x)
-    x = x.contiguous()
+    x = hidden_states.to(w["w0"].dtype).contiguous()
+    b0, b1 = (None if b is None else b.to(x.dtype) for b in (w["b0"], w["b1"]))
     weights = top_k_weights
-    if weights.dtype not in (torch.float32, w1.dtype):
+    if weights.dtype not in (torch.float32, x.dtype):
         weights = weights.float()  # comet takes fp32 or the activations' dtype
     kw = _call_args(self, x)
-    y0, layout = comet.moe_layer0(x, w0, top_k_index, num_experts=num_experts, **kw)
+    y0, layout = comet.moe_layer0(x, w["w0"], top_k_index, num_experts=num_experts, b0=b0,
+                                  w0_transposed=w["w0_transposed"], **kw)
     # The module's own activation on the dispatched rows (same column order as its weights).
     h = self._apply_gate(y0) if self.has_gate else self.act_fn(y0)
-    if has_bias:
-        h = _ones_column(h)
-    out = comet.moe_layer1(h.contiguous(), w1, weights.contiguous(), layout, **kw)
+    out = comet.moe_layer1(h.contiguous(), w["w1"], weights.contiguous(), layout, b1=b1,
+                           w1_transposed=w["w1_transposed"], **kw)
     return out.to(hidden_states.dtype)
 
 

@@ -79,22 +79,25 @@ def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
 
 
 def expert_weights(experts, num_local_experts: int, hidden_size: int):
-    """(w0 [E_local, N0, H], w1 [E_local, H, N1]) in comet's layout from Megatron's expert module:
-    differentiable views/stacks of its parameters (gradients land on them)."""
+    """(w0, w1, transposed) from Megatron's expert module: differentiable views/stacks of its
+    parameters (gradients land on them), w0 [E_local, N0, H] and w1 [E_local, H, N1], or with
+    transposed=True w0 [E_local, H, N0] and w1 [E_local, N1, H] (GroupedMLP's own storage, read
+    by the ops as it is: no copy)."""
     el = num_local_experts
     if hasattr(experts, "local_experts"):  # SequentialMLP
         w0 = torch.stack([e.linear_fc1.weight for e in experts.local_experts])
         w1 = torch.stack([e.linear_fc2.weight for e in experts.local_experts])
     elif hasattr(experts, "weight1") and hasattr(experts, "weight2"):  # GroupedMLP (grouped_gemm)
-        w0 = experts.weight1.view(el, hidden_size, -1).transpose(1, 2)
-        w1 = experts.weight2.view(el, -1, hidden_size).transpose(1, 2)
+        # weight1 [H, E_local * N0] and weight2 [E_local * N1, H]: views, no copy
+        return (experts.weight1.view(el, hidden_size, -1),
+                experts.weight2.view(el, -1, hidden_size), True)
     elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):  # TEGroupedMLP
         w0 = torch.stack([getattr(experts.linear_fc1, f"weight{i}") for i in range(el)])
         w1 = torch.stack([getattr(experts.linear_fc2, f"weight{i}") for i in range(el)])
     else:
         raise TypeError(f"comet.megatron: unsupported expert module {type(experts).__name__} "
                         "(expected SequentialMLP, GroupedMLP or TEGroupedMLP)")
-    return w0.contiguous(), w1.contiguous()
+    return w0.contiguous(), w1.contiguous(), False
 
 
 class CometMoELayer(MoELayer):
@@ -150,8 +153,8 @@ class CometMoELayer(MoELayer):
         return cag.defer_weight_grads(self.wgrad_queue)
 
     def _expert_weights(self, dtype):
-        w0, w1 = expert_weights(self.experts, self.num_local_experts, self.config.hidden_size)
-        return w0.to(dtype), w1.to(dtype)
+        w0, w1, t = expert_weights(self.experts, self.num_local_experts, self.config.hidden_size)
+        return w0.to(dtype).contiguous(), w1.to(dtype).contiguous(), t
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -196,10 +199,11 @@ class CometMoELayer(MoELayer):
     def dispatch(self, hidden_states, probs):
         """Dispatch fused with the first expert GEMM (comet.moe_layer0)."""
         topk_ids, topk_weights = probs
-        w0, _ = self._expert_weights(hidden_states.dtype)
+        w0, _, transposed = self._expert_weights(hidden_states.dtype)
         with self._defer():
             y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
                                           num_experts=self.config.num_moe_experts,
+                                          w0_transposed=transposed,
                                           group=self.ep_group, buffer=self.comet_buffer,
                                           **self.comet_launch)
         return y0, (layout, topk_weights)
@@ -216,11 +220,12 @@ class CometMoELayer(MoELayer):
         """Second expert GEMM fused with the weighted top-k reduce and the combine
         (comet.moe_layer1); the result is already on each token's home rank."""
         h, layout, topk_weights = output
-        _, w1 = self._expert_weights(h.dtype)
+        _, w1, transposed = self._expert_weights(h.dtype)
         if topk_weights.dtype not in (torch.float32, h.dtype):
             topk_weights = topk_weights.float()
         with self._defer():
-            return comet.moe_layer1(h, w1, topk_weights, layout, group=self.ep_group,
+            return comet.moe_layer1(h, w1, topk_weights, layout, w1_transposed=transposed,
+                                    group=self.ep_group,
                                     buffer=self.comet_buffer, **self.comet_launch)
 
     def postprocess(self, output, shared_expert_output):

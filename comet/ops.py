@@ -26,7 +26,10 @@ class Layout:
     recv_counts [W, E_local] int32: rows from source rank s for local expert el.
     send_pos    [T, k] int32: position of this rank's slot (t, j) inside its expert's bucket at the
                 destination (-1 for dropped slots).
-    row_source, row_token, row_slot [M] int32: each row's (source rank, token, slot).
+    row_source, row_token, row_slot [M] int32: each row's (source rank, token, slot); [max_rows]
+                when the call had a bound (rows >= M: -1 on the CPU backend).
+    max_rows    the bound moe_layer0 was called with (-1: none); moe_layer1 passes it on, so h
+                has max_rows rows too.
     """
 
     num_experts: int
@@ -37,6 +40,7 @@ class Layout:
     row_source: torch.Tensor
     row_token: torch.Tensor
     row_slot: torch.Tensor
+    max_rows: int = -1
 
     @property
     def world(self) -> int:
@@ -44,6 +48,7 @@ class Layout:
 
     @property
     def num_rows(self) -> int:
+        """Rows of the row-indexed tensors (max_rows when the call had a bound, else M)."""
         return self.row_source.shape[0]
 
     @property
@@ -59,12 +64,14 @@ class Layout:
 
 
 @torch.library.register_fake("comet::moe_layer0")
-def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n):
+def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
+                 w0_transposed=False, max_rows=-1):
     world = symm.world_of_handle(buffer)
-    rows = torch.library.get_ctx().new_dynamic_size()
+    # With a bound the shapes are static; without one M is data-dependent.
+    rows = max_rows if max_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
-        x.new_empty(rows, w0.shape[1]),
+        x.new_empty(rows, w0.shape[2 if w0_transposed else 1]),
         x.new_empty(rows, x.shape[1]),
         torch.empty(world, num_experts // world, **i32),
         torch.empty(topk_ids.shape, **i32),
@@ -76,8 +83,8 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
 
 @torch.library.register_fake("comet::moe_layer1")
 def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer,
-                 n_comm, n_gemm, tile_m, tile_n):
-    return h.new_empty(topk_ids.shape[0], w1.shape[1])
+                 n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1):
+    return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1])
 
 
 # -- Launch configuration: the tuner's choice unless the caller says otherwise ---------------------
@@ -201,12 +208,14 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 
 
 def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
-                  layer: int, world: int, num_experts: int, x, w, topk_ids):
+                  layer: int, world: int, num_experts: int, x, w, topk_ids,
+                  w_transposed: bool = False):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
 
-    layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1];
-    topk_ids [T, k]. Malformed inputs get a fallback config (the op's checks report them).
+    layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1]
+    (w_transposed: the last two dimensions swapped); topk_ids [T, k]. Malformed inputs get a
+    fallback config (the op's checks report them).
     """
     if n_comm is not None and tile is not None:
         return launch_choice(device.type, device.index, layer, world, 0, 0, 0, 0, 0, "",
@@ -217,8 +226,9 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
         tokens = _tuning_tokens
     # Under torch.compile with dynamic shapes this specialises on H, N and k (fixed per model),
     # while the token count only guards on its bucket.
-    hidden, n = ((x.shape[1], w.shape[1]) if layer == 0 else (w.shape[1], w.shape[2])) \
-        if shaped else (0, 0)
+    out_dim, in_dim = (2, 1) if w_transposed else (1, 2)
+    hidden, n = ((x.shape[1], w.shape[out_dim]) if layer == 0 else
+                 (w.shape[out_dim], w.shape[in_dim])) if shaped else (0, 0)
     return launch_choice(device.type, device.index, layer, int(world), int(num_experts),
                          _static_int(topk_ids.shape[1]) if shaped else 0, _static_int(hidden),
                          _static_int(n), _token_bucket(tokens),
@@ -252,38 +262,50 @@ def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) ->
     return first
 
 
-def moe_layer0(x, w0, topk_ids, *, num_experts: int, group=None, n_comm: int | None = None,
+def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: bool = False,
+               max_rows: int | None = None, group=None, n_comm: int | None = None,
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
-    x [T, H], w0 [E_local, N0, H], topk_ids [T, k] (int32/int64, -1 = dropped slot).
+    x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
+    topk_ids [T, k] (int32/int64, -1 = dropped slot), b0 [E_local, N0] an optional expert bias.
+    max_rows: an upper bound on the rows any rank of the group receives (the same on every rank):
+    the row-indexed outputs then have max_rows rows (static shapes, no host synchronisation on
+    CUDA, CUDA-graph capturable); a call exceeding it raises on every rank.
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
     buf = _buffer_for(buffer, group, x)
-    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids})
+    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
     cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
-                        x=x, w=w0, topk_ids=topk_ids)
+                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed)
+    bound = -1 if max_rows is None else int(max_rows)
     y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
-        x, w0, topk_ids, int(num_experts), buf.handle, *cfg)
-    return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl)
+        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound)
+    return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl,
+                      bound)
 
 
-def moe_layer1(h, w1, topk_weights, layout: Layout, *, group=None, n_comm: int | None = None,
-               tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None):
+def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
+               group=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
+               buffer: symm.Buffer | None = None):
     """Second expert GEMM fused with the weighted top-k reduce and the combine back home.
 
-    h [M, N1] in `layout`'s dispatch layout, w1 [E_local, H, N1], topk_weights [T, k] (float32 or
-    h's dtype). Returns out [T, H] on every rank for its own tokens.
+    h [M, N1] in `layout`'s dispatch layout ([max_rows, N1] when layer0 had a bound), w1
+    [E_local, H, N1] (or [E_local, N1, H] with w1_transposed=True), topk_weights [T, k] (float32
+    or h's dtype), b1 [E_local, H] an optional expert bias (weighted per slot like the rest).
+    Returns out [T, H] on every rank for its own tokens.
     """
     buf = _buffer_for(buffer, group, h)
     if buf.handle != layout.buffer:
         buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
     device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
-                                   "topk_ids": layout.topk_ids})
+                                   "topk_ids": layout.topk_ids, "b1": b1})
     cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
-                        num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids)
+                        num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
+                        w_transposed=w1_transposed)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
-                                      layout.recv_counts, layout.num_experts, buf.handle, *cfg)
+                                      layout.recv_counts, layout.num_experts, buf.handle, *cfg,
+                                      b1, bool(w1_transposed), int(layout.max_rows))
 
 
 # Backward formulas of both ops (torch.library.register_autograd), so the ops and these wrappers

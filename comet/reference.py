@@ -279,8 +279,10 @@ def _send_order(topk_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, tor
     return pos // max(k, 1), pos % max(k, 1), experts[order]
 
 
-def _expert_gemm(a: torch.Tensor, row_experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``out[i] = a[i] @ w[row_experts[i]]^T`` in fp32 (returns fp32 ``[M, w.shape[1]]``).
+def _expert_gemm(a: torch.Tensor, row_experts: torch.Tensor, w: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[i] = a[i] @ w[row_experts[i]]^T (+ bias[row_experts[i]])`` in fp32 (returns fp32
+    ``[M, w.shape[1]]``); the bias is added to the fp32 product, before any rounding.
 
     Rows of one expert are contiguous in the dispatch layout; one fp32 matmul per local expert.
     """
@@ -291,7 +293,15 @@ def _expert_gemm(a: torch.Tensor, row_experts: torch.Tensor, w: torch.Tensor) ->
         idx = (row_experts == le).nonzero().reshape(-1)
         if idx.numel() > 0:
             out[idx] = af[idx] @ w[le].to(acc).t()
+            if bias is not None:
+                out[idx] = out[idx] + bias[le].to(acc)
     return out
+
+
+def _check_bias(name: str, b: Optional[torch.Tensor], e_local: int, n: int, rank: int) -> None:
+    if b is not None and tuple(b.shape) != (e_local, n):
+        raise ValueError(f"rank {rank}: {name} must be [E_local={e_local}, {n}], "
+                         f"got {tuple(b.shape)}")
 
 
 def _combine(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -349,11 +359,13 @@ def layer0_sim(
     w0s: Sequence[torch.Tensor],
     topk_ids_list: Sequence[torch.Tensor],
     num_experts: int,
+    b0s: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> List[torch.Tensor]:
     """Dispatch + first expert GEMM on a simulated world.
 
     ``xs[r] [T_r, H]``, ``w0s[r] [E_local, N0, H]`` (rank r's local experts), ``topk_ids_list[r]
-    [T_r, k]``.  Returns ``y0s[d] [M_d, N0]`` in dispatch layout, dtype of ``xs[d]``.
+    [T_r, k]``, optional ``b0s[r] [E_local, N0]`` expert biases (added in fp32 before rounding).
+    Returns ``y0s[d] [M_d, N0]`` in dispatch layout, dtype of ``xs[d]``.
     """
     world = len(topk_ids_list)
     e_local = check_world(num_experts, world)
@@ -380,7 +392,9 @@ def layer0_sim(
         for s in range(world):
             sel = (src == s).nonzero().reshape(-1)
             a[sel] = xs[s][tok[sel]]
-        outs.append(_expert_gemm(a, lexp, w0s[d]).to(xs[d].dtype))
+        b0 = None if b0s is None else b0s[d]
+        _check_bias("b0", b0, e_local, w0s[d].shape[1], d)
+        outs.append(_expert_gemm(a, lexp, w0s[d], b0).to(xs[d].dtype))
     return outs
 
 
@@ -390,11 +404,13 @@ def layer1_sim(
     topk_weights_list: Sequence[torch.Tensor],
     topk_ids_list: Sequence[torch.Tensor],
     num_experts: int,
+    b1s: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> List[torch.Tensor]:
     """Second expert GEMM + weighted top-k reduce + combine on a simulated world.
 
     ``hs[d] [M_d, N1]`` in dispatch layout, ``w1s[d] [E_local, H, N1]``,
-    ``topk_weights_list[s]`` / ``topk_ids_list[s]`` ``[T_s, k]``.
+    ``topk_weights_list[s]`` / ``topk_ids_list[s]`` ``[T_s, k]``, optional ``b1s[d] [E_local, H]``
+    expert biases (part of each slot's result, so weighted like it).
     Returns ``outs[s] [T_s, H]`` in the dtype of ``hs`` (all ``hs`` must share one dtype).
     """
     world = len(topk_ids_list)
@@ -424,7 +440,9 @@ def layer1_sim(
             raise ValueError(
                 f"rank {d}: h must be [M_d={src.numel()}, N1={w1s[d].shape[2]}], got {tuple(h.shape)}"
             )
-        partial_rows.append(_expert_gemm(h, lexp, w1s[d]))
+        b1 = None if b1s is None else b1s[d]
+        _check_bias("b1", b1, e_local, H, d)
+        partial_rows.append(_expert_gemm(h, lexp, w1s[d], b1))
 
     # Each row's fp32 result goes back to its (source, token, slot); sources reduce over slots.
     outs = []

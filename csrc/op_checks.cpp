@@ -1,9 +1,15 @@
 #include "op_checks.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
 namespace comet {
+
+bool cpu_cuda_rules() {
+  const char* v = std::getenv("COMET_CPU_CUDA_RULES");
+  return v && *v && std::strcmp(v, "0") != 0;
+}
 
 std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
 
@@ -37,11 +43,12 @@ bool Checker::tensor(const at::Tensor& t, const char* name, int64_t dim) {
 bool Checker::float_dtype(const at::Tensor& t, const char* name) {
   if (failed()) return false;
   const auto d = t.scalar_type();
-  if (device_.is_cuda())
+  if (cuda_rules_)
     return type(d == at::kBFloat16 || d == at::kHalf,
                 std::string(name) + " has dtype " + dtype_name(d) +
                     "; the CUDA kernels support bfloat16 and float16 (float32 and float64 run "
-                    "on the CPU backend)");
+                    "on the CPU backend)" +
+                    (device_.is_cuda() ? "" : " [COMET_CPU_CUDA_RULES is set]"));
   return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || d == at::kDouble,
               std::string(name) + " has dtype " + dtype_name(d) +
                   "; supported: float32, bfloat16, float16, float64");
@@ -76,6 +83,22 @@ bool Checker::experts(int64_t num_experts, int64_t world, int64_t experts_local,
                    std::to_string(num_experts / world));
 }
 
+bool Checker::bias(const std::optional<at::Tensor>& b, const char* name, int64_t experts_local,
+                   int64_t n, const at::Tensor& like, const char* like_name) {
+  if (failed() || !b.has_value() || !b->defined()) return !failed();
+  return tensor(*b, name, 2) && same_dtype(*b, name, like, like_name) &&
+         value(b->size(0) == experts_local && b->size(1) == n,
+               std::string(name) + " must be [E_local, " + std::to_string(n) + "] = [" +
+                   std::to_string(experts_local) + ", " + std::to_string(n) + "], got shape " +
+                   shape_str(*b));
+}
+
+bool Checker::max_rows(int64_t max_rows) {
+  if (failed()) return false;
+  return value(max_rows >= -1, "max_rows must be >= 0 (an upper bound on the dispatched rows) or "
+                               "-1 (no bound), got " + std::to_string(max_rows));
+}
+
 bool Checker::routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts) {
   if (failed()) return false;
   if (!(int_dtype(ids, "topk_ids", true) &&
@@ -107,23 +130,45 @@ bool Checker::launch(const LaunchShape& l) {
 }
 
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {
+  const char* w0_form = in.w0_transposed ? "[E_local, H, N0] (w0_transposed)" : "[E_local, N0, H]";
   return c.tensor(in.x, "x", 2) && c.float_dtype(in.x, "x") && c.tensor(in.w0, "w0", 3) &&
          c.same_dtype(in.w0, "w0", in.x, "x") &&
-         c.value(in.w0.size(2) == in.x.size(1),
-                 "w0 must be [E_local, N0, H] with H = " + std::to_string(in.x.size(1)) +
-                     " (x's columns), got shape " + shape_str(in.w0)) &&
+         c.value(w0_in(in.w0, in.w0_transposed) == in.x.size(1),
+                 std::string("w0 must be ") + w0_form + " with H = " +
+                     std::to_string(in.x.size(1)) + " (x's columns), got shape " +
+                     shape_str(in.w0)) &&
          c.experts(in.num_experts, world, in.w0.size(0), "w0") &&
+         c.bias(in.b0, "b0", in.w0.size(0), w0_out(in.w0, in.w0_transposed), in.x, "x") &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
-         c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.launch(launch);
+         c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.max_rows(in.max_rows) &&
+         c.launch(launch);
 }
 
+namespace {
+// The layout's row count M against h: equal, or at most max_rows when h is padded to it.
+bool rows_match(Checker& c, const Layer1Inputs& in) {
+  const int64_t m = in.recv_counts.sum().item<int64_t>();
+  if (in.max_rows >= 0)
+    return c.value(m <= in.max_rows, "the layout dispatches " + std::to_string(m) +
+                                         " rows to this rank, more than max_rows = " +
+                                         std::to_string(in.max_rows));
+  return c.value(m == in.h.size(0), "h has " + std::to_string(in.h.size(0)) +
+                                        " rows but the layout dispatches " + std::to_string(m) +
+                                        ": pass the layout moe_layer0 returned with this h");
+}
+}  // namespace
+
 bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const LaunchShape& launch) {
+  const char* w1_form = in.w1_transposed ? "[E_local, N1, H] (w1_transposed)" : "[E_local, H, N1]";
   return c.tensor(in.h, "h", 2) && c.float_dtype(in.h, "h") && c.tensor(in.w1, "w1", 3) &&
          c.same_dtype(in.w1, "w1", in.h, "h") &&
-         c.value(in.w1.size(2) == in.h.size(1),
-                 "w1 must be [E_local, H, N1] with N1 = " + std::to_string(in.h.size(1)) +
-                     " (h's columns), got shape " + shape_str(in.w1)) &&
+         c.value(w1_in(in.w1, in.w1_transposed) == in.h.size(1),
+                 std::string("w1 must be ") + w1_form + " with N1 = " +
+                     std::to_string(in.h.size(1)) + " (h's columns), got shape " +
+                     shape_str(in.w1)) &&
          c.experts(in.num_experts, world, in.w1.size(0), "w1") &&
+         c.bias(in.b1, "b1", in.w1.size(0), w1_out(in.w1, in.w1_transposed), in.h, "h") &&
+         c.max_rows(in.max_rows) &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.topk_ids.size(0), in.num_experts) &&
          c.tensor(in.topk_weights, "topk_weights", 2) &&
@@ -144,11 +189,12 @@ bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const Launc
          c.value(in.recv_counts.size(0) == world && in.recv_counts.size(1) == in.w1.size(0),
                  "layout.recv_counts has shape " + shape_str(in.recv_counts) + ", expected [" +
                      std::to_string(world) + ", " + std::to_string(in.w1.size(0)) + "]") &&
-         (!c.reads_values() ||
-          c.value(in.recv_counts.sum().item<int64_t>() == in.h.size(0),
-                  "h has " + std::to_string(in.h.size(0)) + " rows but the layout dispatches " +
-                      std::to_string(in.recv_counts.sum().item<int64_t>()) +
-                      ": pass the layout moe_layer0 returned with this h")) &&
+         (in.max_rows < 0 ||
+          c.value(in.h.size(0) == in.max_rows,
+                  "h has " + std::to_string(in.h.size(0)) + " rows but max_rows is " +
+                      std::to_string(in.max_rows) +
+                      ": with max_rows, h has max_rows rows (as layer0's y0)")) &&
+         (!c.reads_values() || rows_match(c, in)) &&
          c.launch(launch);
 }
 

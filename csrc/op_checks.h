@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 
 #include "comet/config.h"
@@ -23,6 +24,9 @@ struct Layer0Inputs {
   const at::Tensor& w0;
   const at::Tensor& topk_ids;
   int64_t num_experts;
+  const std::optional<at::Tensor>& b0;
+  bool w0_transposed;  // w0 is [E_local, H, N0]
+  int64_t max_rows;    // -1: no bound
 };
 
 struct Layer1Inputs {
@@ -33,7 +37,21 @@ struct Layer1Inputs {
   const at::Tensor& send_pos;
   const at::Tensor& recv_counts;
   int64_t num_experts;
+  const std::optional<at::Tensor>& b1;
+  bool w1_transposed;  // w1 is [E_local, N1, H]
+  int64_t max_rows;    // -1: no bound; else h has max_rows rows
 };
+
+// Column counts of the weights whatever their layout: (N0, H) of w0, (H, N1) of w1.
+inline int64_t w0_out(const at::Tensor& w0, bool t) { return w0.size(t ? 2 : 1); }
+inline int64_t w0_in(const at::Tensor& w0, bool t) { return w0.size(t ? 1 : 2); }
+inline int64_t w1_out(const at::Tensor& w1, bool t) { return w1.size(t ? 2 : 1); }
+inline int64_t w1_in(const at::Tensor& w1, bool t) { return w1.size(t ? 1 : 2); }
+
+// The CPU backend applying the CUDA kernels' rules ($COMET_CPU_CUDA_RULES=1): it then rejects
+// the dtypes the CUDA op rejects, so that code meant for GPUs (autograd's backward calls, the
+// wrappers) is proven on the CPU never to hand the CUDA kernels a dtype they refuse.
+bool cpu_cuda_rules();
 
 struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
@@ -46,7 +64,8 @@ struct LaunchShape {
 class Checker {
  public:
   Checker(const char* op, at::Device device, bool read_values)
-      : op_(op), device_(device), read_values_(read_values) {}
+      : op_(op), device_(device), read_values_(read_values),
+        cuda_rules_(device.is_cuda() || cpu_cuda_rules()) {}
   const CheckResult& result() const { return result_; }
   bool failed() const { return !result_.ok(); }
   bool reads_values() const { return read_values_; }
@@ -58,6 +77,10 @@ class Checker {
   bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
   bool int_dtype(const at::Tensor& t, const char* name, bool allow64);
   bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname);
+  // An optional bias [E_local, n] beside its GEMM's operand `like` (device, dtype, contiguity).
+  bool bias(const std::optional<at::Tensor>& b, const char* name, int64_t experts_local, int64_t n,
+            const at::Tensor& like, const char* like_name);
+  bool max_rows(int64_t max_rows);
   bool routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts);
   bool launch(const LaunchShape& l);
 
@@ -67,6 +90,7 @@ class Checker {
   const char* op_;
   at::Device device_;
   bool read_values_;
+  bool cuda_rules_;
 };
 
 // The checks of each op, in order; backends add their own (launch limits) after them.

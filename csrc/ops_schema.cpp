@@ -6,15 +6,26 @@
 //
 // `buffer` is the handle of the comet.Buffer (symmetric memory + group) the call communicates
 // through. n_gemm = 0 means "every block not used for communication" (all SMs on a GPU).
+//
+// Optional, last so that older callers keep working:
+//   b0 [E_local, N0] / b1 [E_local, H]: expert biases added to the GEMM result in fp32 before it
+//     is rounded (layer0) or weighted by the slot's top-k weight (layer1);
+//   w0_transposed / w1_transposed: the weights come as [E_local, H, N0] / [E_local, N1, H]
+//     (GPT-OSS's layout, or another op's weight read without a copy, as backward does);
+//   max_rows >= 0: an upper bound on this call's dispatched rows M on every rank of the group.
+//     The row-indexed outputs of layer0 (y0, a, row_*) then have max_rows rows (rows >= M: zero on
+//     the CPU backend, unspecified on CUDA) and layer1 takes h with max_rows rows, so shapes are
+//     static (CUDA-graph capture, torch.compile without data-dependent sizes). -1: no bound.
 #include <torch/library.h>
 
 TORCH_LIBRARY(comet, m) {
   m.def(
       "moe_layer0(Tensor x, Tensor w0, Tensor topk_ids, int num_experts, int buffer, int n_comm, "
-      "int n_gemm, int tile_m, int tile_n) -> (Tensor y0, Tensor a, Tensor recv_counts, "
+      "int n_gemm, int tile_m, int tile_n, Tensor? b0=None, bool w0_transposed=False, "
+      "int max_rows=-1) -> (Tensor y0, Tensor a, Tensor recv_counts, "
       "Tensor send_pos, Tensor row_source, Tensor row_token, Tensor row_slot)");
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "
       "Tensor recv_counts, int num_experts, int buffer, int n_comm, int n_gemm, int tile_m, "
-      "int tile_n) -> Tensor");
+      "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1) -> Tensor");
 }

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-       torch.float16: dict(atol=1e-2, rtol=1e-2)}
+       torch.float16: dict(atol=1e-2, rtol=1e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,16 @@ def make_inputs(case: Case, dtype=torch.float32):
     w0s = [(torch.randn(el, case.n0, H, generator=g) / H ** 0.5).to(dtype) for _ in range(W)]
     w1s = [(torch.randn(el, H, case.n1, generator=g) / case.n1 ** 0.5).to(dtype) for _ in range(W)]
     return xs, w0s, w1s, ids, wts
+
+
+def make_biases(case: Case, dtype=torch.float32):
+    """Per-rank expert biases b0s [E_local, N0], b1s [E_local, H] (deterministic, like
+    make_inputs)."""
+    g = torch.Generator().manual_seed(500 + case.seed)
+    el = case.experts // case.world
+    b0s = [torch.randn(el, case.n0, generator=g).to(dtype) for _ in range(case.world)]
+    b1s = [torch.randn(el, case.hidden, generator=g).to(dtype) for _ in range(case.world)]
+    return b0s, b1s
 
 
 def h_from_y0(y0: torch.Tensor, n1: int) -> torch.Tensor:

@@ -207,19 +207,20 @@ def comet_grads(case, inputs, vs, buffers=None, **launch):
     return run_threads(case.world, rank, buffers=buffers)
 
 
-GRAD_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+GRAD_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+            torch.float16: dict(atol=1e-2, rtol=1e-2), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 NAMES = ("dx", "dw0", "dw1", "dtopk_weights")
 
 
 def check_rank(case, dtype, got, expect_out, expect, ids):
-    """One rank's output and gradients against the reference's (bf16: relative to the largest
+    """One rank's output and gradients against the reference's (bf16/fp16: relative to the largest
     reference entry, the gradients being sums of many rounded terms)."""
     out, grads = got
     torch.testing.assert_close(out, expect_out.detach(), **TOL[dtype])
     for name, g, e in zip(NAMES, grads, expect):
         assert g is not None and g.dtype == e.dtype and g.shape == e.shape, (case, name)
         scale = 1.0
-        if dtype == torch.bfloat16 and e.numel():
+        if dtype in (torch.bfloat16, torch.float16) and e.numel():
             scale = max(1.0, float(e.float().abs().max()))
         torch.testing.assert_close(g.float() / scale, e.float() / scale, **GRAD_TOL[dtype],
                                    msg=lambda m, name=name: f"{case} {name}: {m}")
@@ -279,10 +280,10 @@ def test_overlap_and_block_splits_give_identical_bits():
 # --------------------------------------------------------------------------------------------------
 
 
-def _dist_grads(rank, world, cases):
+def _dist_grads(rank, world, cases, dtypes=(torch.float32, torch.bfloat16)):
     worst = {}
     for case in cases:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             inputs = make_inputs(case, dtype)
             vs = cotangents(case, dtype)
             expect_outs, expect = reference_grads(case, dtype, inputs, vs)

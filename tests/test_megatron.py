@@ -250,3 +250,35 @@ def test_routing_to_topk():
                                        torch.zeros(2)]))
     w.sum().backward()
     assert probs.grad.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_grouped_mlp_weights_are_read_in_place():
+    """GroupedMLP stores weight1 [H, E_local*N0] and weight2 [E_local*N1, H]: expert_weights
+    hands them to the ops as transposed-layout views (no copy), with the same results as the
+    per-expert matrices SequentialMLP would give."""
+    import types
+
+    import comet
+    from comet.megatron import expert_weights
+
+    el, n0, n1 = 3, 2 * FFN, FFN
+    g = torch.Generator().manual_seed(5)
+    w0 = torch.randn(el, n0, H, generator=g)  # per expert, as linear_fc1.weight
+    w1 = torch.randn(el, H, n1, generator=g)  # as linear_fc2.weight
+    grouped = types.SimpleNamespace(
+        weight1=w0.transpose(1, 2).contiguous().view(H, el * n0),  # Megatron's flat storage
+        weight2=w1.transpose(1, 2).contiguous().view(el * n1, H))
+    v0, v1, transposed = expert_weights(grouped, el, H)
+    assert transposed and v0.data_ptr() == grouped.weight1.data_ptr()
+    assert v1.data_ptr() == grouped.weight2.data_ptr()
+    assert torch.equal(v0.transpose(1, 2), w0) and torch.equal(v1.transpose(1, 2), w1)
+    x = torch.randn(7, H, generator=g)
+    ids = torch.randint(0, el, (7, K), generator=g)
+    wts = torch.rand(7, K, generator=g)
+    buf = comet.Buffer.simulated_world(1)[0]
+    outs = []
+    for a, b, t in ((w0, w1, False), (v0, v1, True)):
+        y0, lay = comet.moe_layer0(x, a, ids, num_experts=el, w0_transposed=t, buffer=buf)
+        outs.append(comet.moe_layer1(torch.tanh(y0[:, :n1]).contiguous(), b, wts, lay,
+                                     w1_transposed=t, buffer=buf))
+    assert torch.equal(outs[0], outs[1])

@@ -109,6 +109,22 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
   mtiles_ = plan_tiles(heap, l, expert_off_, seg_off_, El, rows_, &order_);
 }
 
+int64_t Layer0Call::max_rows_of_group() const {
+  const int32_t W = heap_.world(), El = p_.experts / W;
+  const DataRegions reg = data_regions(OpKind::Layer0, max_tokens(heap_), int32_t(p_.hidden),
+                                       p_.topk, p_.experts, W, int32_t(scalar_bytes(p_.kind)));
+  const std::vector<const char*> datas = peer_datas(heap_);
+  std::vector<int32_t> counts(size_t(W) * size_t(El));
+  int64_t most = 0;
+  for (int32_t dest = 0; dest < W; ++dest) {
+    gather_recv_counts(datas.data(), reg.bucket_off, dest, W, El, counts.data());
+    int64_t m = 0;
+    for (int32_t c : counts) m += c;
+    most = std::max(most, m);
+  }
+  return most;
+}
+
 void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
                      int32_t* row_slot) {
   const int32_t W = heap_.world(), d = heap_.rank(), El = p_.experts / W;
@@ -126,6 +142,7 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
                             nullptr, nullptr};
   const char* w0 = static_cast<const char*>(p_.w0);
+  const char* b0 = static_cast<const char*>(p_.b0);
   const ScalarKind kind = p_.kind;
   const int64_t tile_n = l_.tile_n;
   run_blocks(
@@ -136,7 +153,8 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
         std::vector<double> tmp64;
         layer0_gemm(ctx, g, l_.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t{a, kind, w0 + int64_t(mt.expert) * N0 * H * elem, kind, y0, kind,
-                               H, N0};
+                               H, N0, p_.w0_transposed,
+                               p_.b0 ? b0 + int64_t(mt.expert) * N0 * elem : nullptr};
           const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
           if (kind == ScalarKind::F64)
             block_tile_gemm(ctx, t, mt, col0, cols, tmp64);
@@ -218,6 +236,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(),
                             flags.data()};
   const char* w1 = static_cast<const char*>(p.w1);
+  const char* b1 = static_cast<const char*>(p.b1);
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
   run_blocks(
       heap, l.n_comm, l.n_gemm, l.threads, l.stress_seed,
@@ -226,7 +245,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
         std::vector<Acc> tmp;
         layer1_gemm(ctx, g, l.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t{p.h, p.kind, w1 + int64_t(mt.expert) * H * N1 * elem, p.kind, c,
-                               c_kind, N1, H};
+                               c_kind, N1, H, p.w1_transposed,
+                               p.b1 ? b1 + int64_t(mt.expert) * H * elem : nullptr};
           const int64_t col0 = int64_t(nt) * l.tile_n;
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);
         });

@@ -23,11 +23,13 @@ struct CpuLaunch {
 
 struct Layer0Problem {
   const void* x;        // [T, H] this rank's tokens
-  const void* w0;       // [E_local, N0, H] this rank's experts
+  const void* w0;       // [E_local, N0, H] this rank's experts ([E_local, H, N0] if w0_transposed)
   const int32_t* ids;   // [T, k] expert ids, -1 = dropped slot (already validated)
   ScalarKind kind;      // of x, w0 and the outputs
   int64_t tokens, hidden, n0;
   int32_t experts, topk;
+  bool w0_transposed = false;
+  const void* b0 = nullptr;  // [E_local, N0] (kind), or none
 };
 
 // layer0 in two steps, because the caller allocates outputs sized by the dispatched row count.
@@ -38,6 +40,9 @@ class Layer0Call {
   Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, const CpuLaunch& l,
              int32_t* send_pos, int32_t* recv_counts);
   int64_t rows() const { return rows_; }  // M
+  // The largest M of any rank of the group (every rank computes the same value from the send
+  // plans all sources published), so a bound on it is checked alike everywhere.
+  int64_t max_rows_of_group() const;
   // The fused kernel: rows into a [M, H], y0 [M, N0] = a @ w0[e]^T per expert, each row's origin.
   void run(void* a, void* y0, int32_t* row_source, int32_t* row_token, int32_t* row_slot);
 
@@ -54,7 +59,7 @@ class Layer0Call {
 template <class Acc>
 struct Layer1Problem {
   const void* h;              // [M, N1] dispatched rows after the activation
-  const void* w1;             // [E_local, H, N1]
+  const void* w1;             // [E_local, H, N1] ([E_local, N1, H] if w1_transposed)
   const Acc* weights;         // [T, k] top-k weights in the accumulator type
   const int32_t* ids;         // [T, k]
   const int32_t* send_pos;    // [T, k] from layer0
@@ -62,6 +67,8 @@ struct Layer1Problem {
   ScalarKind kind;            // of h, w1 and out
   int64_t tokens, rows, n1, hidden;
   int32_t experts, topk;
+  bool w1_transposed = false;
+  const void* b1 = nullptr;  // [E_local, H] (kind), or none
 };
 
 // layer1: publishes routing, builds the reduce plan from every peer's, runs the fused kernel.

@@ -79,42 +79,65 @@ CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64
 using Layer0Result =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+const void* bias_ptr(const std::optional<at::Tensor>& b) {
+  return b.has_value() && b->defined() ? b->data_ptr() : nullptr;
+}
+
 Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
-                            int64_t tile_m, int64_t tile_n) {
+                            int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
+                            bool w0_transposed, int64_t max_rows) {
   auto heap = heap_or_throw(buffer);
   block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
-  check_layer0(checker, {x, w0, topk_ids, num_experts}, heap->world(), launch);
+  check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows},
+               heap->world(), launch);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer0, *heap, num_experts, ok ? topk_ids.size(1) : 0,
-                                ok ? x.size(1) : 0, ok ? w0.size(1) : 0, x, ok ? x.size(0) : 0,
-                                check);
+                                ok ? x.size(1) : 0, ok ? w0_out(w0, w0_transposed) : 0, x,
+                                ok ? x.size(0) : 0, check);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer0");
   if (n_gemm == 0) n_gemm = 1;
-  return guarded_call(*heap, epoch, [&]() -> Layer0Result {
-    const int64_t T = x.size(0), H = x.size(1), N0 = w0.size(1), k = topk_ids.size(1);
+  int64_t too_many = -1;  // the group's largest M when it exceeds max_rows
+  Layer0Result result = guarded_call(*heap, epoch, [&]() -> Layer0Result {
+    const int64_t T = x.size(0), H = x.size(1), N0 = w0_out(w0, w0_transposed),
+                  k = topk_ids.size(1);
     const int32_t W = heap->world(), El = int32_t(num_experts) / W;
     at::Tensor ids = topk_ids.to(at::kInt).contiguous();
     at::Tensor send_pos = at::empty({T, k}, ids.options());
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
-    const Layer0Problem p{x.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),
-                          scalar_kind(x.scalar_type()), T, H, N0, int32_t(num_experts),
-                          int32_t(k)};
+    Layer0Problem p{x.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),
+                    scalar_kind(x.scalar_type()), T, H, N0, int32_t(num_experts), int32_t(k)};
+    p.w0_transposed = w0_transposed;
+    p.b0 = bias_ptr(b0);
     Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
                     send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
     const int64_t M = call.rows();
-    at::Tensor a = at::empty({M, H}, x.options());
-    at::Tensor y0 = at::empty({M, N0}, x.options());
-    at::Tensor row_source = at::empty({M}, ids.options());
-    at::Tensor row_token = at::empty({M}, ids.options());
-    at::Tensor row_slot = at::empty({M}, ids.options());
+    if (max_rows >= 0) {
+      // Every rank sees the same group maximum, so all skip the kernel and raise together.
+      const int64_t most = call.max_rows_of_group();
+      if (most > max_rows) {
+        too_many = most;
+        return {};
+      }
+    }
+    // With max_rows the row-indexed outputs are padded to it: zeros, and -1 as a row's origin.
+    const int64_t R = max_rows >= 0 ? max_rows : M;
+    auto rows = [&](at::Tensor t, double fill) { return R > M ? t.fill_(fill) : t; };
+    at::Tensor a = rows(at::empty({R, H}, x.options()), 0);
+    at::Tensor y0 = rows(at::empty({R, N0}, x.options()), 0);
+    at::Tensor row_source = rows(at::empty({R}, ids.options()), -1);
+    at::Tensor row_token = rows(at::empty({R}, ids.options()), -1);
+    at::Tensor row_slot = rows(at::empty({R}, ids.options()), -1);
     call.run(a.data_ptr(), y0.data_ptr(), row_source.data_ptr<int32_t>(),
              row_token.data_ptr<int32_t>(), row_slot.data_ptr<int32_t>());
     return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
   });
+  TORCH_CHECK_VALUE(too_many < 0, "comet.moe_layer0: a rank of the group receives ", too_many,
+                    " rows but max_rows is ", max_rows, " (raise max_rows; no data was computed)");
+  return result;
 }
 
 // layer1 after the metadata exchange; Acc = float, or double for float64 inputs.
@@ -122,16 +145,21 @@ template <class Acc>
 at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, const at::Tensor& w1,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        const at::Tensor& send_pos, const at::Tensor& recv_counts,
-                       int64_t num_experts, const CpuLaunch& launch) {
+                       int64_t num_experts, const CpuLaunch& launch,
+                       const std::optional<at::Tensor>& b1, bool w1_transposed) {
   const at::ScalarType acc_type = sizeof(Acc) == 8 ? at::kDouble : at::kFloat;
   at::Tensor ids = topk_ids.to(at::kInt).contiguous();
   at::Tensor weights = topk_weights.to(acc_type).contiguous();
   at::Tensor pos = send_pos.contiguous(), rc = recv_counts.contiguous();
-  const int64_t T = topk_ids.size(0), M = h.size(0), H = w1.size(1);
-  const Layer1Problem<Acc> p{h.data_ptr(), w1.data_ptr(), weights.data_ptr<Acc>(),
-                             ids.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
-                             rc.data_ptr<int32_t>(), scalar_kind(h.scalar_type()), T, M,
-                             h.size(1), H, int32_t(num_experts), int32_t(topk_ids.size(1))};
+  // M from the layout: h may be padded to max_rows rows (the rows past M are not read).
+  const int64_t T = topk_ids.size(0), M = rc.sum().item<int64_t>(),
+                H = w1_out(w1, w1_transposed);
+  Layer1Problem<Acc> p{h.data_ptr(), w1.data_ptr(), weights.data_ptr<Acc>(),
+                       ids.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),
+                       rc.data_ptr<int32_t>(), scalar_kind(h.scalar_type()), T, M,
+                       h.size(1), H, int32_t(num_experts), int32_t(topk_ids.size(1))};
+  p.w1_transposed = w1_transposed;
+  p.b1 = bias_ptr(b1);
   at::Tensor c = at::empty({M, H}, h.options().dtype(acc_type));
   at::Tensor out = at::empty({T, H}, h.options());
   try {
@@ -145,17 +173,20 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
 at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::Tensor& topk_weights,
                           const at::Tensor& topk_ids, const at::Tensor& send_pos,
                           const at::Tensor& recv_counts, int64_t num_experts, int64_t buffer,
-                          int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n) {
+                          int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n,
+                          const std::optional<at::Tensor>& b1, bool w1_transposed,
+                          int64_t max_rows) {
   auto heap = heap_or_throw(buffer);
   block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
-  check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts},
+  check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
+                         w1_transposed, max_rows},
                heap->world(), launch);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
-                                ok ? w1.size(1) : 0, ok ? h.size(1) : 0, h,
+                                ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0, h,
                                 ok ? topk_ids.size(0) : 0, check);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
@@ -163,9 +194,9 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
     const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n);
     if (h.scalar_type() == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
-                                 recv_counts, num_experts, launch);
+                                 recv_counts, num_experts, launch, b1, w1_transposed);
     return layer1_body<float>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos, recv_counts,
-                              num_experts, launch);
+                              num_experts, launch, b1, w1_transposed);
   });
 }
 

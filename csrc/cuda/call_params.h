@@ -124,12 +124,16 @@ struct CallParams {
   // tensors
   char* a;                // layer0: [rows_cap, H] dispatched rows
   void* y0;               // layer0: [rows_cap, N0]
-  const void* w0;         // layer0: [El, N0, H]
+  const void* w0;         // layer0: [El, N0, H] (the kernel layout: K-contiguous)
+  const void* b0;         // layer0: [El, N0] expert bias (x's dtype) or null; a tile of expert e
+                          //   adds b0[e * N0 + col] to its fp32 accumulators before rounding
   int32_t* row_source;    // layer0: [rows_cap]
   int32_t* row_token;
   int32_t* row_slot;
   const void* h;          // layer1: [h_rows, N1]
-  const void* w1;         // layer1: [El, H, N1]
+  const void* w1;         // layer1: [El, H, N1] (the kernel layout: K-contiguous)
+  const void* b1;         // layer1: [El, H] expert bias (h's dtype) or null; added to C (fp32),
+                          //   so the comm blocks' top-k weighting applies to it as to the rest
   float* c;               // layer1: [h_rows, H] fp32 GEMM output
   void* out;              // layer1: [T, H]
   int64_t h_rows;         // layer1: rows of h (M, or max_rows)

@@ -4,6 +4,9 @@
 // row in consecutive accumulator registers, so in-range aligned pairs go out as one 4-byte (16-bit
 // outputs) or 8-byte (fp32) store.
 //
+// Bias (optional): the expert's bias element of the column, added to the fp32 accumulator before
+// the conversion (layer0: y0 = round(acc + b0); layer1: C = acc + b1 in fp32).
+//
 // Rounding: cvt.rn (round to nearest even), the same results as comet/numeric.h's float_to_bf16 /
 // float_to_f16 on the CPU backend for every non-NaN value (a NaN stays a NaN; its payload may
 // differ).
@@ -43,27 +46,69 @@ __device__ __forceinline__ void store_two(T* p, float v0, float v1) {
   }
 }
 
+// Bias elements (bf16 / fp16) as fp32, read through the non-coherent path (the bias is read-only
+// for the kernel). One element (any 2-byte alignment), or the pair (p[0], p[1]) with one 4-byte
+// load when p is 4-byte aligned.
+template <class B>
+__device__ __forceinline__ float bias_one(const B* p) {
+  static_assert(sizeof(B) == 2, "biases are bf16 / fp16");
+  return static_cast<float>(B::bitcast(__ldg(reinterpret_cast<const unsigned short*>(p))));
+}
+template <class B>
+__device__ __forceinline__ void bias_two(const B* p, bool aligned4, float& b0, float& b1) {
+  if (aligned4) {
+    const unsigned int u = __ldg(reinterpret_cast<const unsigned int*>(p));
+    b0 = static_cast<float>(B::bitcast(uint16_t(u & 0xffffu)));
+    b1 = static_cast<float>(B::bitcast(uint16_t(u >> 16)));
+  } else {
+    b0 = bias_one(p);
+    b1 = bias_one(p + 1);
+  }
+}
+
 // acc: the thread's accumulator fragment; coord: the same partition of an identity tensor over the
-// tile (tile-local (row, col) of every accumulator).
-template <class T, class Acc, class Coord>
+// tile (tile-local (row, col) of every accumulator). bias: null, or the tile's slice of its
+// expert's bias row (bias[c] belongs to tile column c, valid for c < cols): added to the fp32
+// accumulator before the conversion / store, so y0 = round(x @ W^T + b) and C = h @ W^T + b.
+template <class T, class B, class Acc, class Coord>
 __device__ __forceinline__ void store_tile(const Acc& acc, const Coord& coord, int rows, int cols,
-                                           T* dst, int64_t ld) {
+                                           T* dst, int64_t ld, const B* bias) {
   static_assert(decltype(cute::size(acc))::value % 2 == 0, "fragments come in column pairs");
+  // The bias is addressed from the thread's first column c0: c - c0 is a compile-time constant of
+  // the fragment layout, so every load is base + immediate (no per-column address registers,
+  // which the GEMM kernels, at their register limit, cannot afford). Its loads stay next to
+  // their stores (a pair's two elements in one 4-byte load when aligned). Measured with ptxas on
+  // sm_90a, where the MMA warpgroups are at their register limit: loading the bias ahead, once
+  // for the rows r and r + 8 sharing it, or a separate epilogue instance for calls with a bias,
+  // all keep more registers live and spill.
+  const int c0 = cute::get<1>(coord(0));
+  const B* bias0 = bias != nullptr ? bias + c0 : nullptr;
+  const bool bias_aligned4 = (reinterpret_cast<uintptr_t>(bias0) & 3) == 0;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
     const int r = cute::get<0>(coord(i));
     const int c = cute::get<1>(coord(i));
     const bool adjacent = cute::get<0>(coord(i + 1)) == r && cute::get<1>(coord(i + 1)) == c + 1;
     if (r >= rows) continue;
+    const int dc = c - c0;
     T* p = dst + int64_t(r) * ld + c;
     if (adjacent && c + 1 < cols &&
         (reinterpret_cast<uintptr_t>(p) & (2 * sizeof(T) - 1)) == 0) {
-      store_two(p, acc(i), acc(i + 1));
+      float v0 = acc(i), v1 = acc(i + 1);
+      if (bias0 != nullptr) {
+        float b0, b1;
+        bias_two(bias0 + dc, bias_aligned4 && dc % 2 == 0, b0, b1);
+        v0 += b0;
+        v1 += b1;
+      }
+      store_two(p, v0, v1);
     } else {
-      if (c < cols) store_one(p, acc(i));
       const int r1 = cute::get<0>(coord(i + 1));
       const int c1 = cute::get<1>(coord(i + 1));
-      if (r1 < rows && c1 < cols) store_one(dst + int64_t(r1) * ld + c1, acc(i + 1));
+      if (c < cols) store_one(p, bias0 != nullptr ? acc(i) + bias_one(bias0 + dc) : acc(i));
+      if (r1 < rows && c1 < cols)
+        store_one(dst + int64_t(r1) * ld + c1,
+                  bias0 != nullptr ? acc(i + 1) + bias_one(bias0 + (c1 - c0)) : acc(i + 1));
     }
   }
 }

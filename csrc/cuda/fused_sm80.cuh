@@ -1,7 +1,8 @@
 // Fused persistent kernels of the sm_80 path (cp.async + mma.sync), one per layer and dtype:
 // blocks [0, n_comm) run the comm program, the rest walk the engine's tile schedule
 // (comet/gemm_schedule.h: layer0_gemm / layer1_gemm, with the readiness wait and the per-column
-// publication) and compute each tile with sm80::TileGemm.
+// publication) and compute each tile with sm80::TileGemm, whose epilogue adds the tile's expert
+// bias (p.b0 / p.b1, when given) to the fp32 accumulators.
 //
 // Compiled for sm_80 (Ampere/Ada) and also for sm_90a, where it serves the shapes the TMA path
 // cannot take (K not a multiple of 8, unaligned operands).
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
     const int64_t K = p.hidden, N = p.cols;
     const T* A = reinterpret_cast<const T*>(p.a);
     const T* B = static_cast<const T*>(p.w0);
+    const T* bias = static_cast<const T*>(p.b0);  // [El, N] or null
     T* Y = static_cast<T*>(p.y0);
     layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
       const int64_t col0 = int64_t(nt) * Tile::kBN;
@@ -42,7 +44,8 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
       const typename Tile::Operand b{B + (int64_t(mt.expert) * N + col0) * K,
                                      int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN)};
       T* out = Y + mt.row_begin * N + col0;
-      Tile::run(smem, a, b, K, vec, out, N);
+      Tile::run(smem, a, b, K, vec, out, N,
+                bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
     });
   } else {
     const GemmScheduleArgs ga{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
@@ -50,6 +53,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
     const int64_t K = p.cols, H = p.hidden;
     const T* A = static_cast<const T*>(p.h);
     const T* B = static_cast<const T*>(p.w1);
+    const T* bias = static_cast<const T*>(p.b1);  // [El, H] or null: into C, before weighting
     float* C = p.c;
     layer1_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
       if (!compute) return;  // comm-only timing: columns are published without computing them
@@ -58,7 +62,8 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
       const typename Tile::Operand b{B + (int64_t(mt.expert) * H + col0) * K,
                                      int(H - col0 < Tile::kBN ? H - col0 : Tile::kBN)};
       float* out = C + mt.row_begin * H + col0;
-      Tile::run(smem, a, b, K, vec, out, H);
+      Tile::run(smem, a, b, K, vec, out, H,
+                bias != nullptr ? bias + int64_t(mt.expert) * H + col0 : nullptr);
     });
   }
 }

@@ -17,9 +17,10 @@
 //    past the m-tile (the next expert's, or beyond rows_cap: zero-filled by TMA) and columns past
 //    N only feed accumulators the epilogue never stores.
 //  - The epilogue (epilogue.cuh) stores straight from the accumulators with per-element
-//    predication: bf16/fp16 y0 for layer0, fp32 C for layer1 (what comm_layer1.h reads). Not a
-//    TMA store: tiles start at arbitrary rows and layer1 publishes each column right after its
-//    stores, which plain stores + a named barrier + a release make simple.
+//    predication: bf16/fp16 y0 for layer0, fp32 C for layer1 (what comm_layer1.h reads), after
+//    adding the tile's expert bias (b0 / b1, optional) in fp32. Not a TMA store: tiles start at
+//    arbitrary rows and layer1 publishes each column right after its stores, which plain stores +
+//    a named barrier + a release make simple.
 //
 // Everything is inside `#if __CUDA_ARCH_FEAT_SM90_ALL`: built for sm_80 this translation unit
 // holds empty kernels, never launched there.
@@ -182,9 +183,13 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T>::Pa
     collective.mma(pipeline, state, acc, k_tiles, mma_thread, ss.tensors, mp);
     collective.mma_tail(pipeline, state, k_tiles);
     state.advance(k_tiles);
+    // Expert bias [El, n_out] (or null): layer0's b0 into y0 before rounding, layer1's b1 into C
+    // (fp32) before the comm blocks' top-k weighting.
+    const T* bias = static_cast<const T*>(kLayer == 0 ? p.b0 : p.b1);
     const int64_t col0 = int64_t(nt) * C::kTileN;
     const int cols = int(n_out - col0 < C::kTileN ? n_out - col0 : C::kTileN);
-    store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out);
+    store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out,
+               bias != nullptr ? bias + int64_t(mt.expert) * n_out + col0 : nullptr);
   };
   if constexpr (kLayer == 0) {
     T* y0 = static_cast<T*>(p.y0);

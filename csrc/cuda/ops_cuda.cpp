@@ -11,10 +11,14 @@
 //   fused:   the persistent kernel: n_comm comm blocks + n_gemm GEMM blocks (sm_90a TMA/wgmma or
 //            sm_80 cp.async/mma.sync path)
 //
-// With max_rows set on the buffer (comet.symm_cuda.Buffer.capturable) nothing reads back: the
-// row-indexed outputs hold max_rows rows (rows >= M unspecified, M = recv_counts.sum()), the ops
-// are CUDA-graph capturable, and errors found on the device are reported by the next call or by
-// Buffer.check().
+// With max_rows (the ops' argument, else the buffer's setting: comet.symm_cuda.Buffer.capturable)
+// nothing reads back: the row-indexed outputs hold max_rows rows (rows >= M unspecified,
+// M = recv_counts.sum()), layer1's h has max_rows rows, the ops are CUDA-graph capturable, and
+// errors found on the device are reported by the next call or by Buffer.check().
+//
+// Optional operands: the expert biases b0 / b1 are added in the fused kernels' GEMM epilogue
+// (epilogue.cuh); transposed weights (w0_transposed / w1_transposed) are copied into the kernel
+// layout per call (kernel_weights below).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "call_verdict.h"
@@ -222,8 +227,37 @@ void check_cuda(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "comet: ", what, ": ", cudaGetErrorString(e));
 }
 
+// The call's bound on the dispatched rows, for both ops: the op's max_rows argument when given,
+// else the buffer's setting (Buffer.max_rows / `with buf.capturable(max_rows=R)`), -1 = none.
+// Only -1 means "not given": another negative argument is kept so that the op's checks reject it.
+int64_t effective_max_rows(const CudaBuffer& b, int64_t max_rows_arg) {
+  return max_rows_arg != -1 ? max_rows_arg : b.max_rows();
+}
+
+// p.max_rows of a call: a call this rank already rejects on the host raises right away, so its
+// begin kernel must not also record the rejection for the next call / Buffer.check() (it does for
+// max_rows >= 0, when the host reads nothing back); else the next call would fail on it again.
+int64_t device_max_rows(int64_t max_rows, bool locally_ok) { return locally_ok ? max_rows : -1; }
+
+// The weights in the layout the GEMM mainloops are compiled for, K-contiguous B: w0 [El, N0, H],
+// w1 [El, H, N1]. A transposed weight (w0 [El, H, N0] / w1 [El, N1, H]) is copied into it, ONE
+// COPY PER CALL (stream-ordered, freed when the call returns): correct, but it costs a read and a
+// write of the whole weight each call. The no-copy path needs an MN-major B instantiation of the
+// mainloops: on sm_90a the CUTLASS collective with cutlass::layout::RowMajor B (a TMA descriptor
+// over [K, N] with N contiguous); on sm_80 a different shared-memory layout for B and transposing
+// ldmatrix (ldmatrix.trans) in TileGemm. Not there yet.
+at::Tensor kernel_weights(const at::Tensor& w, bool transposed) {
+  return transposed ? w.transpose(1, 2).contiguous() : w;
+}
+
+// The data of an optional bias, or null.
+const void* bias_ptr(const std::optional<at::Tensor>& b) {
+  return b.has_value() && b->defined() ? b->data_ptr() : nullptr;
+}
+
 CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int64_t topk,
-                       int64_t n_comm, const LaunchPlan& lp, int32_t num_ntiles) {
+                       int64_t n_comm, const LaunchPlan& lp, int32_t num_ntiles,
+                       int64_t max_rows) {
   CallParams p{};
   p.rank = b.rank();
   p.world = b.world();
@@ -242,7 +276,7 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.tile_n = kTileN;
   p.mode = b.bench_mode();
   p.num_ntiles = num_ntiles;
-  p.max_rows = b.max_rows();
+  p.max_rows = max_rows;
   return p;
 }
 
@@ -331,7 +365,8 @@ using Layer0Result =
 
 Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                              int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
-                             int64_t tile_m, int64_t tile_n) {
+                             int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
+                             bool w0_transposed, int64_t max_rows_arg) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -341,18 +376,20 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int32_t W = b.world();
 
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
+  const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev, pending);
-  check_layer0(c, {x, w0, topk_ids, num_experts}, W, {n_comm, n_gemm, tile_m, tile_n}) &&
+  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows}, W,
+               {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
-  const int64_t N0 = shaped ? w0.size(1) : 0, k = shaped ? topk_ids.size(1) : 0;
+  const int64_t N0 = shaped ? w0_out(w0, w0_transposed) : 0, k = shaped ? topk_ids.size(1) : 0;
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
   const ScalarKind kind = shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
-  const int64_t max_rows = b.max_rows();
+  const at::Tensor wk = shaped ? kernel_weights(w0, w0_transposed) : at::Tensor();  // [El, N0, H]
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
-                                    shaped ? w0.data_ptr() : nullptr, n_comm, n_gemm);
+                                    shaped ? wk.data_ptr() : nullptr, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -360,7 +397,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
 
   const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(N0, kTileN)));
+                             int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok));
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, W);
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
@@ -419,7 +456,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
              "clearing tile flags");
   p.a = static_cast<char*>(a.data_ptr());
   p.y0 = y0.data_ptr();
-  p.w0 = w0.data_ptr();
+  p.w0 = wk.data_ptr();
+  p.b0 = bias_ptr(b0);
   p.row_source = row_source.data_ptr<int32_t>();
   p.row_token = row_token.data_ptr<int32_t>();
   p.row_slot = row_slot.data_ptr<int32_t>();
@@ -445,7 +483,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                            const at::Tensor& send_pos, const at::Tensor& recv_counts,
                            int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
-                           int64_t tile_m, int64_t tile_n) {
+                           int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b1,
+                           bool w1_transposed, int64_t max_rows_arg) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -455,20 +494,24 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int32_t W = b.world();
 
   // Expert ids and the layout's row count are checked on the device by the begin kernel.
+  const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer1", dev, pending);
-  check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts}, W,
-               {n_comm, n_gemm, tile_m, tile_n}) &&
+  check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
+                   w1_transposed, max_rows},
+               W, {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
-  const int64_t M = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
-  const int64_t H = shaped ? w1.size(1) : 0;
+  // h's rows: M (the layout's row count) without a bound, max_rows with one (rows >= M unused);
+  // only the begin kernel knows M. Everything sized here from h_rows is an upper bound.
+  const int64_t h_rows = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
+  const int64_t H = shaped ? w1_out(w1, w1_transposed) : 0;
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
   const ScalarKind kind = shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
-  const int64_t max_rows = b.max_rows();
+  const at::Tensor wk = shaped ? kernel_weights(w1, w1_transposed) : at::Tensor();  // [El, H, N1]
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
-                                    shaped ? w1.data_ptr() : nullptr, n_comm, n_gemm);
+                                    shaped ? wk.data_ptr() : nullptr, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -476,17 +519,17 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
 
   const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(H, kTileN)));
+                             int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
   set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, W);
-  p.h_rows = M;
+  p.h_rows = h_rows;
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   at::Tensor weights32 = ok ? topk_weights.to(at::kFloat).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
   p.recv_counts = ok ? recv_counts.data_ptr<int32_t>() : nullptr;
   p.send_pos = ok ? send_pos.data_ptr<int32_t>() : nullptr;
-  p.plan_cap = std::max<int64_t>(M, 1);
-  p.mtiles_cap = ceil_div(M, kTileM) + El;
+  p.plan_cap = std::max<int64_t>(h_rows, 1);  // plan entries <= M <= h_rows
+  p.mtiles_cap = ceil_div(h_rows, kTileM) + El;
   const int32_t NT = p.num_ntiles;
   Carver ws;
   ws.take(p.expert_off, int64_t(El) + 1);
@@ -499,7 +542,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.small, int64_t(std::max(El, W)) + 1);
   ws.take(p.order_bucket, int64_t(W) + 1);
   p.source_blocks = prologue_blocks(T * k, dev);
-  p.plan_blocks = prologue_blocks(M, dev);
+  p.plan_blocks = prologue_blocks(h_rows, dev);
   take_grid_scratch(ws, p, std::max(p.source_blocks, p.plan_blocks), W);
   ws.take(p.mtiles, p.mtiles_cap);
   ws.take(p.plan.entry_source, p.plan_cap);
@@ -532,10 +575,11 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
     p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
   }
 
-  at::Tensor cbuf = at::empty({M, H}, h.options().dtype(at::kFloat));
+  at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
   at::Tensor out = at::empty({T, H}, h.options());
   p.h = h.data_ptr();
-  p.w1 = w1.data_ptr();
+  p.w1 = wk.data_ptr();
+  p.b1 = bias_ptr(b1);
   p.c = cbuf.data_ptr<float>();
   p.out = out.data_ptr();
 
@@ -549,7 +593,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
   LaunchPlan run = lp;
-  if (run.sm90 && M < 1) run.sm90 = false;
+  if (run.sm90 && h_rows < 1) run.sm90 = false;  // no rows: no TMA descriptor over h
   launch_fused(1, kind, p, run, stream);
   launch_combine(p, run.grid, stream);
   check_cuda(cudaGetLastError(), "launching the combine kernel");
@@ -567,7 +611,7 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   const CheckResult check{1, message};
   const OpKind kind = op == 0 ? OpKind::Layer0 : OpKind::Layer1;
   const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, check);
-  CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0);
+  CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0, b.max_rows());
   p.regions = data_regions(kind, 0, 0, 1, b.world(), b.world(), 2, 4);
   Carver ws;
   ws.take(p.metas, b.world());

@@ -165,9 +165,11 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
       negative |= p.recv_counts[i] < 0;
     }
     if (negative || (p.max_rows < 0 ? rows != p.h_rows : rows > p.h_rows)) {
-      Message(me.message, int(sizeof(me.message)))
-          << op_name << "h has " << p.h_rows << " rows but the layout dispatches " << rows
-          << ": pass the layout moe_layer0 returned with this h";
+      // With max_rows, h has max_rows rows (checked on the host) and holds the first M of them.
+      Message m(me.message, int(sizeof(me.message)));
+      m << op_name << "h has " << p.h_rows << " rows but the layout dispatches " << rows;
+      if (p.max_rows >= 0) m << " (more than max_rows = " << p.max_rows << ")";
+      m << ": pass the layout moe_layer0 returned with this h";
       me.error = 1;
     }
   }

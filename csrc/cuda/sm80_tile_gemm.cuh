@@ -1,7 +1,8 @@
 // The sm_80 GEMM tile of the fused kernels: one 128x128 output tile C[rows, cols] = A[rows, K] @
 // B[cols, K]^T (both operands K-contiguous, "TN"), bf16 or fp16 inputs, fp32 accumulation with
 // mma.sync (CuTe SM80 16x8x16 atoms, 8 warps), a multistage cp.async mainloop through swizzled
-// shared memory read with ldmatrix, and a predicated epilogue storing straight from registers.
+// shared memory read with ldmatrix, and a predicated epilogue storing straight from registers
+// (adding the expert's bias, when there is one, in fp32 before the store).
 //
 // Residues are handled in the tile: rows >= `rows`, columns >= `cols` and k >= K load as zeros.
 // When K is a multiple of 8 and both operands are 16-byte aligned the gmem->smem copies are 16-byte
@@ -98,11 +99,12 @@ struct TileGemm {
     }
   }
 
-  // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld).
-  // `smem` holds kSmemBytes. Every thread of the block must call it.
+  // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
+  // adding bias[c] to column c first when bias is not null (the tile's slice of its expert's bias
+  // row). `smem` holds kSmemBytes. Every thread of the block must call it.
   template <class Out>
   static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
-                             Out* dst, int64_t ld) {
+                             Out* dst, int64_t ld, const T* bias) {
     T* sa = reinterpret_cast<T*>(smem);
     T* sb = sa + cosize_v<SmemLayoutA>;
     Tensor sA = make_tensor(make_smem_ptr(sa), SmemLayoutA{});  // (BM, BK, PIPE)
@@ -158,7 +160,7 @@ struct TileGemm {
     __syncthreads();  // shared memory free for the next tile
 
     Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
-    store_tile(acc, tCcC, a.rows, b.rows, dst, ld);
+    store_tile(acc, tCcC, a.rows, b.rows, dst, ld, bias);
   }
 };
 
