@@ -45,23 +45,28 @@ def cuobjdump() -> str | None:
 
 
 def functions(sass: str):
-    """(arch, mangled name, instruction lines) per function of a cuobjdump -sass listing."""
-    arch, name, body = None, None, []
+    """(arch, mangled name, instruction lines) per function of a cuobjdump -sass listing. A
+    function's arch is the one of the ELF section it starts in (an "arch =" line opens the next
+    section and ends the function before it)."""
+    arch, fn_arch, name, body = None, None, None, []
     for line in sass.splitlines():
         m = ARCH.search(line)
         if m:
+            if name:
+                yield fn_arch, name, body
+                name, body = None, []
             arch = m.group(1)
             continue
         m = FUNC.search(line)
         if m:
             if name:
-                yield arch, name, body
-            name, body = m.group(1), []
+                yield fn_arch, name, body
+            name, fn_arch, body = m.group(1), arch, []
             continue
         if name and "/*" in line and ";" in line:
             body.append(line)
     if name:
-        yield arch, name, body
+        yield fn_arch, name, body
 
 
 def stats(body: list[str]) -> dict:

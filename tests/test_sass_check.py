@@ -1,0 +1,51 @@
+"""tools/sass_check.py on a synthetic cuobjdump -sass listing (no CUDA toolkit needed): each
+function keeps the arch of the ELF section it starts in, the stats count 128-bit loads/stores
+(LDGSTS, the GEMM's cp.async, excluded) and the longest run of loads between stores, and the
+checks flag a layer0 kernel whose copy keeps too few loads in flight."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import sass_check  # noqa: E402
+
+
+def _fn(name, lines):
+    body = [f"        /*{i:04x}*/  {ins} ;  /* 0x0 */" for i, ins in enumerate(lines)]
+    return [f"\t\tFunction : {name}"] + body
+
+
+L0 = "_ZN5comet3gpu4sm8012fused_kernelIN7cutlass10bfloat16_tELi0EEEvNS0_10CallParamsEb"
+L1 = "_ZN5comet3gpu4sm8012fused_kernelIN7cutlass10bfloat16_tELi1EEEvNS0_10CallParamsEb"
+COPY4 = ["LDG.E.128 R4, desc[UR4][R2.64]"] * 4 + ["STG.E.128 desc[UR4][R6.64], R4"] * 4
+COPY2 = (["LD.E.128 R4, [R2.64]"] * 2 + ["ST.E.128 [R6.64], R4"] * 2) * 2
+FILL = ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]"] * 6 + ["IMAD R0, R1, R2, R3"] * 40
+
+
+def listing():
+    lines = ["Fatbin elf code:", "arch = sm_80"]
+    lines += _fn(L0, COPY4 + FILL) + _fn(L1, COPY2 + FILL)
+    lines += ["Fatbin elf code:", "arch = sm_90a"]
+    lines += _fn(L0, COPY2 + FILL)
+    return "\n".join(lines)
+
+
+def test_functions_keep_their_sections_arch():
+    got = [(arch, name) for arch, name, _ in sass_check.functions(listing())]
+    assert got == [("sm_80", L0), ("sm_80", L1), ("sm_90a", L0)]
+
+
+def test_stats_and_checks(tmp_path, monkeypatch):
+    fns = list(sass_check.functions(listing()))
+    s = sass_check.stats(fns[0][2])
+    assert (s["loads"], s["stores"], s["in_flight"]) == (4, 4, 4)  # LDGSTS not counted
+    s = sass_check.stats(fns[1][2])
+    assert (s["loads"], s["stores"], s["in_flight"]) == (4, 4, 2)
+
+    class Done:
+        stdout = listing()
+
+    monkeypatch.setattr(sass_check.subprocess, "run", lambda *a, **k: Done())
+    rows, problems = sass_check.check("x.o", "fused.cu", "cuobjdump", 4)
+    assert [(r[1], r[2], r[3]["in_flight"]) for r in rows] == [
+        ("sm_80", "layer0", 4), ("sm_80", "layer1", 2), ("sm_90a", "layer0", 2)]
+    assert len(problems) == 1 and "sm_90a" in problems[0] and "want 4" in problems[0]
