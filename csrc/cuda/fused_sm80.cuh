@@ -6,6 +6,11 @@
 //
 // Compiled for sm_80 (Ampere/Ada) and also for sm_90a, where it serves the shapes the TMA path
 // cannot take (K not a multiple of 8, unaligned operands).
+//
+// B (the weights) is read K-major only (w0 [El, N0, H], w1 [El, H, N1]): the ops' transposed
+// weights are copied into that layout per call for this path (ops_cuda.cpp: kernel_weights),
+// while the sm_90a path reads them in place (MN-major B, fused_sm90.cuh). Reading them in place
+// here would need another shared-memory layout for B and ldmatrix.trans in TileGemm.
 #pragma once
 
 #include "comet/gemm_schedule.h"

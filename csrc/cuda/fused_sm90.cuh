@@ -11,11 +11,22 @@
 //    each finished column after a named barrier over both warpgroups, i.e. once every epilogue
 //    store of the tile has been issued, with release semantics).
 //  - Experts share one TMA descriptor per operand: A is the whole dispatched row range
-//    [rows_cap, K] and B the weights viewed as [E_local * N, K]; a tile's TMA coordinates start at
-//    its m-tile's first row and at its expert's first weight row (cute::domain_offset), so tiles
-//    need not be aligned to 128 rows and no descriptor is modified on the device. Rows of the tile
-//    past the m-tile (the next expert's, or beyond rows_cap: zero-filled by TMA) and columns past
-//    N only feed accumulators the epilogue never stores.
+//    [rows_cap, K]; a tile's TMA coordinates start at its m-tile's first row and at its expert's
+//    weights (cute::domain_offset), so tiles need not be aligned to 128 rows and no descriptor is
+//    modified on the device. Rows of the tile past the m-tile (the next expert's, or beyond
+//    rows_cap: zero-filled by TMA) only feed accumulators the epilogue never stores. B comes in
+//    one of two layouts, a compile-time choice (the BMajor tag of GemmConfig / fused_kernel):
+//      KMajorB  (the weights' usual layout, K contiguous: w0 [El, N0, H], w1 [El, H, N1]): B is
+//               viewed as one [E_local * N, K] matrix, the tile starting at its expert's first
+//               weight row; columns past N read the next expert's rows, which only feed
+//               accumulators the epilogue never stores; K past the end is zero-filled.
+//      MnMajorB (the ops' transposed weights, read in place, N contiguous: w0 [El, H, N0],
+//               w1 [El, N1, H]): a rank-3 descriptor (N, K, L = E_local) with strides
+//               (1, N, K * N), the tile sliced at its expert through the L mode, so TMA zero-fills
+//               both K and N past the expert's own extent (never the next expert's rows, which a
+//               2-D [E_local * K, N] view would read in the last k-tile when K % 64 != 0).
+//               wgmma reads B MN-major from shared memory (16-bit types only, which is all the
+//               path runs); the builder picks the MN-major swizzled smem layout.
 //  - The epilogue (epilogue.cuh) stores straight from the accumulators with per-element
 //    predication: bf16/fp16 y0 for layer0, fp32 C for layer1 (what comm_layer1.h reads), after
 //    adding the tile's expert bias (b0 / b1, optional) in fp32. Not a TMA store: tiles start at
@@ -45,16 +56,28 @@ namespace comet::gpu::sm90 {
 
 using namespace cute;
 
-template <class T>
+// B's layout in global memory (CUTLASS's B is [N, K] in GEMM terms: ColumnMajor = K contiguous,
+// RowMajor = N contiguous).
+struct KMajorB {  // B stored [N, K] per expert: the weights' usual layout
+  using Layout = cutlass::layout::ColumnMajor;
+  static constexpr bool kMn = false;
+};
+struct MnMajorB {  // B stored [K, N] per expert: the transposed weights, read in place
+  using Layout = cutlass::layout::RowMajor;
+  static constexpr bool kMn = true;
+};
+
+template <class T, class BMajor = KMajorB>
 struct GemmConfig {
   using TileShape = Shape<_128, _128, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kStages = 5;  // 5 x 32 KiB of operands
   static constexpr int kAlign = 8;   // elements per 16 bytes: TMA needs 16-byte row strides
+  static constexpr bool kBMn = BMajor::kMn;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign,
-      T, cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
+      T, typename BMajor::Layout, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCount<kStages>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
@@ -77,26 +100,46 @@ struct GemmConfig {
   static constexpr uint32_t kMmaRegisters = 232;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the MMA warpgroups
 
-  // TMA descriptors over A [a_rows, K] and B [b_rows, K] (both K-contiguous), built on the host.
-  static Params make_params(const void* a, int64_t a_rows, const void* b, int64_t b_rows,
-                            int64_t k) {
+  // TMA descriptors, built on the host: A [a_rows, K] (K contiguous) and B, the `experts`
+  // experts' weights of n output columns each:
+  //  - KMajorB: one [experts * n, K] matrix (K contiguous);
+  //  - MnMajorB: (n, K, experts) with strides (1, n, K * n). The mainloop builds both descriptors
+  //    from one problem shape (M, N, K, L), A's as (M, K, L) and B's as (N, K, L); A needs L = 1
+  //    and B L = experts, so the descriptors come from two calls with the same arguments and B's
+  //    is taken from the second (the same smem layout, box and TMA type: only the extents
+  //    differ; the second call's A descriptor is discarded).
+  static Params make_params(const void* a, int64_t a_rows, const void* b, int64_t n, int64_t k,
+                            int64_t experts) {
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
     const StrideA da = make_stride(int64_t(k), Int<1>{}, int64_t(a_rows * k));
-    const StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
-    const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
-                                            static_cast<const T*>(b), db};
-    return Mainloop::to_underlying_arguments(make_shape(int(a_rows), int(b_rows), int(k), 1), args,
-                                             nullptr);
+    if constexpr (!kBMn) {
+      const int64_t b_rows = experts * n;
+      const StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
+      const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
+                                              static_cast<const T*>(b), db};
+      return Mainloop::to_underlying_arguments(make_shape(int(a_rows), int(b_rows), int(k), 1),
+                                               args, nullptr);
+    } else {
+      const StrideB db = make_stride(Int<1>{}, int64_t(n), int64_t(k * n));
+      const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
+                                              static_cast<const T*>(b), db};
+      Params mp = Mainloop::to_underlying_arguments(
+          make_shape(int(a_rows), int(n), int(k), 1), args, nullptr);
+      mp.tma_load_b = Mainloop::to_underlying_arguments(
+                          make_shape(int(a_rows), int(n), int(k), int(experts)), args, nullptr)
+                          .tma_load_b;
+      return mp;
+    }
   }
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-template <class T, int kLayer>
-__device__ void gemm_block(const CallParams& p, const typename GemmConfig<T>::Params& mp,
+template <class T, int kLayer, class BMajor>
+__device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMajor>::Params& mp,
                            char* smem, uint64_t epoch) {
-  using C = GemmConfig<T>;
+  using C = GemmConfig<T, BMajor>;
   using Mainloop = typename C::Mainloop;
   using Pipeline = typename C::Pipeline;
   using PipelineState = typename C::PipelineState;
@@ -110,8 +153,9 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T>::Pa
   const int warp_in_group = (int(threadIdx.x) / 32) % 4;
   const WaitConfig wc = wait_config(p);
 
-  // Operand geometry: layer0 A = a [rows_cap, H], B = w0 [El*N0, H], out y0 [., N0];
-  // layer1 A = h [h_rows, N1], B = w1 [El*H, N1], out C [., H] (fp32).
+  // Operand geometry: layer0 A = a [rows_cap, H], B = w0 [El*N0, H] (MN-major: [El, H, N0]),
+  // out y0 [., N0]; layer1 A = h [h_rows, N1], B = w1 [El*H, N1] (MN-major: [El, N1, H]),
+  // out C [., H] (fp32).
   const int64_t K = kLayer == 0 ? p.hidden : p.cols;
   const int64_t n_out = kLayer == 0 ? p.cols : p.hidden;
   const int64_t a_rows = kLayer == 0 ? p.rows_cap : p.h_rows;
@@ -143,12 +187,18 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T>::Pa
     // Producer warp: TMA loads in the engine's tile order.
     PipelineState state = cutlass::make_producer_start_state<Pipeline>();
     Tensor mA = mp.tma_load_a.get_tma_tensor(make_shape(int(a_rows), int(K), 1));
-    Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(int(b_rows), int(K), 1));
+    // B's coordinates (n, k, l): KMajorB over [El*N, K] (l = 0, the expert in n), MnMajorB over
+    // (N, K, El) (the expert in l: TMA's bounds are the expert's own N and K).
+    Tensor mB = mp.tma_load_b.get_tma_tensor(
+        C::kBMn ? make_shape(int(n_out), int(K), int(p.experts_local))
+                : make_shape(int(b_rows), int(K), 1));
     auto load_tile = [&](const MTile& mt, int32_t nt) {
-      const int b_row0 = int(int64_t(mt.expert) * n_out + int64_t(nt) * C::kTileN);
+      const int n0 = int(int64_t(nt) * C::kTileN);
+      const auto b_origin = C::kBMn ? make_coord(n0, 0, int(mt.expert))
+                                    : make_coord(int(int64_t(mt.expert) * n_out + n0), 0, 0);
       Tensor gA = local_tile(domain_offset(make_coord(int(mt.row_begin), 0, 0), mA),
                              typename C::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});
-      Tensor gB = local_tile(domain_offset(make_coord(b_row0, 0, 0), mB), typename C::TileShape{},
+      Tensor gB = local_tile(domain_offset(b_origin, mB), typename C::TileShape{},
                              make_coord(_, _, _), Step<X, _1, _1>{});
       auto k_iter = make_coord_iterator(shape<3>(gA));
       collective.load(mp, pipeline, state, cute::make_tuple(gA, gB), make_coord(0, 0, _, 0),
@@ -202,10 +252,10 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T>::Pa
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <class T, int kLayer>
-__global__ void __launch_bounds__(GemmConfig<T>::kThreads, 1)
+template <class T, int kLayer, class BMajor = KMajorB>
+__global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p,
-                 const __grid_constant__ typename GemmConfig<T>::Params mp) {
+                 const __grid_constant__ typename GemmConfig<T, BMajor>::Params mp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
@@ -223,29 +273,52 @@ __global__ void __launch_bounds__(GemmConfig<T>::kThreads, 1)
     }
     return;
   }
-  gemm_block<T, kLayer>(p, mp, smem, epoch);
+  gemm_block<T, kLayer, BMajor>(p, mp, smem, epoch);
 #endif
 }
 
-template <class T, int kLayer>
+template <class T, int kLayer, class BMajor>
 FusedKernelInfo info() {
-  auto* k = &fused_kernel<T, kLayer>;
-  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, GemmConfig<T>::kSmemBytes);
-  return FusedKernelInfo{reinterpret_cast<const void*>(k), GemmConfig<T>::kThreads,
-                         GemmConfig<T>::kSmemBytes};
+  using C = GemmConfig<T, BMajor>;
+  auto* k = &fused_kernel<T, kLayer, BMajor>;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  return FusedKernelInfo{reinterpret_cast<const void*>(k), C::kThreads, C::kSmemBytes};
 }
 
-template <class T, int kLayer>
+// B: p.w0 / p.w1 in BMajor's layout (MnMajorB: the ops' transposed weights as given; the caller
+// checked N % 8 == 0 and 16-byte alignment, TMA's conditions on B's strides and base).
+template <class T, int kLayer, class BMajor>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
-  using C = GemmConfig<T>;
+  using C = GemmConfig<T, BMajor>;
   const int64_t K = kLayer == 0 ? p.hidden : p.cols;
   const int64_t n_out = kLayer == 0 ? p.cols : p.hidden;
   const void* a = kLayer == 0 ? static_cast<const void*>(p.a) : p.h;
   const int64_t a_rows = kLayer == 0 ? p.rows_cap : p.h_rows;
   const void* b = kLayer == 0 ? p.w0 : p.w1;
-  const typename C::Params mp = C::make_params(a, a_rows, b, int64_t(p.experts_local) * n_out, K);
-  info<T, kLayer>();
-  fused_kernel<T, kLayer><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
+  const typename C::Params mp = C::make_params(a, a_rows, b, n_out, K, p.experts_local);
+  info<T, kLayer, BMajor>();
+  fused_kernel<T, kLayer, BMajor><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
 }
+
+// What the fused_sm90_layer*.cu entry points instantiate: the kernel for B's layout.
+template <class T, int kLayer>
+FusedKernelInfo info(bool b_mn_major) {
+  return b_mn_major ? info<T, kLayer, MnMajorB>() : info<T, kLayer, KMajorB>();
+}
+
+template <class T, int kLayer>
+void launch(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream) {
+  if (b_mn_major)
+    launch<T, kLayer, MnMajorB>(p, grid, stream);
+  else
+    launch<T, kLayer, KMajorB>(p, grid, stream);
+}
+
+// One dynamic shared memory size whatever B's layout (the same stages of the same tiles); the
+// host probe of tools/check_ptxas.py reads GemmConfig<T>'s.
+static_assert(GemmConfig<cutlass::bfloat16_t, MnMajorB>::kSmemBytes ==
+                  GemmConfig<cutlass::bfloat16_t, KMajorB>::kSmemBytes &&
+              GemmConfig<cutlass::half_t, MnMajorB>::kSmemBytes ==
+                  GemmConfig<cutlass::half_t, KMajorB>::kSmemBytes);
 
 }  // namespace comet::gpu::sm90

@@ -49,11 +49,16 @@ void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool vec, in
 
 // sm_90a path (TMA + wgmma, CUTLASS collective mainloop): needs K % 8 == 0 and 16-byte aligned
 // operands; only for devices of compute capability 9.0.
+// b_mn_major: the weights (p.w0 / p.w1) are the ops' transposed layout, read in place
+// (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), which also needs N % 8 == 0; else the usual
+// K-contiguous layout (w0 [El, N0, H], w1 [El, H, N1]).
 // One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu).
-FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind);
-FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind);
-void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, int grid, cudaStream_t stream);
-void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, int grid, cudaStream_t stream);
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major);
+void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
+                              cudaStream_t stream);
+void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
+                              cudaStream_t stream);
 
 // Tile shape the CUDA kernels are compiled for (both paths).
 constexpr int kTileM = 128;

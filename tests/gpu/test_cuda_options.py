@@ -3,9 +3,10 @@ command; skips without a GPU):
 
 * expert biases b0 / b1 (added in the GEMM epilogue: y0 = round(x @ W0^T + b0), the slot's fp32
   result h @ W1^T + b1 weighted by its top-k weight) and transposed weights (w0 [E_local, H, N0],
-  w1 [E_local, N1, H]; copied into the kernel layout per call for now) against the pure-torch
-  reference in bf16, on the awkward cases (both sm_80-path copy variants: aligned and H = 37) and
-  on a large aligned shape with several column tiles (the TMA path on sm_90a);
+  w1 [E_local, N1, H]; read in place by the TMA path on sm_90a, copied into the kernel layout per
+  call on the sm_80 path and for N % 8 != 0) against the pure-torch reference in bf16, on the
+  awkward cases (both sm_80-path copy variants: aligned and H = 37) and on large aligned shapes
+  with several column tiles (the TMA path on sm_90a, K a multiple of the 64-wide k-tile or not);
 * max_rows as the ops' argument: padded outputs, the argument winning over the buffer setting
   (Buffer.capturable) and the setting as the fallback, CUDA-graph capture with the argument
   alone (with biases and transposed weights too), a bound that is too small reported by
@@ -48,6 +49,14 @@ def aligned_case(world):
     return dataclasses.replace(cases_for(world)[0], name="aligned", hidden=256, n0=384, n1=192,
                                tokens=tuple(300 + 17 * r for r in range(world)),
                                experts=4 * world, seed=9)
+
+
+def ragged_k_case(world):
+    """Like aligned_case, but K is not a multiple of the 64-wide k-tile in either layer (H = 200,
+    N1 = 72) and the last column tile is partial (N0 = 136): on sm_90a the transposed weights'
+    last k-tile and columns past N are zero-filled per expert by the MN-major TMA descriptor."""
+    return dataclasses.replace(aligned_case(world), name="ragged-k", hidden=200, n0=136, n1=72,
+                               seed=10)
 
 
 def layer_args(rank, inputs, biases, *, bias, transposed):
@@ -104,18 +113,21 @@ def test_biases_and_transposed_weights_match_reference(world, case, opts):
 def test_biases_and_transposed_weights_on_the_tensor_core_path(world, dtype):
     """Several column tiles and experts: each tile adds its own expert's bias slice."""
     rank, w = world
-    case = aligned_case(w)
-    inputs, biases = make_inputs(case, dtype), make_biases(case, dtype)
-    for opts in OPTIONS.values():
-        y0, layout, h, out = run_layers(case, rank, inputs, biases, n_comm=8, **opts)
-        check_reference(case, dtype, rank, w, y0, layout, h, out, inputs, biases,
-                        bias=opts["bias"])
+    for case in (aligned_case(w), ragged_k_case(w)):
+        inputs, biases = make_inputs(case, dtype), make_biases(case, dtype)
+        for opts in OPTIONS.values():
+            y0, layout, h, out = run_layers(case, rank, inputs, biases, n_comm=8, **opts)
+            check_reference(case, dtype, rank, w, y0, layout, h, out, inputs, biases,
+                            bias=opts["bias"])
 
 
 def test_transposed_weights_give_the_same_bits(world):
-    """The transposed layout computes exactly what the usual one does (same kernel, same order)."""
+    """The transposed layout computes exactly what the usual one does: the same kernel on a copy
+    (sm_80 path, N % 8 != 0), or on sm_90a the MN-major B kernel, whose wgmmas only read B
+    transposed from shared memory (same tiles, same k order, the same zero-filled tail)."""
     rank, _w = world
-    for case in (cases_for(WORLD)[0], cases_for(WORLD)[5], aligned_case(WORLD)):
+    for case in (cases_for(WORLD)[0], cases_for(WORLD)[5], aligned_case(WORLD),
+                 ragged_k_case(WORLD)):
         inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
         plain = run_layers(case, rank, inputs, biases, bias=True, transposed=False)
         trans = run_layers(case, rank, inputs, biases, bias=True, transposed=True)
