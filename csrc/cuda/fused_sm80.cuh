@@ -7,10 +7,12 @@
 // Compiled for sm_80 (Ampere/Ada) and also for sm_90a, where it serves the shapes the TMA path
 // cannot take (K not a multiple of 8, unaligned operands).
 //
-// B (the weights) is read K-major only (w0 [El, N0, H], w1 [El, H, N1]): the ops' transposed
-// weights are copied into that layout per call for this path (ops_cuda.cpp: kernel_weights),
-// while the sm_90a path reads them in place (MN-major B, fused_sm90.cuh). Reading them in place
-// here would need another shared-memory layout for B and ldmatrix.trans in TileGemm.
+// B (the weights) is read in place in either layout, one instantiation each (kMnB):
+//   K-major  (the weights' usual layout, K contiguous: w0 [El, N0, H], w1 [El, H, N1]);
+//   MN-major (the ops' transposed weights, N contiguous: w0 [El, H, N0], w1 [El, N1, H]): TileGemm's
+//            MN-major B (shared-memory layout for N-contiguous rows, ldmatrix.trans).
+// vec (16-byte operand copies) is the host's decision: K % 8 == 0, 16-byte aligned A and B, and
+// for MN-major B also N % 8 == 0 (its k-row stride).
 #pragma once
 
 #include "comet/gemm_schedule.h"
@@ -20,10 +22,23 @@
 
 namespace comet::gpu::sm80 {
 
-template <class T, int kLayer>
-__global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
+// The weight tile of columns [col0, col0 + kBN) of `expert` of a GEMM with K inputs and N outputs
+// per expert: B [El, N, K] (K-major) or [El, K, N] (kMnB).
+template <class Tile, bool kMnB, class T>
+__device__ __forceinline__ typename Tile::Operand weight_tile(const T* B, int32_t expert,
+                                                              int64_t col0, int64_t K, int64_t N) {
+  if constexpr (kMnB)
+    return typename Tile::Operand{B + int64_t(expert) * K * N + col0,
+                                  int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN), N};
+  else
+    return typename Tile::Operand{B + (int64_t(expert) * N + col0) * K,
+                                  int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN)};
+}
+
+template <class T, int kLayer, bool kMnB>
+__global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
-  using Tile = TileGemm<T>;
+  using Tile = TileGemm<T, kMnB>;
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
@@ -46,8 +61,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
     layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
       const int64_t col0 = int64_t(nt) * Tile::kBN;
       const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
-      const typename Tile::Operand b{B + (int64_t(mt.expert) * N + col0) * K,
-                                     int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN)};
+      const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, N);
       T* out = Y + mt.row_begin * N + col0;
       Tile::run(smem, a, b, K, vec, out, N,
                 bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
@@ -64,8 +78,7 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
       if (!compute) return;  // comm-only timing: columns are published without computing them
       const int64_t col0 = int64_t(nt) * Tile::kBN;
       const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
-      const typename Tile::Operand b{B + (int64_t(mt.expert) * H + col0) * K,
-                                     int(H - col0 < Tile::kBN ? H - col0 : Tile::kBN)};
+      const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, H);
       float* out = C + mt.row_begin * H + col0;
       Tile::run(smem, a, b, K, vec, out, H,
                 bias != nullptr ? bias + int64_t(mt.expert) * H + col0 : nullptr);
@@ -74,18 +87,39 @@ __global__ void __launch_bounds__(TileGemm<T>::kThreads, 1)
 }
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <class T, int kLayer>
+template <class T, int kLayer, bool kMnB>
 FusedKernelInfo info() {
-  auto* k = &fused_kernel<T, kLayer>;
-  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, TileGemm<T>::kSmemBytes);
-  return FusedKernelInfo{reinterpret_cast<const void*>(k), TileGemm<T>::kThreads,
-                         TileGemm<T>::kSmemBytes};
+  using Tile = TileGemm<T, kMnB>;
+  auto* k = &fused_kernel<T, kLayer, kMnB>;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
+}
+
+template <class T, int kLayer, bool kMnB>
+void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
+  using Tile = TileGemm<T, kMnB>;
+  info<T, kLayer, kMnB>();
+  fused_kernel<T, kLayer, kMnB><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
+}
+
+// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B).
+template <class T, int kLayer>
+FusedKernelInfo info(bool b_mn_major) {
+  return b_mn_major ? info<T, kLayer, true>() : info<T, kLayer, false>();
 }
 
 template <class T, int kLayer>
-void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
-  info<T, kLayer>();
-  fused_kernel<T, kLayer><<<grid, TileGemm<T>::kThreads, TileGemm<T>::kSmemBytes, stream>>>(p, vec);
+void launch(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
+  if (b_mn_major)
+    launch<T, kLayer, true>(p, vec, grid, stream);
+  else
+    launch<T, kLayer, false>(p, vec, grid, stream);
 }
+
+// The host sizes grids from one kernel's shared memory either way.
+static_assert(TileGemm<cutlass::bfloat16_t, true>::kSmemBytes ==
+                  TileGemm<cutlass::bfloat16_t, false>::kSmemBytes &&
+              TileGemm<cutlass::half_t, true>::kSmemBytes ==
+                  TileGemm<cutlass::half_t, false>::kSmemBytes);
 
 }  // namespace comet::gpu::sm80

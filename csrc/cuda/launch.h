@@ -38,14 +38,17 @@ struct FusedKernelInfo {
 };
 
 // sm_80 path (cp.async + mma.sync): compiled for sm_80 and sm_90a; every shape.
-// layer: 0 or 1; kind: BF16 or F16. vec: 16-byte operand copies allowed (K % 8 == 0, aligned).
+// layer: 0 or 1; kind: BF16 or F16. b_mn_major: the weights (p.w0 / p.w1) are the ops' transposed
+// layout, read in place (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), else the usual
+// K-contiguous layout. vec: 16-byte operand copies allowed (K % 8 == 0, 16-byte aligned operands,
+// and N % 8 == 0 when b_mn_major).
 // One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu).
-FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind);
-FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind);
-void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool vec, int grid,
-                              cudaStream_t stream);
-void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool vec, int grid,
-                              cudaStream_t stream);
+FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major);
+void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
+                              int grid, cudaStream_t stream);
+void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
+                              int grid, cudaStream_t stream);
 
 // sm_90a path (TMA + wgmma, CUTLASS collective mainloop): needs K % 8 == 0 and 16-byte aligned
 // operands; only for devices of compute capability 9.0.

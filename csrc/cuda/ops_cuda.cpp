@@ -17,9 +17,8 @@
 // errors found on the device are reported by the next call or by Buffer.check().
 //
 // Optional operands: the expert biases b0 / b1 are added in the fused kernels' GEMM epilogue
-// (epilogue.cuh); transposed weights (w0_transposed / w1_transposed) are read in place by the
-// sm_90a path (its MN-major B instantiation) and copied into the kernel layout per call for the
-// sm_80 path (kernel_weights below).
+// (epilogue.cuh); transposed weights (w0_transposed / w1_transposed) are read in place by both
+// paths (their MN-major B instantiations): no per-call copy.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -95,7 +94,7 @@ bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
   bool sm90 = false;  // else the sm_80 path
-  bool b_mn = false;  // sm_90a path: B MN-major (transposed weights read in place), else K-major
+  bool b_mn = false;  // B MN-major (transposed weights read in place), else K-major
   bool vec = false;   // sm_80 path: 16-byte operand copies
   int grid = 0;
   int n_gemm = 0;
@@ -114,8 +113,8 @@ bool sm90_path(int device, int64_t k, int64_t n_out, const void* a, const void* 
          aligned16(b) && (!b_mn || n_out % 8 == 0);
 }
 
-// Picks the path from the device and the operands (b: the weights as the kernel reads them,
-// MN-major when b_mn, which the caller only asks for when sm90_path takes it), then sizes the grid
+// Picks the path from the device and the operands (b: the weights as given, MN-major when b_mn:
+// both paths read either layout in place), then sizes the grid
 // from the occupancy API so that every block is co-resident (they spin-wait on each other);
 // refuses what could deadlock.
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
@@ -128,13 +127,15 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
                "the CUDA kernels are built for sm_80 (Ampere/Ada) and sm_90a (Hopper); this GPU "
                "is sm_" + std::to_string(prop.major * 10 + prop.minor)))
     return lp;
-  lp.vec = k % 8 == 0 && (a == nullptr || aligned16(a)) && aligned16(b);
+  // sm_80 path: 16-byte copies need 16-byte rows and bases; MN-major B's rows are n_out long.
+  lp.vec = k % 8 == 0 && (a == nullptr || aligned16(a)) && aligned16(b) &&
+           (!b_mn || n_out % 8 == 0);
   lp.sm90 = sm90_path(device, k, n_out, a, b, b_mn);
-  TORCH_INTERNAL_ASSERT(lp.sm90 || !b_mn, "MN-major weights need the sm_90a path");
   lp.b_mn = b_mn;
   lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn)
                                   : fused_sm90_layer1_info(kind, b_mn))
-                    : (layer == 0 ? fused_sm80_layer0_info(kind) : fused_sm80_layer1_info(kind));
+                    : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn)
+                                  : fused_sm80_layer1_info(kind, b_mn));
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
                                                     lp.info.smem_bytes) != cudaSuccess)
@@ -255,21 +256,11 @@ int64_t effective_max_rows(const CudaBuffer& b, int64_t max_rows_arg) {
 // max_rows >= 0, when the host reads nothing back); else the next call would fail on it again.
 int64_t device_max_rows(int64_t max_rows, bool locally_ok) { return locally_ok ? max_rows : -1; }
 
-// The weights as the fused kernel reads them. The usual layout (w0 [El, N0, H], w1 [El, H, N1]:
-// K contiguous, B K-major) as given. A transposed weight (w0 [El, H, N0] / w1 [El, N1, H]:
-// N contiguous) is
-//  - read in place when the sm_90a path takes it (mn, from sm90_path with b_mn: also
-//    N % 8 == 0): the MN-major B instantiation of fused_sm90.cuh, whose TMA descriptor covers
-//    [El, K, N] with per-expert bounds;
-//  - else copied into the usual layout, ONE COPY PER CALL (stream-ordered, freed when the call
-//    returns): correct, but a read and a write of the whole weight each call. This is the sm_80
-//    path (Ampere/Ada, and Hopper for K % 8 != 0 or unaligned operands), whose TileGemm
-//    (sm80_tile_gemm.cuh) only reads B K-major: reading it MN-major would need another
-//    shared-memory layout for B and transposing ldmatrix (ldmatrix.trans), not written; and on
-//    sm_90a the shapes with N % 8 != 0 (the copy then runs the K-major TMA kernel).
-at::Tensor kernel_weights(const at::Tensor& w, bool transposed, bool mn) {
-  return transposed && !mn ? w.transpose(1, 2).contiguous() : w;
-}
+// The weights are read in place in both layouts: the usual one (w0 [El, N0, H], w1 [El, H, N1]:
+// K contiguous, B K-major) and the ops' transposed one (w0 [El, H, N0] / w1 [El, N1, H]:
+// N contiguous, B MN-major, lp.b_mn), by the MN-major B instantiations of the sm_90a path
+// (fused_sm90.cuh: TMA over [El, K, N] with per-expert bounds; needs N % 8 == 0) and of the
+// sm_80 path (sm80_tile_gemm.cuh: ldmatrix.trans; any shape, 16-byte copies when N % 8 == 0).
 
 // The data of an optional bias, or null.
 const void* bias_ptr(const std::optional<at::Tensor>& b) {
@@ -374,9 +365,9 @@ void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchP
       launch_fused_sm90_layer1(kind, p, lp.b_mn, lp.grid, stream);
   } else {
     if (layer == 0)
-      launch_fused_sm80_layer0(kind, p, lp.vec, lp.grid, stream);
+      launch_fused_sm80_layer0(kind, p, lp.b_mn, lp.vec, lp.grid, stream);
     else
-      launch_fused_sm80_layer1(kind, p, lp.vec, lp.grid, stream);
+      launch_fused_sm80_layer1(kind, p, lp.b_mn, lp.vec, lp.grid, stream);
   }
   check_cuda(cudaGetLastError(), "launching the fused kernel");
 }
@@ -408,11 +399,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
   const ScalarKind kind = shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
-  // w0 as the kernel reads it: [El, N0, H], or [El, H, N0] in place on the sm_90a path (w_mn).
-  const bool w_mn = shaped && w0_transposed && sm90_path(dev, H, N0, nullptr, w0.data_ptr(), true);
-  const at::Tensor wk = shaped ? kernel_weights(w0, w0_transposed, w_mn) : at::Tensor();
+  // w0 read in place: [El, N0, H], or [El, H, N0] when transposed (MN-major B).
+  const bool w_mn = shaped && w0_transposed;
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
-                                    shaped ? wk.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
+                                    shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -479,7 +469,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
              "clearing tile flags");
   p.a = static_cast<char*>(a.data_ptr());
   p.y0 = y0.data_ptr();
-  p.w0 = wk.data_ptr();
+  p.w0 = w0.data_ptr();
   p.b0 = bias_ptr(b0);
   p.row_source = row_source.data_ptr<int32_t>();
   p.row_token = row_token.data_ptr<int32_t>();
@@ -493,13 +483,13 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
-  // No rows: no TMA descriptor over A, so the sm_80 kernel runs, with no tile to compute (M = 0,
-  // or the call overflowed max_rows = 0 and skips its GEMM): it never reads the weights, so
-  // MN-major ones (lp.b_mn) do no harm.
+  // No rows: no TMA descriptor over A, so the sm_80 kernel runs (of the same B layout), with no
+  // tile to compute (M = 0, or the call overflowed max_rows = 0 and skips its GEMM): it never
+  // reads the weights.
   LaunchPlan run = lp;
   if (run.sm90 && rows_cap < 1) run.sm90 = false;
   if (!run.sm90 && lp.sm90) {
-    run.info = fused_sm80_layer0_info(kind);
+    run.info = fused_sm80_layer0_info(kind, lp.b_mn);
   }
   launch_fused(0, kind, p, run, stream);
   return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
@@ -535,12 +525,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
   const ScalarKind kind = shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
-  // w1 as the kernel reads it: [El, H, N1], or [El, N1, H] in place on the sm_90a path (w_mn).
-  const bool w_mn =
-      shaped && w1_transposed && sm90_path(dev, N1, H, h.data_ptr(), w1.data_ptr(), true);
-  const at::Tensor wk = shaped ? kernel_weights(w1, w1_transposed, w_mn) : at::Tensor();
+  // w1 read in place: [El, H, N1], or [El, N1, H] when transposed (MN-major B).
+  const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
-                                    shaped ? wk.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
+                                    shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -607,7 +595,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
   at::Tensor out = at::empty({T, H}, h.options());
   p.h = h.data_ptr();
-  p.w1 = wk.data_ptr();
+  p.w1 = w1.data_ptr();
   p.b1 = bias_ptr(b1);
   p.c = cbuf.data_ptr<float>();
   p.out = out.data_ptr();

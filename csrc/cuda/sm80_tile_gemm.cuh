@@ -1,13 +1,21 @@
 // The sm_80 GEMM tile of the fused kernels: one 128x128 output tile C[rows, cols] = A[rows, K] @
-// B[cols, K]^T (both operands K-contiguous, "TN"), bf16 or fp16 inputs, fp32 accumulation with
-// mma.sync (CuTe SM80 16x8x16 atoms, 8 warps), a multistage cp.async mainloop through swizzled
+// B[cols, K]^T (both operands K-contiguous, "TN"; or, kMnB, B stored [K, cols] with its columns
+// contiguous: the ops' transposed weights read in place), bf16 or fp16 inputs, fp32 accumulation
+// with mma.sync (CuTe SM80 16x8x16 atoms, 8 warps), a multistage cp.async mainloop through swizzled
 // shared memory read with ldmatrix, and a predicated epilogue storing straight from registers
 // (adding the expert's bias, when there is one, in fp32 before the store).
 //
 // Residues are handled in the tile: rows >= `rows`, columns >= `cols` and k >= K load as zeros.
-// When K is a multiple of 8 and both operands are 16-byte aligned the gmem->smem copies are 16-byte
-// cp.async (zero-filling out-of-range vectors); otherwise a scalar path fills the same shared
-// memory synchronously (the awkward shapes: H = 37 and friends), so one kernel serves every shape.
+// When K is a multiple of 8 and both operands are 16-byte aligned (and, kMnB, N % 8 == 0: the
+// fused kernels' `vec`) the gmem->smem copies are 16-byte cp.async (zero-filling out-of-range
+// vectors); otherwise a scalar path fills the same shared memory synchronously (the awkward
+// shapes: H = 37 and friends), so one kernel serves every shape.
+//
+// B MN-major (kMnB): a stage of B holds kBK k-rows of kBN contiguous columns in CUTLASS's sm80
+// layout for 16-bit MN-major operands (3-3-3 swizzle over 64-column, 128-byte rows), read with
+// ldmatrix.trans (SM75_U16x8_LDSM_T), which yields the same mma.sync fragments as the K-major
+// layout with ldmatrix. Its 16-byte cp.async vectors run along N (vec then also needs the row
+// stride N % 8 == 0); its scalar path gathers the same vectors element by element.
 //
 // Only tile-local work lives here: which tile to compute and when is the engine's schedule
 // (csrc/include/comet/gemm_schedule.h), run by the fused kernel.
@@ -40,7 +48,7 @@ struct MmaAtomFor<cutlass::half_t> {
   using type = SM80_16x8x16_F32F16F16F32_TN;
 };
 
-template <class T>
+template <class T, bool kMnB = false>
 struct TileGemm {
   static constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
   static constexpr int kChunk = 8;  // elements per 16-byte vector
@@ -52,8 +60,14 @@ struct TileGemm {
   using SmemAtom = decltype(composition(Swizzle<2, 3, 3>{},
                                         Layout<Shape<_8, Int<kBK>>, Stride<Int<kBK>, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBM>, Int<kBK>, Int<kStages>>{}));
-  using SmemLayoutB = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kBK>, Int<kStages>>{}));
+  // MN-major B: 64 contiguous columns (128 bytes) per k-row of the atom, 8 k-rows.
+  using SmemAtomMn = decltype(composition(Swizzle<3, 3, 3>{},
+                                          Layout<Shape<_64, _8>, Stride<_1, _64>>{}));
+  using SmemLayoutB = conditional_t<
+      kMnB, decltype(tile_to_shape(SmemAtomMn{}, Shape<Int<kBN>, Int<kBK>, Int<kStages>>{})),
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kBK>, Int<kStages>>{}))>;
   using S2RAtom = Copy_Atom<SM75_U32x4_LDSM_N, T>;
+  using S2RAtomB = conditional_t<kMnB, Copy_Atom<SM75_U16x8_LDSM_T, T>, S2RAtom>;
 
   static constexpr int kSmemBytes =
       int(cosize_v<SmemLayoutA> + cosize_v<SmemLayoutB>) * int(sizeof(T));
@@ -61,8 +75,9 @@ struct TileGemm {
                 "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
 
   struct Operand {
-    const T* ptr;  // first row of the tile
-    int rows;      // valid rows (others read as zero)
+    const T* ptr;    // first row of the tile (MN-major B: element (k = 0, first column))
+    int rows;        // valid rows (others read as zero); MN-major B: valid columns
+    int64_t ld = 0;  // MN-major B only: the stride between k-rows (N); else K
   };
 
   // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt`.
@@ -99,6 +114,54 @@ struct TileGemm {
     }
   }
 
+  // Fills stage `stage` of MN-major B (kBN columns x kBK k) from k-tile `kt`: element (n, k) of
+  // the tile at op.ptr[k * op.ld + n]. With vec, op.ld % 8 == 0 and op.ptr is 16-byte aligned, so
+  // op.rows (N - col0, or kBN) is a multiple of 8 and each vector is wholly in or out of range.
+  template <class SLayout>
+  static __device__ __forceinline__ void load_stage_mn(T* smem, SLayout const& layout,
+                                                       const Operand& op, int64_t K, int kt,
+                                                       int stage, bool vec) {
+    constexpr int kChunksPerRow = kBN / kChunk;
+    const int64_t k0 = int64_t(kt) * kBK;
+    for (int idx = int(threadIdx.x); idx < kBK * kChunksPerRow; idx += kThreads) {
+      const int r = idx / kChunksPerRow;              // k within the k-tile
+      const int c = (idx % kChunksPerRow) * kChunk;   // first column of the vector
+      T* dst = smem + layout(c, r, stage);
+      const int64_t gk = k0 + r;
+      const bool k_ok = gk < K;
+      if (vec) {
+        const bool ok = k_ok && c < op.rows;
+        const T* src = ok ? op.ptr + gk * op.ld + c : op.ptr;
+        const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
+                     "r"(ok ? 16 : 0));
+      } else {
+        // Scalar path: any N, any alignment. Each element read only when in range. (Written with
+        // one in-range count and no out-of-range row address: the form with a predicate per
+        // element (as load_stage) took layer1's kernel from ~150 to 254 registers.)
+        const int n_ok = k_ok ? op.rows - c : 0;  // elements of the vector in range (may be < 0)
+        const uint16_t* src =
+            reinterpret_cast<const uint16_t*>(op.ptr) + (k_ok ? gk * op.ld + c : 0);
+        uint32_t w[kChunk / 2];
+#pragma unroll
+        for (int e = 0; e < kChunk; e += 2) {
+          const uint32_t lo = e < n_ok ? src[e] : 0u;
+          const uint32_t hi = e + 1 < n_ok ? src[e + 1] : 0u;
+          w[e / 2] = lo | (hi << 16);
+        }
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void load_stage_b(T* smem, const Operand& op, int64_t K,
+                                                      int kt, int stage, bool vec) {
+    if constexpr (kMnB)
+      load_stage_mn(smem, SmemLayoutB{}, op, K, kt, stage, vec);
+    else
+      load_stage<kBN>(smem, SmemLayoutB{}, op, K, kt, stage, vec);
+  }
+
   // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
   // adding bias[c] to column c first when bias is not null (the tile's slice of its expert's bias
   // row). `smem` holds kSmemBytes. Every thread of the block must call it.
@@ -121,7 +184,7 @@ struct TileGemm {
     auto thr_s2r_a = s2r_a.get_slice(threadIdx.x);
     Tensor tXsA = thr_s2r_a.partition_S(sA);  // (CPY, CPY_M, CPY_K, PIPE)
     Tensor tXrA = thr_s2r_a.retile_D(tCrA);
-    auto s2r_b = make_tiled_copy_B(S2RAtom{}, mma);
+    auto s2r_b = make_tiled_copy_B(S2RAtomB{}, mma);
     auto thr_s2r_b = s2r_b.get_slice(threadIdx.x);
     Tensor tXsB = thr_s2r_b.partition_S(sB);
     Tensor tXrB = thr_s2r_b.retile_D(tCrB);
@@ -134,7 +197,7 @@ struct TileGemm {
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < k_tiles) {
         load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
-        load_stage<kBN>(sb, SmemLayoutB{}, b, K, s, s, vec);
+        load_stage_b(sb, b, K, s, s, vec);
       }
       cp_async_fence();
     }
@@ -145,7 +208,7 @@ struct TileGemm {
       const int next = kt + kStages - 1;
       if (next < k_tiles) {
         load_stage<kBM>(sa, SmemLayoutA{}, a, K, next, next % kStages, vec);
-        load_stage<kBN>(sb, SmemLayoutB{}, b, K, next, next % kStages, vec);
+        load_stage_b(sb, b, K, next, next % kStages, vec);
       }
       cp_async_fence();
       const int stage = kt % kStages;
