@@ -17,8 +17,7 @@ Weights are the module's own parameters, passed to the ops as they are (checkpoi
 
 * w0: ``gate_up_proj`` (``up_proj`` for experts without a gate), [E, N0, H]; models that store it
   transposed (``is_transposed``, e.g. GPT-OSS: [E, H, N0]) pass ``w0_transposed=True`` (read
-  through strides on the CPU backend and by the sm_90a kernels; the sm_80 CUDA path copies it
-  per call).
+  in place through strides by the CPU backend and by both CUDA paths).
   The N0 columns keep the model's order, concatenated [gate; up] or interleaved [g0, u0, g1, ...]
   (GPT-OSS), because the activation applied to layer0's rows is the module's own ``_apply_gate``
   (``act_fn`` without a gate): GPT-OSS's clamped, alpha-scaled SwiGLU with the +1 on up included.

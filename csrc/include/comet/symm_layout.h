@@ -39,19 +39,43 @@ struct RankHeader {
   uint64_t gen_ready[kFlagStride];   // data segment generation `gen` exists and may be mapped
   uint64_t pid[kFlagStride];
   CallMeta meta;
-  // Followed by world flags `arrive[s]` (written by rank s: its layer1 partials for this rank are
-  // complete for epoch) and world flags `mapped[s]` (written by rank s: it mapped this rank's data
-  // generation), each kFlagStride words apart.
+  // Followed by kPeerFlagKinds arrays of `world` flags, flag [kind][s] written by rank s (by a
+  // store when s is on this node, by put-with-signal otherwise), each kFlagStride words apart,
+  // then `world` CallMeta mailboxes (written by rank s before its PeerFlag::Meta flag).
 };
 
+// Per-source flags in a rank's header, written by the source (comet/topology.h for the mirrors).
+enum class PeerFlag : int32_t {
+  Arrive = 0,      // layer1: s's partials for this rank are complete for epoch
+  Mapped = 1,      // s mapped this rank's data generation
+  MirrorMeta = 2,  // this rank relays s (another node): s's send plan / routing mirror is complete
+  MirrorRows = 3,  // ... and the rows of s's tokens this node needs
+  Done = 4,        // s finished reading this rank's memory for call `epoch` (mailbox protocol)
+  Meta = 5,        // s's CallMeta of call `epoch` is in this rank's mailbox
+  Gen = 6,         // s's data generation `gen` exists
+  Data = 7,        // s's source data of call `epoch` is readable (s on this node)
+};
+constexpr int32_t kPeerFlagKinds = 8;
+
 COMET_HD size_t header_bytes(int32_t world) {
-  return sizeof(RankHeader) + size_t(2) * world * kFlagStride * sizeof(uint64_t);
+  return sizeof(RankHeader) + size_t(kPeerFlagKinds) * world * kFlagStride * sizeof(uint64_t) +
+         size_t(world) * sizeof(CallMeta);
+}
+COMET_HD uint64_t* header_flag(RankHeader* h, int32_t world, PeerFlag kind, int32_t source) {
+  return reinterpret_cast<uint64_t*>(h + 1) +
+         (size_t(kind) * size_t(world) + size_t(source)) * kFlagStride;
 }
 COMET_HD uint64_t* header_arrive(RankHeader* h, int32_t source) {
+  // Arrive is kind 0: its address does not depend on the world size.
   return reinterpret_cast<uint64_t*>(h + 1) + size_t(source) * kFlagStride;
 }
 COMET_HD uint64_t* header_mapped(RankHeader* h, int32_t world, int32_t source) {
-  return reinterpret_cast<uint64_t*>(h + 1) + size_t(world + source) * kFlagStride;
+  return header_flag(h, world, PeerFlag::Mapped, source);
+}
+COMET_HD CallMeta* header_meta_box(RankHeader* h, int32_t world, int32_t source) {
+  return reinterpret_cast<CallMeta*>(reinterpret_cast<uint64_t*>(h + 1) +
+                                     size_t(kPeerFlagKinds) * world * kFlagStride) +
+         source;
 }
 
 COMET_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -71,6 +95,11 @@ struct DataRegions {
   // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot,
   // in the activation dtype (comm_layer1.h says why)
   size_t recv;        // elem  [partials, tmax, H]
+  // Node-first routing (comet/topology.h): the regions above up to source_bytes are what a source
+  // publishes; a relay holds `mirrors` (nodes - 1) copies of that part for remote sources, from
+  // `mirror` on, source_bytes apart.
+  size_t source_bytes;
+  size_t mirror;
   size_t total;
 };
 
@@ -78,7 +107,7 @@ struct DataRegions {
 // accumulator size of the weights (4: fp32; 8: fp64 on the CPU backend).
 COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
                                   int32_t num_experts, int32_t world, int32_t elem_bytes,
-                                  int32_t acc_bytes = 4) {
+                                  int32_t acc_bytes = 4, int32_t mirrors = 0) {
   const size_t A = 256;  // every region starts on a 256-byte boundary (16-byte vector copies)
   DataRegions r{};
   size_t off = 0;
@@ -92,6 +121,7 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.bucket_off = take(size_t(num_experts + 1) * 4);
     r.send_slot = take(slots * 4);
     r.x = take(size_t(tmax) * hidden * elem_bytes);
+    r.source_bytes = off;
   } else {
     int32_t partials = topk < world ? topk : world;
     r.ids = take(slots * 4);
@@ -99,8 +129,10 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.weights = take(slots * acc_bytes);
     r.pair_off = take(size_t(world + 1) * 4);
     r.pair_slot = take(slots * 4);
+    r.source_bytes = off;
     r.recv = take(size_t(partials) * tmax * hidden * elem_bytes);
   }
+  r.mirror = take(size_t(mirrors) * r.source_bytes);
   r.total = off;
   return r;
 }
