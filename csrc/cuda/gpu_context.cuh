@@ -158,6 +158,11 @@ class CommContext {
   __device__ void fence_peers() { __threadfence_system(); }
   __device__ void delay() {}
   __device__ void* block_shared() const { return shared_; }
+  // One node on this path: every peer is reachable by nvshmem_ptr (CudaBuffer refuses others),
+  // and the comm programs only put to other nodes when their args say the group spans nodes,
+  // which the CUDA ops never set yet; the trap guards that promise.
+  __device__ bool reachable(int32_t) const { return true; }
+  __device__ void put_signal(int32_t, void*, const void*, size_t, uint64_t*, uint64_t) { __trap(); }
 
  private:
   __device__ void acquire_source(int32_t r) {
