@@ -26,6 +26,31 @@ Traffic (:func:`remote_rows`, :func:`local_rows`), uniform routing, top-k over d
 * Measured counts replace the expectations: ``MoEShape.remote_rows`` (rows this rank moves over the
   links for the layer) and ``MoEShape.expert_rows`` (GEMM rows per local expert).
 
+Several nodes (MoNTA-style: intra- and inter-node links separately, :func:`node_traffic`):
+``MoEShape.ranks_per_node = P`` groups the ``W`` ranks into ``n = W / P`` nodes; same-node peers
+are reached over NVLink by pointer, other nodes over the GPU's own NIC (one per GPU,
+rail-aligned; ``GpuSpec.nic_gbs`` per direction, ``nic_eff``, ``nic_latency_us``).  Of the
+``R`` remote rows above, ``R (P - 1) / (W - 1)`` stay in the node, ``F = R (W - P) / (W - 1)``
+involve other nodes:
+
+* layer0, node-first dispatch (csrc/include/comet/topology.h, ``node_first=True``): a token
+  crosses to a remote node once if any of its k slots lands there, into the mirror on the relay
+  (the rank of that node with the source's local index), then fans out inside the node.  NIC rows
+  ``T (n - 1) q`` with ``q = 1 - C(E - E/n, k) / C(E, k)`` (:func:`hit_probability` with nodes
+  for ranks: ``(n - 1) q`` is the expected number of distinct remote nodes per token), at most
+  the flat ``F = T k (W - P) / W`` (union bound), strictly less for ``k >= 2`` with several
+  experts per node.  The ``F`` slot rows are then read from mirrors: ``F (P - 1) / P`` over
+  NVLink from a same-node relay, ``F / P`` from this rank's own mirror (HBM, read + write).
+* layer0, flat (``node_first=False``, MoNTA's plain all-to-all): ``F`` slot rows over the NIC,
+  fetched by the destination like a same-node pull (two index round trips over the NIC per
+  m-tile), landing in place (no fan-out).
+* layer1: ``F`` partial rows over the NIC either way: one row per (token, sending rank) to a
+  home on another node, not pre-reduced per node (that would change the fixed fp32 summation
+  order), so the hierarchy does not reduce layer1's inter-node bytes.
+* With one node (``P = W``, the default) nothing crosses a NIC and every formula below is the
+  single-node one, bit for bit (tests/data/perfmodel_one_node.json holds its predictions).
+* A measured ``remote_rows`` is split in the same proportions.
+
 Comm (alpha-beta, :func:`comm_time`): a comm block moves ``block_link_gbs`` over the link (what one
 SM can keep in flight: Little's law, bytes in flight / remote latency), so the link bandwidth grows
 linearly with ``n_comm`` until it saturates at the achievable link bandwidth
@@ -38,6 +63,30 @@ at ``hbm * hbm_eff``::
                                                           (read, reduce, store: one stream)
 
 It is non-increasing in ``n`` and constant from :func:`comm_saturation_blocks` on.
+
+Over several nodes a block also moves ``block_nic_bw`` over the NIC (Little's law with the NIC's
+round trip ``2 * nic_latency_us`` and, an assumption until the node-first kernel is measured, the
+same 24 KiB in flight as its copy loop: 4.1 GB/s on the sm90 path), capped at ``nic_gbs *
+nic_eff``.  The NIC part is ``nic(n) = nic_alpha + nic_bytes / min(n * b_nic, B_nic)``; the
+NVLink part covers same-node rows and mirror reads (:func:`comm_split` reports both)::
+
+    layer0: comm(n) = max(alpha + local(n) + same(n) + fan(n),          (the pull stream)
+                          nic_alpha + nic(n) + fan(n) / R, nic_alpha + nic(n) / R + fan(n))
+    layer1: comm(n) = max(alpha, nic_alpha) + max(local(n), same(n), nic(n)) + combine
+
+with ``R = W - P`` remote sources.  Max, not sum: the NIC's DMA moves the rows a sender posted
+while the comm blocks load from HBM and NVLink (separate links, separate windows), and layer1's
+stores and puts are one stream like its HBM reads.  The fan-out of a remote node's rows can start
+only when they have arrived, hence the two NIC terms (the last of R equal NIC chunks still has to
+be fanned out; or all of the fan-out follows the first chunk).  The pipeline below orders layer0's
+tiles local, same-node sources, then other nodes' sources, each released when the NIC delivered it.
+
+More nodes at fixed ``W`` never lower the flat all-to-all's or layer1's predicted comm (rows move
+from NVLink to the slower NIC).  With node-first dispatch they can, where the NIC is not the
+bottleneck: the relay serves ``1 / P`` of a remote node's slot rows from its own memory and the
+NIC's DMA adds bandwidth, so when ``k`` slots per token collapse into few NIC rows (k >= 4 on
+H800's 160 GB/s NVLink vs 40 GB/s NIC, few comm blocks) 2 x 8 ranks can beat a hypothetical
+16-rank NVLink domain, whose path pulls every slot row over NVLink (no per-rank dedup).
 
 GEMM (roofline with wave quantisation, :func:`gemm_time`): the grouped GEMM has
 ``tiles = sum_e ceil(M_e / tile_m) * ceil(n_out / tile_n)`` output tiles, a tile costs
@@ -75,7 +124,10 @@ overlap with every SM serving both; no split reaches it).  Always
 
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
 tile is an input), L2 capacity, NVLink contention between ranks, load imbalance beyond the measured
-counts, launch overheads.  Constants marked "assumption" are to be calibrated by measurement; the
+counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
+if its partials leave in messages of at least a row; per-N-tile slices of 256 bytes would be
+message-rate bound), switch congestion beyond rail alignment, the PCIe path between GPU and NIC,
+and the extra HBM traffic of the NIC's writes.  Constants marked "assumption" are to be calibrated by measurement; the
 measured autotuner (comet.tuner.tune) overrides the model wherever it has run.
 """
 
