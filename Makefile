@@ -15,7 +15,7 @@ export MAX_JOBS ?= 2
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
 
-.PHONY: setup build demo test test-cpp test-tsan test-py test-cuda-static test-gpu bench clean
+.PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu bench clean
 
 # Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
 $(VENV)/.deps: Makefile
@@ -49,6 +49,14 @@ test-tsan:
 test-py: setup
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
+# The op suites again with every rank on a node of its own (the CPU analog of a multi-node group:
+# every peer reached only through the link proxy, 20 us per put).
+OP_SUITES = tests/test_ops_sim.py tests/test_ops_dist.py tests/test_op_options.py \
+	tests/test_autograd.py tests/test_thread_teams.py tests/test_nn.py tests/test_cuda_rules.py \
+	tests/test_partials_precision.py
+test-py-nodes: setup
+	COMET_CPU_RANKS_PER_NODE=1 COMET_CPU_LINK_LATENCY_US=20 $(PY) -m pytest $(OP_SUITES) -q -p no:cacheprovider
+
 # Static checks of the CUDA kernels (no GPU needed): every .cu compiled for sm_80 and sm_90a with
 # ptxas -v; fails on spills in GEMM kernels or serialized-wgmma / ignored-setmaxnreg warnings.
 test-cuda-static: $(VENV)/.deps
@@ -56,7 +64,7 @@ test-cuda-static: $(VENV)/.deps
 		$(PY) tools/check_ptxas.py --jobs $(MAX_JOBS); \
 	else echo "nvcc not found: CUDA static checks skipped"; fi
 
-test: test-cpp test-tsan test-cuda-static test-py
+test: test-cpp test-tsan test-cuda-static test-py test-py-nodes
 
 # GPU tests: skip without a GPU; on a machine with N GPUs: make test-gpu NGPU=N
 NGPU ?= 1
