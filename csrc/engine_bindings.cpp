@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "comet/prologue.h"
+#include "comet/topology.h"
 #include "cpu/block_runner.h"
 #include "cpu/grid_scratch.h"
 
@@ -137,5 +138,10 @@ void bind_engine(py::module_& m) {
         py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot);
+  // comet/topology.h: (relay rank, mirror slot) of source s's data for node b.
+  e.def("node_route", [](int32_t world, int32_t ranks_per_node, int32_t s, int32_t b) {
+    const comet::NodeTopology t{world, ranks_per_node};
+    return std::make_pair(t.relay(s, b), t.mirror_slot(s, b));
+  });
 
 }

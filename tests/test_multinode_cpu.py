@@ -156,3 +156,23 @@ def test_rank_dying_on_the_other_node_fails_survivors_not_hangs():
         assert took < 30, f"rank {rank} needed {took:.1f} s to notice"
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("comet-")]
     assert not leftovers, f"shared-memory segments left behind: {leftovers}"
+
+
+@pytest.mark.parametrize("nodes,rpn", [(1, 4), (2, 1), (2, 3), (3, 2), (4, 2), (8, 1), (5, 3)])
+def test_relays_and_mirror_slots_are_a_bijection(nodes, rpn):
+    """topology.h: for every node b, the sources of the other nodes map one-to-one onto (relay on
+    b, mirror slot in [0, nodes - 1)), each relay holding one source per other node, rail-aligned
+    (same local index as the source)."""
+    from comet._C import engine
+
+    world = nodes * rpn
+    for b in range(nodes):
+        seen = set()
+        for s in range(world):
+            if s // rpn == b:
+                continue
+            relay, slot = engine.node_route(world, rpn, s, b)
+            assert relay // rpn == b and relay % rpn == s % rpn
+            assert 0 <= slot < nodes - 1
+            seen.add((relay, slot))
+        assert len(seen) == (nodes - 1) * rpn
