@@ -68,7 +68,7 @@ class CudaBuffer {
   // the data segment grows: read it again after grow().
   PutRing put_ring() const;
   const int32_t* pes_device() const { return pes_dev_; }
-  size_t header_bytes() const { return header_bytes_; }
+  size_t header_size() const { return header_bytes_; }
   RankHeader* own_header() const { return static_cast<RankHeader*>(header_); }
 
   // Calls without host synchronisation: outputs hold max_rows rows (-1: off, rows read back).

@@ -709,6 +709,8 @@ TORCH_LIBRARY_IMPL(comet, CUDA, m) {
 
 TORCH_LIBRARY_FRAGMENT(comet_cuda, m) {
   m.def("buffer_fail_call(int handle, int op, str message) -> str", &buffer_fail_call);
+  // Whether calls on buffers spanning nodes run (else they are refused: check_nodes).
+  m.def("cross_node_wired() -> bool", []() { return kNodeFirstWired; });
 }
 
 }  // namespace comet::gpu
