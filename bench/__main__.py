@@ -1,4 +1,4 @@
-"""The benchmarks (moe_layer, sweep_ncomm, prologue, comm_copy), one after the other, from one command:
+"""The benchmarks (moe_layer, sweep_ncomm, prologue, comm_copy, multinode), one after the other, from one command:
 
     .venv/bin/python -m bench            # full CPU run (~1-2 min on 2 cores)
     .venv/bin/python -m bench --smoke    # CI-sized (< 30 s each)
@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     extra = (["--smoke"] if a.smoke else []) + (["--out", a.out] if a.out else [])
-    from bench import comm_copy, moe_layer, prologue, sweep_ncomm
+    from bench import comm_copy, moe_layer, multinode, prologue, sweep_ncomm
 
     rc = moe_layer.main(extra)
     print()
@@ -27,7 +27,9 @@ def main(argv=None) -> int:
     print()
     rc = rc or prologue.main(extra)
     print()
-    return rc or comm_copy.main(extra)
+    rc = rc or comm_copy.main(extra)
+    print()
+    return rc or multinode.main(extra)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,31 @@ Traffic (:func:`remote_rows`, :func:`local_rows`), uniform routing, top-k over d
 * Measured counts replace the expectations: ``MoEShape.remote_rows`` (rows this rank moves over the
   links for the layer) and ``MoEShape.expert_rows`` (GEMM rows per local expert).
 
+Several nodes (MoNTA-style: intra- and inter-node links separately, :func:`node_traffic`):
+``MoEShape.ranks_per_node = P`` groups the ``W`` ranks into ``n = W / P`` nodes; same-node peers
+are reached over NVLink by pointer, other nodes over the GPU's own NIC (one per GPU,
+rail-aligned; ``GpuSpec.nic_gbs`` per direction, ``nic_eff``, ``nic_latency_us``).  Of the
+``R`` remote rows above, ``R (P - 1) / (W - 1)`` stay in the node, ``F = R (W - P) / (W - 1)``
+involve other nodes:
+
+* layer0, node-first dispatch (csrc/include/comet/topology.h, ``node_first=True``): a token
+  crosses to a remote node once if any of its k slots lands there, into the mirror on the relay
+  (the rank of that node with the source's local index), then fans out inside the node.  NIC rows
+  ``T (n - 1) q`` with ``q = 1 - C(E - E/n, k) / C(E, k)`` (:func:`hit_probability` with nodes
+  for ranks: ``(n - 1) q`` is the expected number of distinct remote nodes per token), at most
+  the flat ``F = T k (W - P) / W`` (union bound), strictly less for ``k >= 2`` with several
+  experts per node.  The ``F`` slot rows are then read from mirrors: ``F (P - 1) / P`` over
+  NVLink from a same-node relay, ``F / P`` from this rank's own mirror (HBM, read + write).
+* layer0, flat (``node_first=False``, MoNTA's plain all-to-all): ``F`` slot rows over the NIC,
+  fetched by the destination like a same-node pull (two index round trips over the NIC per
+  m-tile), landing in place (no fan-out).
+* layer1: ``F`` partial rows over the NIC either way: one row per (token, sending rank) to a
+  home on another node, not pre-reduced per node (that would change the fixed fp32 summation
+  order), so the hierarchy does not reduce layer1's inter-node bytes.
+* With one node (``P = W``, the default) nothing crosses a NIC and every formula below is the
+  single-node one, bit for bit (tests/data/perfmodel_one_node.json holds its predictions).
+* A measured ``remote_rows`` is split in the same proportions.
+
 Comm (alpha-beta, :func:`comm_time`): a comm block moves ``block_link_gbs`` over the link (what one
 SM can keep in flight: Little's law, bytes in flight / remote latency), so the link bandwidth grows
 linearly with ``n_comm`` until it saturates at the achievable link bandwidth
@@ -38,6 +63,30 @@ at ``hbm * hbm_eff``::
                                                           (read, reduce, store: one stream)
 
 It is non-increasing in ``n`` and constant from :func:`comm_saturation_blocks` on.
+
+Over several nodes a block also moves ``block_nic_bw`` over the NIC (Little's law with the NIC's
+round trip ``2 * nic_latency_us`` and, an assumption until the node-first kernel is measured, the
+same 24 KiB in flight as its copy loop: 4.1 GB/s on the sm90 path), capped at ``nic_gbs *
+nic_eff``.  The NIC part is ``nic(n) = nic_alpha + nic_bytes / min(n * b_nic, B_nic)``; the
+NVLink part covers same-node rows and mirror reads (:func:`comm_split` reports both)::
+
+    layer0: comm(n) = max(alpha + local(n) + same(n) + fan(n),          (the pull stream)
+                          nic_alpha + nic(n) + fan(n) / R, nic_alpha + nic(n) / R + fan(n))
+    layer1: comm(n) = max(alpha, nic_alpha) + max(local(n), same(n), nic(n)) + combine
+
+with ``R = W - P`` remote sources.  Max, not sum: the NIC's DMA moves the rows a sender posted
+while the comm blocks load from HBM and NVLink (separate links, separate windows), and layer1's
+stores and puts are one stream like its HBM reads.  The fan-out of a remote node's rows can start
+only when they have arrived, hence the two NIC terms (the last of R equal NIC chunks still has to
+be fanned out; or all of the fan-out follows the first chunk).  The pipeline below orders layer0's
+tiles local, same-node sources, then other nodes' sources, each released when the NIC delivered it.
+
+More nodes at fixed ``W`` never lower the flat all-to-all's or layer1's predicted comm (rows move
+from NVLink to the slower NIC).  With node-first dispatch they can, where the NIC is not the
+bottleneck: the relay serves ``1 / P`` of a remote node's slot rows from its own memory and the
+NIC's DMA adds bandwidth, so when ``k`` slots per token collapse into few NIC rows (k >= 4 on
+H800's 160 GB/s NVLink vs 40 GB/s NIC, few comm blocks) 2 x 8 ranks can beat a hypothetical
+16-rank NVLink domain, whose path pulls every slot row over NVLink (no per-rank dedup).
 
 GEMM (roofline with wave quantisation, :func:`gemm_time`): the grouped GEMM has
 ``tiles = sum_e ceil(M_e / tile_m) * ceil(n_out / tile_n)`` output tiles, a tile costs
@@ -75,7 +124,10 @@ overlap with every SM serving both; no split reaches it).  Always
 
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
 tile is an input), L2 capacity, NVLink contention between ranks, load imbalance beyond the measured
-counts, launch overheads.  Constants marked "assumption" are to be calibrated by measurement; the
+counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
+if its partials leave in messages of at least a row; per-N-tile slices of 256 bytes would be
+message-rate bound), switch congestion beyond rail alignment, the PCIe path between GPU and NIC,
+and the extra HBM traffic of the NIC's writes.  Constants marked "assumption" are to be calibrated by measurement; the
 measured autotuner (comet.tuner.tune) overrides the model wherever it has run.
 """
 
@@ -85,7 +137,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 __all__ = [
     "GpuSpec",
@@ -99,6 +151,13 @@ __all__ = [
     "dtype_bytes",
     "hit_probability",
     "expected_distinct_ranks",
+    "expected_distinct_nodes",
+    "NodeTraffic",
+    "node_traffic",
+    "internode_rows",
+    "intranode_rows",
+    "internode_bytes",
+    "intranode_bytes",
     "expert_rows",
     "remote_rows",
     "local_rows",
@@ -106,6 +165,8 @@ __all__ = [
     "gemm_dims",
     "gemm_tiles",
     "comm_time",
+    "comm_split",
+    "block_nic_rate",
     "comm_saturation_blocks",
     "gemm_time",
     "predict",
@@ -169,6 +230,13 @@ class GpuSpec:
     link_eff: float = 0.80  # achievable fraction of link bandwidth (DeepEP: ~160 of 200 GB/s on H800)
     block_hbm_gbs: Optional[float] = None  # one block's HBM copy rate; default 2 * hbm / sm_count
     source: str = ""
+    # Inter-node link (the NIC, one per GPU, rail-aligned): per direction, GB/s; achievable
+    # fraction; one-way latency of a put-with-signal (alpha of the inter-node part).
+    nic_gbs: float = 50.0  # one 400 Gb/s NIC (ConnectX-7 NDR) per GPU
+    nic_eff: float = 0.80  # DeepEP: 43 of ~50 GB/s at EP16 on H800; MoNTA: r1 = 0.74 (2 x 8 A800)
+    nic_latency_us: float = 3.0  # put-with-signal over IB/RoCE, first byte visible (assumption)
+    # What one comm block moves over the NIC (see block_nic_bw); a number here overrides it.
+    block_nic_gbs: Optional[float] = None
 
     # -- derived, SI units --------------------------------------------------------------------
     @property
@@ -209,6 +277,27 @@ class GpuSpec:
     def alpha(self) -> float:
         return self.link_latency_us * 1e-6
 
+    @property
+    def nic_bw(self) -> float:
+        return self.nic_gbs * 1e9 * self.nic_eff
+
+    @property
+    def nic_alpha(self) -> float:
+        return self.nic_latency_us * 1e-6
+
+    @property
+    def block_nic_bw(self) -> float:
+        """Bytes/s one comm block moves over the NIC. Little's law again, with the NIC's round
+        trip: a block keeps as many bytes of put-with-signal in flight as its copy loop keeps
+        loads (comm_threads * COPY_UNROLL * 16 bytes; an assumption until the node-first kernel
+        is measured) and a put completes after 2 * nic_latency_us
+        (sm90 path: 24 KiB / 6 us = 4.1 GB/s; sm80 path: 2.7 GB/s).  Never more than
+        block_link_bw while the NIC's latency is at least a peer load's round trip / 2: a row
+        does not move faster over the NIC than over NVLink, per block or in aggregate."""
+        if self.block_nic_gbs is not None:
+            return self.block_nic_gbs * 1e9
+        return self.comm_threads * COPY_UNROLL * 16 / (2.0 * self.nic_latency_us * 1e-6)
+
     def scaled(self, sm_count: int) -> "GpuSpec":
         """The same chip with ``sm_count`` SMs (e.g. a PCIe or MIG variant): flops scale with SMs."""
         if sm_count == self.sm_count:
@@ -226,7 +315,11 @@ class GpuSpec:
 
 
 # Sources (figures as printed by NVIDIA; dense = without structured sparsity, i.e. half of the
-# "with sparsity" figure; NVLink per direction = half of the bidirectional total):
+# "with sparsity" figure; NVLink per direction = half of the bidirectional total).
+# Inter-node (nic_*): NIC line rate per GPU per direction (400 Gb/s = 50 GB/s), from the DGX
+# datasheets' NIC lists (one single-port NIC per GPU: rail-aligned) or DeepEP's test setup; the
+# efficiency default 0.80 sits between DeepEP's 43/50 = 0.86 (EP16 over CX7 on H800) and MoNTA's
+# measured r1 = 0.741 (2 x 8 A800, IB 200 Gb/s; used for the A100); latencies are assumptions.
 GPUS: Dict[str, GpuSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 tensor 312 TFLOPS dense, FP32 19.5,
     # HBM2e 2,039 GB/s, NVLink 600 GB/s; NVIDIA A100 Tensor Core GPU Architecture whitepaper:
@@ -234,33 +327,40 @@ GPUS: Dict[str, GpuSpec] = {
     "a100": GpuSpec(
         "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, comm_threads=256,  # sm80 path
         gemm_eff=0.80,
-        source="NVIDIA A100 datasheet (SXM4 80GB); A100 architecture whitepaper",
+        nic_gbs=25.0, nic_eff=0.74,  # DGX A100: one 200 Gb/s HDR NIC per GPU; MoNTA r1 = 0.741
+        source="NVIDIA A100 datasheet (SXM4 80GB); A100 architecture whitepaper; DGX A100 "
+               "datasheet (NICs); MoNTA (IB efficiency)",
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity -> 989.5
     # dense, FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s; NVIDIA H100 Tensor Core GPU Architecture
     # whitepaper: 132 SMs on H100 SXM5.
     "h100": GpuSpec(
         "h100", 132, 989.5, 67.0, 3350.0, 450.0, 2.0,
-        source="NVIDIA H100 datasheet (SXM); H100 architecture whitepaper",
+        nic_gbs=50.0,  # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
+        source="NVIDIA H100 datasheet (SXM); H100 architecture whitepaper; DGX H100 datasheet (NICs)",
     ),
     # NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5): compute and HBM3 3.35 TB/s as H100 SXM,
     # NVLink 400 GB/s (MoNTA table 5: 200 GB/s unidirectional; DeepEP measures ~155-160 GB/s).
     "h800": GpuSpec(
         "h800", 132, 989.5, 67.0, 3350.0, 200.0, 2.0,
-        source="NVIDIA H800 datasheet (SXM5); H100 architecture whitepaper (GH100, 132 SMs)",
+        nic_gbs=50.0,  # DeepEP README: each H800 with a CX7 400 Gb/s NIC, ~50 GB/s
+        source="NVIDIA H800 datasheet (SXM5); H100 architecture whitepaper (GH100, 132 SMs); "
+               "DeepEP README (NIC per GPU, 43 GB/s measured at EP16)",
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity, FP32 67,
     # HBM3e 4.8 TB/s, NVLink 900 GB/s; same GH100 configuration as H100 SXM: 132 SMs.
     "h200": GpuSpec(
         "h200", 132, 989.5, 67.0, 4800.0, 450.0, 2.0,
-        source="NVIDIA H200 datasheet (SXM); H100 architecture whitepaper",
+        nic_gbs=50.0,  # DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU
+        source="NVIDIA H200 datasheet (SXM); H100 architecture whitepaper; DGX H200 datasheet (NICs)",
     ),
     # NVIDIA HGX H20 product brief: FP16/BF16 tensor 148 TFLOPS dense, FP32 44, HBM3 4.0 TB/s,
     # NVLink 900 GB/s (MoNTA table 5: 450 GB/s unidirectional); 78 SMs as reported by the device
     # (one of the SM counts flux/Comet's release hard-codes: 92/108/78/132).
     "h20": GpuSpec(
         "h20", 78, 148.0, 44.0, 4000.0, 450.0, 2.0,
-        source="NVIDIA HGX H20 product brief; device query (78 SMs)",
+        nic_gbs=50.0,  # assumption: built like HGX H100 (one 400 Gb/s NIC per GPU)
+        source="NVIDIA HGX H20 product brief; device query (78 SMs); NIC per GPU assumed",
     ),
     # NVIDIA L20 datasheet: FP16/BF16 tensor 119.5 TFLOPS dense (239 with sparsity), FP32 59.8,
     # GDDR6 864 GB/s, PCIe Gen4 x16 (64 GB/s bidirectional -> 32 GB/s per direction, no NVLink);
@@ -269,7 +369,8 @@ GPUS: Dict[str, GpuSpec] = {
     "l20": GpuSpec(
         "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", comm_threads=256,  # sm80 path
         remote_load_us=4.0, link_eff=0.75,
-        source="NVIDIA L20 datasheet; Ada architecture whitepaper (128 cores/SM)",
+        nic_gbs=12.5, nic_latency_us=5.0,  # assumption: one 200 Gb/s NIC per two GPUs, via PCIe
+        source="NVIDIA L20 datasheet; Ada architecture whitepaper (128 cores/SM); NIC assumed",
     ),
 }
 
@@ -296,7 +397,8 @@ def cpu_spec(
     ``COMET_CPU_MEM_GBS``), else a quick measurement when ``measure`` is true (a single-threaded
     fp32 matmul and a memcpy through torch, ~0.1 s), else defaults of 8 GFLOP/s per thread and
     10 GB/s.  Peer "links" are memcpy between processes' shared-memory segments: half the memory
-    bandwidth, ~3 GB/s per thread, 10 us to wake a waiting thread (assumptions).
+    bandwidth, ~3 GB/s per thread, 10 us to wake a waiting thread; "other nodes" (the CPU analog
+    of the NIC: a proxy thread) a quarter of the memory bandwidth, 20 us (assumptions).
     """
     if threads is None:
         threads = os.cpu_count() or 2
@@ -326,6 +428,11 @@ def cpu_spec(
         gemm_eff=1.0,
         hbm_eff=1.0,
         link_eff=1.0,
+        # the CPU analog of other nodes: a proxy thread per rank copying puts (placeholder)
+        nic_gbs=mem_gbs / 4.0,
+        nic_eff=1.0,
+        nic_latency_us=20.0,
+        block_nic_gbs=min(1.5, mem_gbs / 4.0),
         source="placeholder for the CPU backend (configurable / measured), not a datasheet",
     )
 
@@ -423,6 +530,13 @@ class MoEShape:
     layer: layer0 rows received, layer1 partial rows sent) and ``expert_rows`` (GEMM rows of each
     local expert, ``E / W`` values).  ``partial_bytes`` is the element size of layer1's partial
     rows (default: ``dtype_bytes``).
+
+    ``ranks_per_node`` groups the ranks into ``W / ranks_per_node`` nodes (rank r on node
+    ``r // ranks_per_node``; default ``W``: one node, the model of a single NVLink domain).
+    ``node_first`` (only used with several nodes) selects node-first dispatch: a token's row
+    crosses to a remote node once, to the relay, and fans out inside that node
+    (csrc/include/comet/topology.h); false models the flat all-to-all, every (token, slot) row
+    over the NIC on its own.
     """
 
     W: int
@@ -435,6 +549,8 @@ class MoEShape:
     remote_rows: Optional[float] = None
     expert_rows: Optional[Tuple[float, ...]] = None
     partial_bytes: Optional[int] = None
+    ranks_per_node: Optional[int] = None
+    node_first: bool = True
 
     def __post_init__(self):
         for f in ("W", "E", "k", "H", "N"):
@@ -446,6 +562,11 @@ class MoEShape:
             raise ValueError(f"W={self.W} must divide E={self.E}")
         if self.k > self.E:
             raise ValueError(f"k={self.k} exceeds E={self.E}")
+        rpn = self.W if self.ranks_per_node is None else int(self.ranks_per_node)
+        if rpn < 1 or self.W % rpn:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide W={self.W}")
+        object.__setattr__(self, "ranks_per_node", rpn)
+        object.__setattr__(self, "node_first", bool(self.node_first))
         if self.expert_rows is not None:
             object.__setattr__(self, "expert_rows", tuple(self.expert_rows))
             if len(self.expert_rows) != self.E_local:
@@ -459,6 +580,10 @@ class MoEShape:
     @property
     def row_bytes(self) -> int:
         return self.H * self.dtype_bytes
+
+    @property
+    def nodes(self) -> int:
+        return self.W // self.ranks_per_node
 
 
 def hit_probability(W: int, E: int, k: int) -> float:
@@ -498,6 +623,87 @@ def remote_rows(shape: MoEShape, layer: int, measured: Optional[float] = None) -
     return T * (W - 1) * hit_probability(W, shape.E, shape.k)
 
 
+def expected_distinct_nodes(W: int, E: int, k: int, ranks_per_node: int) -> float:
+    """Expected number of distinct nodes a token's top-k slots land on (uniform routing): a node
+    hosts ``E / nodes`` experts, so this is :func:`expected_distinct_ranks` with nodes for ranks."""
+    if ranks_per_node < 1 or W % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide W={W}")
+    return expected_distinct_ranks(W // ranks_per_node, E, k)
+
+
+class NodeTraffic(NamedTuple):
+    """Rows of ``H`` elements one rank's comm blocks move for a layer, by the path they take
+    (expected under uniform routing, or scaled from the measured ``remote_rows``).
+
+    ``local``: copied inside this GPU (layer0: its own tokens' rows into the shared tensor;
+    layer1: partials homed here).  ``same_node``: over NVLink to / from the other ranks of the node
+    (layer0 pulls, layer1 partial stores).  ``nic``: over the inter-node link, per direction
+    (layer0: rows pushed to other nodes -- one per (token, remote node) with node-first dispatch,
+    one per (token, slot) without; by symmetry also what arrives; layer1: partial rows to homes on
+    other nodes).  ``fanout_nvlink`` / ``fanout_local``: layer0 with node-first dispatch, the
+    slot rows of other nodes' tokens this rank reads from the mirror of a same-node relay (over
+    NVLink) or from its own mirror (it is the relay).
+    """
+
+    local: float
+    same_node: float
+    nic: float
+    fanout_nvlink: float = 0.0
+    fanout_local: float = 0.0
+
+    @property
+    def nvlink(self) -> float:
+        """All rows over NVLink: same-node peers plus mirror reads."""
+        return self.same_node + self.fanout_nvlink
+
+
+def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
+    """Where this rank's rows go for ``layer`` (see :class:`NodeTraffic` and the module doc).
+
+    With ``P = ranks_per_node``, ``n = W / P`` nodes and ``R`` = :func:`remote_rows` (rows to or
+    from other ranks, any node): a share ``(P - 1) / (W - 1)`` of ``R`` stays in the node, the
+    rest, ``F = R (W - P) / (W - 1)``, involves other nodes.  layer0 flat: ``F`` slot rows over the
+    NIC.  layer0 node-first: ``T (n - 1) q`` token rows over the NIC, ``q = 1 - C(E - E/n, k) /
+    C(E, k)`` (a token's probability of a slot on a given node), i.e. ``F`` times
+    ``(n - 1) q / (k (W - P) / W)`` (<= 1, < 1 for k >= 2 with several experts per node); the
+    ``F`` slot rows are then read from mirrors, ``1 / P`` of them from this rank's own.  layer1:
+    ``F`` partial rows over the NIC either way (one per (token, sending rank), not pre-reduced).
+    One node: ``same_node = R``, nothing else moves -- the single-node model unchanged.
+    """
+    _check_layer(layer)
+    R = remote_rows(shape, layer)
+    loc = local_rows(shape, layer)
+    W, P = shape.W, shape.ranks_per_node
+    if P == W:
+        return NodeTraffic(loc, R, 0.0)
+    same = R * (P - 1) / (W - 1)
+    far = R * (W - P) / (W - 1)
+    if layer == 1 or not shape.node_first:
+        return NodeTraffic(loc, same, far)
+    n = shape.nodes
+    slots_far = shape.k * (W - P) / W  # expected remote-node slots per token
+    tokens_far = (n - 1) * hit_probability(n, shape.E, shape.k)  # expected remote nodes per token
+    return NodeTraffic(loc, same, far * tokens_far / slots_far, far * (P - 1) / P, far / P)
+
+
+def internode_rows(shape: MoEShape, layer: int) -> float:
+    """Rows this rank moves over the NIC for ``layer`` (per direction)."""
+    return node_traffic(shape, layer).nic
+
+
+def intranode_rows(shape: MoEShape, layer: int) -> float:
+    """Rows this rank moves over NVLink for ``layer`` (same-node peers and mirror reads)."""
+    return node_traffic(shape, layer).nvlink
+
+
+def internode_bytes(shape: MoEShape, layer: int) -> float:
+    return internode_rows(shape, layer) * shape.H * _link_elem_bytes(shape, layer)
+
+
+def intranode_bytes(shape: MoEShape, layer: int) -> float:
+    return intranode_rows(shape, layer) * shape.H * _link_elem_bytes(shape, layer)
+
+
 def local_rows(shape: MoEShape, layer: int) -> float:
     """Rows the comm blocks handle inside this GPU: layer0 local rows copied into the shared
     tensor (``M - remote``); layer1 partial rows whose home is this rank (``T * p_hit``)."""
@@ -528,21 +734,35 @@ def _check_layer(layer: int) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int):
-    """(alpha, local HBM seconds, remote link seconds, tail seconds) for ``n_comm`` blocks."""
+class _Parts(NamedTuple):
+    """Seconds of the comm work of one layer with ``n_comm`` blocks, by stream."""
+
+    alpha: float  # NVLink latency (first peer row visible), 0 when nothing crosses NVLink
+    local_s: float  # HBM-side work inside this GPU (local rows; layer1: read GEMM rows, partials)
+    remote_s: float  # same-node peers over NVLink
+    tail: float  # after the kernel: layer1's combine
+    nic_alpha: float = 0.0  # NIC latency, 0 when nothing crosses nodes
+    nic_s: float = 0.0  # rows over the NIC
+    fan_s: float = 0.0  # layer0 node-first: mirror reads (NVLink) and own-mirror copies (HBM)
+    far_sources: int = 0  # ranks on other nodes (the chunks of the NIC stream)
+
+
+def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Parts:
+    """The streams of ``layer``'s comm work for ``n_comm`` blocks (see :func:`comm_time`)."""
     _check_layer(layer)
     if n_comm < 1:
         raise ValueError(f"n_comm must be >= 1, got {n_comm}")
     eb = _link_elem_bytes(shape, layer)
-    r_bytes = remote_rows(shape, layer) * shape.H * eb
+    tr = node_traffic(shape, layer)
+    r_bytes = tr.same_node * shape.H * eb
     if layer == 0:
         # local rows: read from this rank's input, written into the shared tensor
-        l_bytes = 2.0 * local_rows(shape, 0) * shape.row_bytes
+        l_bytes = 2.0 * tr.local * shape.row_bytes
         tail = 0.0
     else:
         # read every GEMM output row, write the local partials
         m = sum(expert_rows(shape))
-        l_bytes = m * shape.row_bytes + local_rows(shape, 1) * shape.H * eb
+        l_bytes = m * shape.row_bytes + tr.local * shape.H * eb
         # the home rank sums its partials (local + received) at full HBM bandwidth
         # (the combine kernel, after the fused kernel, on every SM: full HBM rate plus a launch)
         tail = combine_time(shape, spec)
@@ -550,8 +770,19 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int):
     hbm_bw = min(n_comm * spec.block_hbm_bw, spec.hbm_bw)
     remote_s = r_bytes / link_bw if r_bytes > 0 else 0.0
     local_s = l_bytes / hbm_bw if l_bytes > 0 else 0.0
-    alpha = spec.alpha if r_bytes > 0 else 0.0
-    return alpha, local_s, remote_s, tail
+    if shape.nodes == 1:
+        alpha = spec.alpha if r_bytes > 0 else 0.0
+        return _Parts(alpha, local_s, remote_s, tail)
+    nic_bytes = tr.nic * shape.H * eb
+    fan_nvl = tr.fanout_nvlink * shape.row_bytes
+    fan_loc = 2.0 * tr.fanout_local * shape.row_bytes  # own mirror -> shared tensor: read + write
+    nic_bw = min(n_comm * block_nic_rate(shape, spec, layer), spec.nic_bw)
+    nic_s = nic_bytes / nic_bw if nic_bytes > 0 else 0.0
+    fan_s = (fan_nvl / link_bw if fan_nvl > 0 else 0.0) + (fan_loc / hbm_bw if fan_loc > 0 else 0.0)
+    alpha = spec.alpha if r_bytes > 0 or fan_nvl > 0 else 0.0
+    nic_alpha = spec.nic_alpha if nic_bytes > 0 else 0.0
+    return _Parts(alpha, local_s, remote_s, tail, nic_alpha, nic_s, fan_s,
+                  shape.W - shape.ranks_per_node)
 
 
 def combine_time(shape: MoEShape, spec: GpuSpec) -> float:
@@ -564,13 +795,15 @@ def combine_time(shape: MoEShape, spec: GpuSpec) -> float:
 
 def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     """The per-call prologue kernels before the fused kernel (an estimate, see the constants):
-    launches, grid barriers, two peer round trips of the metadata exchange, and each prologue
-    thread's share of the T*k routing slots (a few passes at ~0.05 us per element)."""
+    launches, grid barriers, two peer round trips of the metadata exchange (over the NIC when
+    the group spans nodes), and each prologue thread's share of the T*k routing slots (a few
+    passes at ~0.05 us per element)."""
     _check_layer(layer)
     threads = max(1, math.ceil(shape.T * shape.k / 4096)) * 256
     per_thread = 3 * math.ceil(shape.T * shape.k / threads) * 0.05e-6
+    alpha = spec.alpha if shape.nodes == 1 else max(spec.alpha, spec.nic_alpha)
     return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * GRID_BARRIER_S
-            + 2 * spec.alpha + per_thread)
+            + 2 * alpha + per_thread)
 
 
 def block_link_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
@@ -585,17 +818,66 @@ def block_link_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     return tile_bytes / (tile_bytes / rate + 2 * spec.remote_load_us * 1e-6)
 
 
-def _comm_body(layer: int, local_s: float, remote_s: float) -> float:
-    """Streaming part of the comm work.  layer0 walks the sources in ring order, the local copy
-    first, then the remote pulls: the two add.  layer1 reads a GEMM output row, reduces and stores
-    the partial to its home rank in one stream: HBM reads and link stores overlap."""
-    return local_s + remote_s if layer == 0 else max(local_s, remote_s)
+def block_nic_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
+    """Bytes/s one comm block moves over the NIC for ``layer``.  Node-first layer0 and layer1:
+    spec.block_nic_bw (the sender pushes rows it owns into a mirror with its own layout, or
+    partials it has just reduced: no per-tile index round trips).  Flat layer0 (no node-first):
+    the destination gets every slot row from its source as it pulls a same-node peer's, so per
+    m-tile it first resolves the rows' origins over the NIC (two dependent round trips of
+    2 * nic_latency_us), like :func:`block_link_rate`."""
+    _check_layer(layer)
+    rate = spec.block_nic_bw
+    if layer == 1 or shape.node_first:
+        return rate
+    tile_bytes = DEFAULT_TILE[0] * shape.row_bytes
+    return tile_bytes / (tile_bytes / rate + 2 * 2 * spec.nic_latency_us * 1e-6)
+
+
+def _layer0_stream(p: _Parts) -> float:
+    """layer0's comm alone, from its streams.  One node: the local copy, then the pulls from the
+    peers in ring order (they add).  Several nodes: the sender's NIC pushes overlap the
+    destination's pulls (the NIC's DMA moves the rows while the comm blocks load from HBM and
+    NVLink: separate links, so max, not sum); a remote node's rows can be read from the mirror only
+    once they have arrived, so with ``R`` equal chunks on the NIC the pull stream ends no earlier
+    than ``nic + fan / R`` (the last chunk's fan-out) nor ``nic / R + fan`` (all fan-out after the
+    first chunk)."""
+    pull = p.alpha + (p.local_s + p.remote_s + p.fan_s)
+    if p.far_sources == 0:
+        return pull
+    r = p.far_sources
+    return max(pull, p.nic_alpha + p.nic_s + p.fan_s / r, p.nic_alpha + p.nic_s / r + p.fan_s)
+
+
+def _layer1_stream(p: _Parts) -> Tuple[float, float]:
+    """(latency, streaming seconds) of layer1's comm: a block reads a GEMM output row, reduces it
+    and stores the partial to its home (NVLink) or posts it to the NIC (other nodes) in one
+    stream: HBM reads, NVLink stores and NIC puts overlap (max)."""
+    if p.far_sources == 0:
+        return p.alpha, max(p.local_s, p.remote_s)
+    return max(p.alpha, p.nic_alpha), max(p.local_s, p.remote_s, p.nic_s)
 
 
 def comm_time(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> float:
     """Seconds the comm part of ``layer`` takes with ``n_comm`` blocks, alone (alpha-beta)."""
-    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, layer)
-    return alpha + _comm_body(layer, local_s, remote_s) + tail
+    p = _comm_parts(shape, spec, n_comm, layer)
+    if layer == 0:
+        return _layer0_stream(p) + p.tail
+    lat, body = _layer1_stream(p)
+    return lat + body + p.tail
+
+
+def comm_split(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> Dict[str, float]:
+    """The two links' parts of :func:`comm_time`, each alone with ``n_comm`` blocks:
+    ``intra`` (NVLink: latency + same-node rows + mirror reads over NVLink), ``inter`` (NIC:
+    latency + rows over the NIC), and the row counts ``intra_rows``, ``inter_rows``."""
+    p = _comm_parts(shape, spec, n_comm, layer)
+    tr = node_traffic(shape, layer)
+    eb = _link_elem_bytes(shape, layer)
+    link_bw = min(n_comm * block_link_rate(shape, spec, layer), spec.link_bw)
+    nvl_bytes = tr.nvlink * shape.H * eb
+    intra = (p.alpha + nvl_bytes / link_bw) if nvl_bytes > 0 else 0.0
+    inter = p.nic_alpha + p.nic_s
+    return {"intra": intra, "inter": inter, "intra_rows": tr.nvlink, "inter_rows": tr.nic}
 
 
 def comm_saturation_blocks(shape: MoEShape, spec: GpuSpec, layer: int) -> int:
@@ -603,6 +885,8 @@ def comm_saturation_blocks(shape: MoEShape, spec: GpuSpec, layer: int) -> int:
     _check_layer(layer)
     hi = max(1, math.ceil(spec.link_bw / block_link_rate(shape, spec, layer) - 1e-9),
              math.ceil(spec.hbm_bw / spec.block_hbm_bw - 1e-9))
+    if shape.nodes > 1:
+        hi = max(hi, math.ceil(spec.nic_bw / block_nic_rate(shape, spec, layer) - 1e-9))
     floor = comm_time(shape, spec, hi, layer)
     for n in range(1, hi + 1):  # comm_time is non-increasing: the first n at the floor
         if comm_time(shape, spec, n, layer) <= floor * (1 + 1e-12):
@@ -669,11 +953,18 @@ def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFA
 # ----------------------------------------------------------------------------------------------
 
 
-def _flow_shop(first: Sequence[float], second: Sequence[float]) -> float:
-    """Makespan of an in-order two-stage pipeline (chunk i: stage-1 time first[i], then second[i])."""
+def _flow_shop(first: Sequence[float], second: Sequence[float],
+               release: Optional[Sequence[float]] = None) -> float:
+    """Makespan of an in-order two-stage pipeline (chunk i: stage-1 time first[i], then second[i]);
+    with ``release``, chunk i's stage 1 starts no earlier than release[i] (its data's arrival)."""
     t1 = t2 = 0.0
-    for a, b in zip(first, second):
-        t1 += a
+    if release is None:
+        for a, b in zip(first, second):
+            t1 += a
+            t2 = max(t2, t1) + b
+        return t2
+    for a, b, r in zip(first, second, release):
+        t1 = max(t1, r) + a
         t2 = max(t2, t1) + b
     return t2
 
@@ -682,7 +973,9 @@ _MAX_CHUNKS = 512
 
 
 def _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
-    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, 0)
+    if shape.nodes > 1:
+        return _fused_layer0_nodes(shape, spec, n_comm, n_gemm, tile, comm, gemm)
+    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, 0)[:4]
     W = shape.W
     loc = local_rows(shape, 0)
     rem = remote_rows(shape, 0)
@@ -710,8 +1003,44 @@ def _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     return fused
 
 
+def _fused_layer0_nodes(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
+    """layer0 over several nodes: tiles in the order local rows, same-node sources, then the
+    sources of other nodes (least remote data first; an assumption on the node-first kernel's
+    tile order).  A remote source's rows enter the pull stream (mirror reads; nothing to pull
+    without node-first dispatch: the NIC writes them in place) only once the NIC has delivered
+    them: the NIC carries the R remote sources one after another (release times)."""
+    p = _comm_parts(shape, spec, n_comm, 0)
+    tr = node_traffic(shape, 0)
+    P, R = shape.ranks_per_node, p.far_sources
+    far_slots = tr.fanout_nvlink + tr.fanout_local if shape.node_first else tr.nic
+    total_rows = tr.local + tr.same_node + far_slots
+    if total_rows <= 0 or gemm <= 0:
+        return comm + gemm
+    tm, _ = _tile(tile)
+    piece = max(1.0, float(tm * shape.E_local))
+    cap = max(1, _MAX_CHUNKS // shape.W)
+    # (rows, pull seconds, latency on the first piece, NIC delivery window start, end)
+    sources = [(tr.local, p.local_s, 0.0, 0.0, 0.0)]
+    if P > 1:
+        sources += [(tr.same_node / (P - 1), p.remote_s / (P - 1), p.alpha if s == 0 else 0.0,
+                     0.0, 0.0) for s in range(P - 1)]
+    sources += [(far_slots / R, p.fan_s / R, 0.0, p.nic_alpha + p.nic_s * i / R,
+                 p.nic_alpha + p.nic_s * (i + 1) / R) for i in range(R)]
+    c_times, g_times, rel = [], [], []
+    for rows, secs, lat, r0, r1 in sources:
+        if rows <= 0:
+            continue
+        n = min(cap, max(1, math.ceil(rows / piece - 1e-9)))
+        for q in range(n):
+            c_times.append(secs / n + (lat if q == 0 else 0.0))
+            g_times.append(gemm * rows / total_rows / n)
+            rel.append(r0 + (r1 - r0) * (q + 1) / n)
+    fused = _flow_shop(c_times, g_times, rel) + p.tail
+    return max(fused, comm + min(gemm, _tile_seconds(shape, spec, 0, tile)))
+
+
 def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
-    alpha, local_s, remote_s, tail = _comm_parts(shape, spec, n_comm, 1)
+    p = _comm_parts(shape, spec, n_comm, 1)
     per_col, cols = gemm_tiles(shape, 1, tile)
     tiles = per_col * cols
     if tiles == 0 or gemm <= 0:
@@ -721,14 +1050,15 @@ def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     # group columns so that at most _MAX_CHUNKS chunks are simulated
     group = max(1, math.ceil(cols / _MAX_CHUNKS))
     n_chunks = math.ceil(cols / group)
-    per_chunk = _comm_body(1, local_s, remote_s) / cols
+    lat, body = _layer1_stream(p)
+    per_chunk = body / cols
     t = 0.0
     for c in range(n_chunks):
         last_col = min(cols, (c + 1) * group)
         done = math.ceil(last_col * per_col / n_gemm) * t_wave
         ncols = last_col - c * group
         t = max(t, done) + per_chunk * ncols
-    return t + alpha + tail
+    return t + lat + p.tail
 
 
 def predict(
@@ -746,7 +1076,9 @@ def predict(
     n_comm`` blocks.  Returns ``comm``, ``gemm``, ``prologue``, ``combine`` (layer1's combine
     kernel, part of comm), ``kernel`` (the pipelined fused kernel), ``fused`` (prologue + kernel),
     ``sequential`` (comm + gemm),
-    ``baseline``, ``limit``, ``comm_full``, ``gemm_full`` (seconds) and ``n_comm``, ``n_gemm``.
+    ``baseline``, ``limit``, ``comm_full``, ``gemm_full``, ``intra`` and ``inter`` (the NVLink and
+    NIC parts of comm, each alone, see :func:`comm_split`; seconds), ``intra_rows``,
+    ``inter_rows`` and ``n_comm``, ``n_gemm``.
     """
     _check_layer(layer)
     total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
@@ -782,6 +1114,7 @@ def predict(
         "gemm_full": gemm_full,
         "n_comm": n_comm,
         "n_gemm": n_gemm,
+        **comm_split(shape, spec, n_comm, layer),
     }
 
 

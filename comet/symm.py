@@ -38,13 +38,23 @@ class Buffer:
     peer: a rank that died or called something else ends in an error naming what never arrived.
     `threads_per_block` (CPU backend only; default $COMET_CPU_BLOCK_THREADS or 1) runs every block
     of the CPU kernels as a team of that many OS threads, as a GPU block's threads cooperate.
+
+    Several nodes on the CPU backend (the analog of a multi-node job, comet/topology.h):
+    `ranks_per_node` (default $COMET_CPU_RANKS_PER_NODE, else the whole group: one node) groups
+    consecutive ranks into nodes; ranks of other nodes are not mapped and are reached only by
+    put-with-signal through a proxy thread per rank, delivering each put `link_latency_us` after
+    it was issued (default $COMET_CPU_LINK_LATENCY_US or 10) at `link_gbps` GB/s (default
+    $COMET_CPU_LINK_GBPS or 0: memcpy speed). Must be the same on every rank.
     """
 
     def __init__(self, group=None, *, timeout: float | None = None,
-                 threads_per_block: int | None = None, _simulated=None):
+                 threads_per_block: int | None = None, ranks_per_node: int | None = None,
+                 link_latency_us: float | None = None, link_gbps: float | None = None,
+                 _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
+            self.ranks_per_node = _C.heap_ranks_per_node(self.handle)
         else:
             self.group = group
             if _distributed(group):
@@ -57,7 +67,12 @@ class Buffer:
             else:
                 self.rank, self.world, members = 0, 1, [0]
                 job = f"{os.getpid():x}{secrets.token_hex(4)}"
-            self.handle = _C.heap_create(self.rank, self.world, job, _group_hash(members), timeout)
+            link = _link_settings(self.world, ranks_per_node, link_latency_us, link_gbps)
+            if _distributed(group):
+                _check_same_across_ranks(link[0], "ranks_per_node", group, self.world)
+            self.ranks_per_node = link[0]
+            self.handle = _C.heap_create(self.rank, self.world, job, _group_hash(members), timeout,
+                                         *link)
             self._barrier()
             _C.heap_connect(self.handle)
             self._barrier()
@@ -69,13 +84,16 @@ class Buffer:
 
     @classmethod
     def simulated_world(cls, world: int, *, timeout: float | None = None,
-                        threads_per_block: int | None = None) -> list["Buffer"]:
+                        threads_per_block: int | None = None, ranks_per_node: int | None = None,
+                        link_latency_us: float | None = None,
+                        link_gbps: float | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         job = f"{os.getpid():x}{secrets.token_hex(4)}"
         gh = _group_hash(list(range(world)))
-        handles = [_C.heap_create(r, world, job, gh, timeout) for r in range(world)]
+        link = _link_settings(world, ranks_per_node, link_latency_us, link_gbps)
+        handles = [_C.heap_create(r, world, job, gh, timeout, *link) for r in range(world)]
         for h in handles:
             _C.heap_connect(h)
         for h in handles:
@@ -104,8 +122,44 @@ class Buffer:
         if _distributed(self.group):
             dist.barrier(group=self.group)
 
+    def link_stats(self) -> tuple[int, int]:
+        """(puts issued, bytes delivered) by this rank's link to other nodes (CPU backend)."""
+        return tuple(_C.heap_link_stats(self.handle))
+
     def __repr__(self):
-        return f"comet.Buffer(rank={self.rank}, world={self.world}, handle={self.handle})"
+        return (f"comet.Buffer(rank={self.rank}, world={self.world}, "
+                f"ranks_per_node={self.ranks_per_node}, handle={self.handle})")
+
+
+def _env_number(name: str, default, kind=float):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"comet: ${name} must be a number, got {raw!r}") from None
+
+
+def _link_settings(world, ranks_per_node, latency_us, gbps) -> tuple[int, float, float]:
+    """(ranks_per_node, link latency in us, link GB/s) from the arguments, else the environment."""
+    rpn = _env_number("COMET_CPU_RANKS_PER_NODE", world, int) if ranks_per_node is None \
+        else ranks_per_node
+    if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1 or world % rpn:
+        raise ValueError(f"comet: ranks_per_node must divide the group size {world}, got {rpn!r}")
+    lat = _env_number("COMET_CPU_LINK_LATENCY_US", 10.0) if latency_us is None else latency_us
+    bw = _env_number("COMET_CPU_LINK_GBPS", 0.0) if gbps is None else gbps
+    for name, v in (("link_latency_us", lat), ("link_gbps", bw)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            raise ValueError(f"comet: {name} must be a number >= 0, got {v!r}")
+    return int(rpn), float(lat), float(bw)
+
+
+def _check_same_across_ranks(value, name, group, world):
+    values = [None] * world
+    dist.all_gather_object(values, value, group=group)
+    if any(v != values[0] for v in values):
+        raise ValueError(f"comet: {name} differs across the ranks of the group: {values}")
 
 
 def _release(handle):

@@ -1,9 +1,11 @@
 """Command line front end of the autotuner.
 
     python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
+    python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat]
 
 It always prints, for both fused layers, the cost model's split and predicted times (clearly
-labelled: model, not measured).  On a GPU (or with ``--profile`` on the CPU backend) inside a
+labelled: model, not measured), with the communication split into its NVLink (intra-node) and
+NIC (inter-node) parts when the group spans several nodes.  On a GPU (or with ``--profile`` on the CPU backend) inside a
 torch.distributed job of ``--world`` ranks (e.g. ``torchrun --nproc-per-node 8 -m comet.tune ...``;
 a single rank needs no launcher) it then profiles candidate configs through the hooks in
 ``comet.tuner.PROFILERS`` (filled in by the compiled ops), stores the winners in the tuning cache
@@ -58,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model preset: {', '.join(MODELS)} (or 'custom' with --hidden/--ffn/"
                         f"--experts/--topk)")
     p.add_argument("--world", type=int, required=True, help="expert-parallel ranks W")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: --world, one node); must divide --world")
+    p.add_argument("--flat", action="store_true",
+                   help="model the flat all-to-all across nodes (every (token, slot) row over the "
+                        "NIC) instead of node-first dispatch")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--gpu", default=None,
@@ -129,49 +136,67 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
-                max_blocks: Optional[int], tile, tuner: Optional[tn.Tuner] = None) -> str:
+                max_blocks: Optional[int], tile, tuner: Optional[tn.Tuner] = None,
+                ranks_per_node: Optional[int] = None, node_first: bool = True) -> str:
     """The cost model's choice and predicted times for both layers, as printable text."""
     n0, n1 = layer_dims(model)
     nbytes = pm.DTYPE_BYTES[dtype]
     H, E, k = int(model["H"]), int(model["E"]), int(model["k"])
+    rpn = world if ranks_per_node is None else int(ranks_per_node)
     rows: List[List[str]] = []
     notes: List[str] = []
     for layer, N in ((0, n0), (1, n1)):
-        shape = pm.MoEShape(W=world, E=E, k=k, H=H, N=N, T=tokens, dtype_bytes=nbytes)
+        shape = pm.MoEShape(W=world, E=E, k=k, H=H, N=N, T=tokens, dtype_bytes=nbytes,
+                            ranks_per_node=rpn, node_first=node_first)
         n = pm.choose_n_comm(shape, spec, layer, max_blocks=max_blocks, tile=tile)
         p = pm.predict(shape, spec, n, layer, tile, n_blocks=max_blocks)
         m = sum(pm.expert_rows(shape))
         n_out, k_red = pm.gemm_dims(shape, layer)
         rows.append([
             f"layer{layer}", f"{m:.0f}x{n_out}x{k_red}", str(p["n_comm"]), str(p["n_gemm"]),
-            f"{tile[0]}x{tile[1]}", f"{pm.remote_rows(shape, layer):.0f}",
+            f"{tile[0]}x{tile[1]}", f"{p['intra_rows']:.0f}", f"{p['inter_rows']:.0f}",
+            _ms(p["intra"]), _ms(p["inter"]),
             _ms(p["comm"]), _ms(p["gemm"]), _ms(p["prologue"]),
             _ms(p["combine"]) if layer == 1 else "-", _ms(p["fused"]), _ms(p["baseline"]),
             _ms(p["limit"]),
             f"{p['baseline'] / p['fused']:.2f}x" if p["fused"] > 0 else "-",
         ])
         if tuner is not None:
-            key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer)
+            key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer, rpn)
             cached = tuner.cache.get(key)
             if cached is not None:
                 cfg, k2 = cached
                 notes.append(f"  layer{layer}: tuning cache has n_comm={cfg.n_comm} tile="
                              f"{cfg.tile_m}x{cfg.tile_n} (measured, bucket T<={k2.tokens})")
     d = pm.expected_distinct_ranks(world, E, k)
+    nodes = world // rpn
     head = (f"Cost model, not measured -- {spec.name} ({spec.sm_count} SMs, "
             f"{spec.peak_flops(nbytes) / 1e12:.4g} TFLOP/s {dtype}, HBM {spec.hbm_gbs:.0f} GB/s, "
-            f"{spec.link} {spec.link_gbs:.0f} GB/s per direction)\n"
-            f"{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} N1={n1} "
-            f"T={tokens} tokens/rank, {dtype}; expected distinct ranks per token {d:.2f}")
-    headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "remote rows", "comm ms",
-               "gemm ms", "prologue ms", "combine ms", "fused ms", "unfused ms", "limit ms",
-               "speedup"]
-    foot = ("comm/gemm: each part alone with this split (layer1's comm includes the combine "
-            "kernel); prologue: the per-call planning kernels (estimate); fused: prologue + the "
-            "pipelined kernel; unfused: comm then GEMM, each on the whole GPU, charged no "
-            "prologue; limit: max of the two on the whole GPU. Comm rate per block: "
-            f"{spec.block_link_bw / 1e9:.1f} GB/s ({spec.comm_threads} threads x {pm.COPY_UNROLL} "
-            f"x 16 B in flight / {spec.remote_load_us:g} us, Little's law).")
+            f"{spec.link} {spec.link_gbs:.0f} GB/s per direction")
+    if nodes > 1:
+        head += f", NIC {spec.nic_gbs:g} GB/s per GPU per direction"
+    head += (f")\n{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} "
+             f"N1={n1} T={tokens} tokens/rank, {dtype}; expected distinct ranks per token {d:.2f}")
+    if nodes > 1:
+        dn = pm.expected_distinct_nodes(world, E, k, rpn)
+        head += (f"\n{nodes} nodes x {rpn} ranks; "
+                 f"{'node-first dispatch' if node_first else 'flat all-to-all (no node-first)'}; "
+                 f"expected distinct nodes per token {dn:.2f}")
+    headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "NVLink rows", "NIC rows",
+               "NVLink ms", "NIC ms", "comm ms", "gemm ms", "prologue ms", "combine ms",
+               "fused ms", "unfused ms", "limit ms", "speedup"]
+    foot = ("NVLink / NIC: rows this rank moves over each link (layer0 node-first: the NVLink rows "
+            "include the reads of relays' mirrors) and each link's part alone with this split "
+            "(comm overlaps them); comm/gemm: each part alone with this split (layer1's comm "
+            "includes the combine kernel); prologue: the per-call planning kernels (estimate); "
+            "fused: prologue + the pipelined kernel; unfused: comm then GEMM, each on the whole "
+            "GPU, charged no prologue; limit: max of the two on the whole GPU. Comm rate per "
+            f"block: {spec.block_link_bw / 1e9:.1f} GB/s ({spec.comm_threads} threads x "
+            f"{pm.COPY_UNROLL} x 16 B in flight / {spec.remote_load_us:g} us, Little's law)")
+    if nodes > 1:
+        foot += (f", NIC {spec.block_nic_bw / 1e9:.1f} GB/s (the same bytes in flight / "
+                 f"{2 * spec.nic_latency_us:g} us round trip)")
+    foot += "."
     return "\n".join([head, _table(headers, rows), foot, *notes])
 
 
@@ -208,7 +233,7 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     for layer, N in ((0, n0), (1, n1)):
         key = tn.TuneKey(arch, sm_count, args.dtype, args.world, int(model["E"]), int(model["k"]),
-                         int(model["H"]), N, args.tokens, layer)
+                         int(model["H"]), N, args.tokens, layer, args.ranks_per_node)
         shape = key.shape(args.tokens)
         cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
                          warmup=args.warmup, iters=args.iters)
@@ -229,6 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = resolve_model(args)
     if int(model["E"]) % args.world:
         raise SystemExit(f"--world {args.world} must divide the expert count E={model['E']}")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1
+                                            or args.world % args.ranks_per_node):
+        raise SystemExit(f"--ranks-per-node {args.ranks_per_node} must divide --world {args.world}")
     tuner = tn.Tuner(args.cache_dir)
 
     has_gpu = _cuda_available()
@@ -255,7 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if i:
             print()
         print(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
-                          args.tile, tuner))
+                          args.tile, tuner, ranks_per_node=args.ranks_per_node,
+                          node_first=not args.flat))
 
     # Profile by default on a GPU; on the CPU backend only when asked (--profile).
     profile = args.profile if args.profile is not None else has_gpu

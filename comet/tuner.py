@@ -2,8 +2,9 @@
 
 Pieces
 ------
-* :class:`TuneKey` -- what a choice depends on: arch, SM count, dtype, layer, W, E, k, H, N and the
-  token count rounded up to a power of two (:func:`token_bucket`).
+* :class:`TuneKey` -- what a choice depends on: arch, SM count, dtype, layer, W, E, k, H, N, the
+  token count rounded up to a power of two (:func:`token_bucket`) and the ranks per node (default
+  W: one node; keys of one node keep the id they had before nodes were modelled).
 * :class:`Config` -- the choice: ``n_comm``, ``tile_m``, ``tile_n``.
 * :class:`TuneCache` -- winners persisted as JSON, one file per arch, in ``$COMET_CACHE_DIR`` or
   ``~/.cache/comet``; written atomically (temporary file + rename, under a lock file, merged with
@@ -149,7 +150,8 @@ class TuneKey:
 
     ``N`` is the per-expert GEMM size other than ``H`` (layer0: ``N0`` output columns, layer1:
     ``N1`` reduction size); ``layer`` is part of the key because the two ops differ even when
-    ``N0 == N1``.
+    ``N0 == N1``.  ``ranks_per_node`` (default ``W``: one node) groups the ranks into nodes; it
+    changes the traffic over the inter-node link and hence the best split.
     """
 
     arch: str
@@ -162,6 +164,7 @@ class TuneKey:
     N: int
     tokens: int
     layer: int = 0
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "arch", _norm_arch(self.arch))
@@ -173,6 +176,10 @@ class TuneKey:
             raise ValueError(f"layer must be 0 or 1, got {self.layer}")
         if min(self.sm_count, self.W, self.E, self.k, self.H, self.N) < 1:
             raise ValueError(f"invalid TuneKey {self}")
+        rpn = self.W if self.ranks_per_node is None else int(self.ranks_per_node)
+        if rpn < 1 or self.W % rpn:
+            raise ValueError(f"TuneKey: ranks_per_node={self.ranks_per_node} must divide W={self.W}")
+        object.__setattr__(self, "ranks_per_node", rpn)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -183,23 +190,26 @@ class TuneKey:
 
     def id(self) -> str:
         """Canonical string, used as the JSON key."""
-        return (f"{self.arch}|sm{self.sm_count}|{self.dtype}|L{self.layer}|W{self.W}|E{self.E}"
-                f"|k{self.k}|H{self.H}|N{self.N}|T{self.tokens}")
+        nodes = "" if self.ranks_per_node == self.W else f"|P{self.ranks_per_node}"
+        return (f"{self.arch}|sm{self.sm_count}|{self.dtype}|L{self.layer}|W{self.W}{nodes}"
+                f"|E{self.E}|k{self.k}|H{self.H}|N{self.N}|T{self.tokens}")
 
     def family(self) -> Tuple:
         """Every field but the token bucket (the fields nearest-bucket lookup must match)."""
-        return (self.arch, self.sm_count, self.dtype, self.layer, self.W, self.E, self.k, self.H,
-                self.N)
+        return (self.arch, self.sm_count, self.dtype, self.layer, self.W, self.ranks_per_node,
+                self.E, self.k, self.H, self.N)
 
     def shape(self, tokens: Optional[int] = None) -> pm.MoEShape:
         """The perfmodel shape for this key (``tokens`` defaults to the bucket)."""
         return pm.MoEShape(W=self.W, E=self.E, k=self.k, H=self.H, N=self.N,
                            T=self.tokens if tokens is None else int(tokens),
-                           dtype_bytes=pm.DTYPE_BYTES[self.dtype])
+                           dtype_bytes=pm.DTYPE_BYTES[self.dtype],
+                           ranks_per_node=self.ranks_per_node)
 
     @classmethod
     def from_shape(cls, arch: str, sm_count: int, dtype, shape: pm.MoEShape, layer: int) -> "TuneKey":
-        return cls(arch, sm_count, dtype, shape.W, shape.E, shape.k, shape.H, shape.N, shape.T, layer)
+        return cls(arch, sm_count, dtype, shape.W, shape.E, shape.k, shape.H, shape.N, shape.T, layer,
+                   shape.ranks_per_node)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,7 +614,8 @@ class Tuner:
             raise ValueError(f"tune(): need iters >= 1 and warmup >= 0, got {iters}, {warmup}")
         info = _dist_info(group)
         rank = 0 if info is None else info[2]
-        label = f"layer{key.layer} {key.arch} W={key.W} E={key.E} k={key.k} H={key.H} " \
+        nodes = "" if key.ranks_per_node == key.W else f" ({key.W // key.ranks_per_node} nodes)"
+        label = f"layer{key.layer} {key.arch} W={key.W}{nodes} E={key.E} k={key.k} H={key.H} " \
                 f"N={key.N} T<={key.tokens} {key.dtype}"
         bar = _Progress(len(configs), label, enabled=progress and rank == 0)
         times: List[float] = []

@@ -35,11 +35,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "comet native core: symmetric heaps (the ops are under torch.ops.comet)";
   m.def(
       "heap_create",
-      [](int32_t rank, int32_t world, const std::string& job, int64_t group_hash, double timeout) {
-        return comet::cpu::register_heap(
-            std::make_shared<comet::cpu::SymmHeap>(rank, world, job, group_hash, timeout));
+      [](int32_t rank, int32_t world, const std::string& job, int64_t group_hash, double timeout,
+         int32_t ranks_per_node, double link_latency_us, double link_gbps) {
+        try {
+          return comet::cpu::register_heap(std::make_shared<comet::cpu::SymmHeap>(
+              rank, world, job, group_hash, timeout, ranks_per_node,
+              comet::cpu::LinkSettings{link_latency_us, link_gbps}));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
       },
-      py::arg("rank"), py::arg("world"), py::arg("job"), py::arg("group_hash"), py::arg("timeout"));
+      py::arg("rank"), py::arg("world"), py::arg("job"), py::arg("group_hash"), py::arg("timeout"),
+      py::arg("ranks_per_node") = 0, py::arg("link_latency_us") = 0.0,
+      py::arg("link_gbps") = 0.0);
+  m.def("heap_link_stats", [](int64_t h) {
+    comet::cpu::LinkProxy* p = find_heap(h)->proxy();
+    return p ? std::make_pair(p->issued(), p->bytes_sent()) : std::make_pair(uint64_t(0), uint64_t(0));
+  });
+  m.def("heap_ranks_per_node",
+        [](int64_t h) { return find_heap(h)->topology().ranks_per_node; });
   m.def("heap_connect", [](int64_t h) { find_heap(h)->connect(); });
   m.def("heap_unlink_own", [](int64_t h) { find_heap(h)->unlink_own(); });
   m.def("heap_release", &comet::cpu::release_heap);

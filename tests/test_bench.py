@@ -266,3 +266,18 @@ def test_comm_copy_bench_smoke(tmp_path, capsys):
     rows = json.loads((tmp_path / "comm_copy_smoke.json").read_text())["rows"]
     assert len(rows) == 4
     assert all(v > 0 for r in rows for v in r["gbs"].values())
+
+
+def test_multinode_bench_smoke(tmp_path, capsys):
+    """bench.multinode --smoke: one node moves nothing over the link, two nodes move data through
+    it, and the table and JSON come out."""
+    from bench import multinode
+
+    assert multinode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert "1 node vs 2 nodes" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "multinode_smoke.json").read_text())["rows"]
+    assert [r["nodes"] for r in rows] == [1, 2]
+    one, two = rows
+    assert one["link_bytes_layer0"] == 0 and one["link_bytes_layer1"] == 0
+    assert two["link_bytes_layer0"] > 0 and two["link_bytes_layer1"] > 0
+    assert all(r["layer0_s"] > 0 and r["layer1_s"] > 0 for r in rows)

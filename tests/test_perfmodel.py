@@ -355,3 +355,254 @@ def test_fused_beats_unfused_on_h800_for_the_paper_shapes(model):
         shape = preset_shape(model, layer)
         p = pm.predict(shape, spec, pm.choose_n_comm(shape, spec, layer), layer)
         assert p["fused"] < p["baseline"], (model, layer, p)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several nodes (ranks_per_node): intra- and inter-node links
+# ----------------------------------------------------------------------------------------------
+
+
+def _golden_entries():
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent / "data" / "perfmodel_one_node.json"
+    return json.loads(path.read_text())
+
+
+def test_one_node_is_the_single_node_model_bit_for_bit():
+    """ranks_per_node = W (explicit or the default) reproduces the predictions of the model before
+    nodes existed exactly (tests/data/perfmodel_one_node.json, made by
+    tests/data/gen_perfmodel_one_node.py from commit 1403adf's perfmodel)."""
+    entries = _golden_entries()
+    assert len(entries) > 500
+    for e in entries:
+        d = dict(e["shape"])
+        if "expert_rows" in d:
+            d["expert_rows"] = tuple(d["expert_rows"])
+        spec = pm.GPUS[e["gpu"]]
+        for shape in (pm.MoEShape(**d), pm.MoEShape(**d, ranks_per_node=d["W"]),
+                      pm.MoEShape(**d, ranks_per_node=d["W"], node_first=False)):
+            assert shape.nodes == 1 and shape.ranks_per_node == shape.W
+            if "predict" in e:
+                p = pm.predict(shape, spec, e["n_comm"], e["layer"])
+                assert {k: p[k] for k in e["predict"]} == e["predict"], e  # exact floats
+                assert p["inter"] == 0.0 and p["inter_rows"] == 0.0
+            else:
+                assert pm.choose_n_comm(shape, spec, e["layer"]) == e["choose"]
+                assert pm.comm_saturation_blocks(shape, spec, e["layer"]) == e["saturation"]
+
+
+def test_nic_constants_are_sourced_and_sane():
+    for name, spec in pm.GPUS.items():
+        assert 0 < spec.nic_gbs < spec.link_gbs  # the NIC is the slower link on every GPU
+        assert 0 < spec.nic_eff <= 1 and spec.nic_latency_us > 0
+        assert spec.block_nic_bw <= spec.block_link_bw  # per block too (Little's law)
+    assert pm.GPUS["h800"].nic_gbs == 50.0  # DeepEP: CX7 400 Gb/s per H800
+    assert pm.GPUS["a100"].nic_gbs == 25.0 and pm.GPUS["a100"].nic_eff == pytest.approx(0.74)
+    assert pm.GPUS["h800"].block_nic_bw == pytest.approx(384 * pm.COPY_UNROLL * 16 / 6e-6)
+    assert pm.get_spec("h800", 114).nic_gbs == 50.0  # scaling SMs keeps the NIC
+
+
+def test_ranks_per_node_validation():
+    with pytest.raises(ValueError):
+        pm.MoEShape(W=8, E=8, k=2, H=8, N=8, T=1, ranks_per_node=3)
+    with pytest.raises(ValueError):
+        pm.MoEShape(W=8, E=8, k=2, H=8, N=8, T=1, ranks_per_node=0)
+    s = pm.MoEShape(W=16, E=64, k=4, H=8, N=8, T=1, ranks_per_node=8)
+    assert s.nodes == 2 and s.ranks_per_node == 8
+
+
+def test_node_traffic_formulas():
+    # Qwen2-MoE on 2 x 8: E=64, k=4, 32 experts per node
+    T, W, P, E, k = 4096, 16, 8, 64, 4
+    s = pm.MoEShape(W=W, E=E, k=k, H=2048, N=2816, T=T, ranks_per_node=P)
+    flat = pm.MoEShape(**{**s.__dict__, "node_first": False})
+    q = 1 - math.comb(32, 4) / math.comb(64, 4)
+    assert pm.expected_distinct_nodes(W, E, k, P) == pytest.approx(2 * q)
+    far = T * k * (W - P) / W  # remote-node slot rows
+    tf = pm.node_traffic(flat, 0)
+    assert tf.local == pytest.approx(T * k / W)
+    assert tf.same_node == pytest.approx(T * k * (P - 1) / W)
+    assert tf.nic == pytest.approx(far) and tf.fanout_nvlink == tf.fanout_local == 0
+    tn_ = pm.node_traffic(s, 0)
+    assert tn_.nic == pytest.approx(T * (2 - 1) * q)  # one row per (token, remote node)
+    assert tn_.fanout_nvlink == pytest.approx(far * (P - 1) / P)
+    assert tn_.fanout_local == pytest.approx(far / P)
+    assert tn_.nvlink == pytest.approx(T * k * (P - 1) / P)
+    # layer1: one partial row per (token, sending rank), same with or without node-first
+    p_hit = pm.hit_probability(W, E, k)
+    for shape in (s, flat):
+        t1 = pm.node_traffic(shape, 1)
+        assert t1.nic == pytest.approx(T * (W - P) * p_hit)
+        assert t1.same_node == pytest.approx(T * (P - 1) * p_hit)
+    # every remote row is accounted for once
+    assert tf.same_node + tf.nic == pytest.approx(pm.remote_rows(s, 0))
+
+
+def test_expected_distinct_nodes_matches_sampling():
+    rng = random.Random(1)
+    for W, P, E, k in [(16, 8, 64, 4), (16, 4, 16, 2), (8, 2, 32, 6)]:
+        per_node = E // (W // P)
+        n = 20000
+        hits = sum(len({e // per_node for e in rng.sample(range(E), k)}) for _ in range(n)) / n
+        assert pm.expected_distinct_nodes(W, E, k, P) == pytest.approx(hits, rel=0.02)
+
+
+@st.composite
+def node_shapes(draw, node_first=None):
+    W = draw(st.sampled_from([2, 4, 8, 16, 32]))
+    el = draw(st.sampled_from([1, 2, 4, 8]))
+    E = W * el
+    k = draw(st.integers(1, min(E, 8)))
+    P = draw(st.sampled_from([p for p in range(1, W + 1) if W % p == 0]))
+    nf = draw(st.booleans()) if node_first is None else node_first
+    return pm.MoEShape(W=W, E=E, k=k, H=draw(st.sampled_from([128, 2048, 4096, 7168])),
+                       N=draw(st.sampled_from([704, 2816, 14336])),
+                       T=draw(st.sampled_from([0, 1, 333, 4096, 16384])),
+                       dtype_bytes=draw(st.sampled_from([2, 4])), ranks_per_node=P, node_first=nf)
+
+
+@FAST
+@given(shape=node_shapes(node_first=True))
+def test_node_first_never_increases_internode_bytes(shape):
+    flat = pm.MoEShape(**{**shape.__dict__, "node_first": False})
+    nf, fl = pm.internode_bytes(shape, 0), pm.internode_bytes(flat, 0)
+    assert nf <= fl * (1 + 1e-12)
+    el_node = shape.E // shape.nodes
+    if shape.nodes > 1 and shape.k >= 2 and el_node >= 2 and shape.T > 0:
+        assert nf < fl * (1 - 1e-9)  # two slots of a token can share a node: strictly fewer
+    # layer1 is not reduced by the hierarchy
+    assert pm.internode_bytes(shape, 1) == pm.internode_bytes(flat, 1)
+
+
+def test_node_first_reduces_internode_bytes_for_the_paper_shapes():
+    for model, W, P in (("mixtral", 8, 4), ("qwen2", 16, 8), ("phi3.5", 16, 8)):
+        s = preset_shape(model, 0, W=W)
+        s = pm.MoEShape(**{**s.__dict__, "ranks_per_node": P})
+        flat = pm.MoEShape(**{**s.__dict__, "node_first": False})
+        assert pm.internode_bytes(s, 0) < pm.internode_bytes(flat, 0)
+    # k = 1: nothing to deduplicate
+    s = pm.MoEShape(W=16, E=64, k=1, H=128, N=128, T=1000, ranks_per_node=8)
+    flat = pm.MoEShape(**{**s.__dict__, "node_first": False})
+    assert pm.internode_bytes(s, 0) == pytest.approx(pm.internode_bytes(flat, 0))
+
+
+def _more_nodes(shape):
+    """The same group with every smaller ranks_per_node, from one node to one rank per node."""
+    W = shape.W
+    return [pm.MoEShape(**{**shape.__dict__, "ranks_per_node": p})
+            for p in range(W, 0, -1) if W % p == 0]
+
+
+@FAST
+@given(shape=node_shapes(node_first=False), spec=specs, layer=st.sampled_from([0, 1]),
+       n=st.sampled_from([1, 2, 5, 16, 60, 200]))
+def test_more_nodes_never_lower_comm_flat(shape, spec, layer, n):
+    """Flat all-to-all (and layer1 either way): more nodes move rows from NVLink to the slower
+    NIC, so at fixed W the predicted comm never drops, at any split."""
+    n = min(n, spec.sm_count)
+    times = [pm.comm_time(s, spec, n, layer) for s in _more_nodes(shape)]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(times, times[1:])), times
+
+
+@FAST
+@given(shape=node_shapes(node_first=True), spec=specs, n=st.sampled_from([1, 5, 16, 60, 200]))
+def test_more_nodes_never_lower_layer1_comm_nor_node_first_nic_time(shape, spec, n):
+    n = min(n, spec.sm_count)
+    shapes_ = _more_nodes(shape)
+    l1 = [pm.comm_time(s, spec, n, 1) for s in shapes_]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(l1, l1[1:])), l1
+    nic = [pm.comm_split(s, spec, n, 0)["inter"] for s in shapes_]
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(nic, nic[1:])), nic
+
+
+@pytest.mark.parametrize("gpu", GPU_NAMES)
+@pytest.mark.parametrize("model", ["mixtral", "qwen2", "phi3.5"])
+def test_more_nodes_never_lower_comm_for_the_paper_shapes(model, gpu):
+    """Node-first layer0 too, for the paper shapes: among multi-node groups at every split, and
+    from one node to several with the whole GPU on comm (NVLink GPUs, W <= 16)."""
+    spec = pm.GPUS[gpu]
+    E = PRESETS[model][2]
+    for W in (8, 16, 32):
+        if E % W:
+            continue
+        for layer in (0, 1):
+            shapes_ = _more_nodes(preset_shape(model, layer, W=W))
+            for n in (1, 2, 8, 32, spec.sm_count):
+                t = [pm.comm_time(s, spec, n, layer) for s in shapes_]
+                assert all(b >= a * (1 - 1e-12) for a, b in zip(t[1:], t[2:])), (W, layer, n, t)
+                if layer == 1 or (n == spec.sm_count and W <= 16 and spec.link == "nvlink"):
+                    assert t[1] >= t[0] * (1 - 1e-12), (W, layer, n, t)
+
+
+def test_node_first_can_beat_one_node_where_the_nic_has_slack():
+    """The documented exception (module doc): with node-first dispatch and few comm blocks, the
+    relay serves 1/P of a remote node's slot rows from its own memory while the NIC's DMA runs in
+    parallel, so 2 x 8 ranks are predicted below a (hypothetical) 16-rank NVLink domain, whose
+    path pulls every slot row over NVLink.  Flat, the same split is slower across nodes."""
+    spec = pm.GPUS["h800"]
+    one = preset_shape("qwen2", 0, W=16)
+    two = pm.MoEShape(**{**one.__dict__, "ranks_per_node": 8})
+    flat = pm.MoEShape(**{**two.__dict__, "node_first": False})
+    assert pm.comm_time(two, spec, 1, 0) < pm.comm_time(one, spec, 1, 0)
+    assert pm.comm_time(flat, spec, 1, 0) > pm.comm_time(one, spec, 1, 0)
+    assert pm.comm_time(two, spec, spec.sm_count, 0) > pm.comm_time(one, spec, spec.sm_count, 0)
+
+
+@FAST
+@given(shape=node_shapes(), spec=specs, layer=st.sampled_from([0, 1]), tile=tiles, data=st.data())
+def test_multi_node_predictions_keep_their_bounds(shape, spec, layer, tile, data):
+    n = data.draw(st.integers(1, spec.sm_count - 1))
+    p = pm.predict(shape, spec, n, layer, tile)
+    eps = 1e-12
+    assert max(p["comm"], p["gemm"]) <= p["kernel"] * (1 + eps)
+    assert p["kernel"] <= p["sequential"] * (1 + eps)
+    # comm overlaps its links: at least each link's part, at most their sum plus the HBM side
+    assert p["comm"] >= p["inter"] * (1 - eps)
+    if shape.nodes == 1:
+        assert p["inter"] == 0.0
+    _check_comm_curve(shape, spec, layer)
+
+
+def test_multi_node_fused_beats_unfused_for_the_paper_shapes():
+    spec = pm.GPUS["h800"]
+    for model, W, P in (("mixtral", 8, 4), ("qwen2", 16, 8), ("phi3.5", 16, 8)):
+        for nf in (True, False):
+            for layer in (0, 1):
+                s = pm.MoEShape(**{**preset_shape(model, layer, W=W).__dict__,
+                                   "ranks_per_node": P, "node_first": nf})
+                p = pm.predict(s, spec, pm.choose_n_comm(s, spec, layer), layer)
+                assert p["fused"] < p["baseline"], (model, nf, layer, p)
+
+
+def test_readme_table_across_nodes_is_the_models():
+    """README's "What the cost model predicts across nodes" rows are this model's output."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### What the cost model predicts across nodes", 1)[1].split("\n## ", 1)[0]
+    titles = {"Mixtral-8x7B": "mixtral", "Qwen2-MoE": "qwen2", "Phi-3.5-MoE": "phi3.5"}
+    spec = pm.GPUS["h800"]
+    seen = 0
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not cells or cells[0] not in titles:
+            continue
+        nodes, rpn = (int(x) for x in cells[1].split(" x "))
+        layer = int(cells[2][-1])
+        r = {}
+        for nf in (False, True):
+            s = pm.MoEShape(**{**preset_shape(titles[cells[0]], layer, W=nodes * rpn).__dict__,
+                               "ranks_per_node": rpn, "node_first": nf})
+            r[nf] = pm.predict(s, spec, pm.choose_n_comm(s, spec, layer), layer)
+        ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
+        pair = lambda key, f: f"{f(r[False][key])} / {f(r[True][key])}"  # noqa: E731
+        assert cells[3] == pair("inter_rows", lambda x: f"{x:.0f}")
+        assert cells[4] == pair("n_comm", str)
+        assert cells[5] == pair("intra", ms) and cells[6] == pair("inter", ms)
+        assert cells[7] == ms(r[True]["gemm"])
+        assert cells[8] == pair("fused", ms) and cells[9] == pair("baseline", ms)
+        assert cells[10] == f"{r[True]['baseline'] / r[True]['fused']:.2f}x"
+        seen += 1
+    assert seen == 6

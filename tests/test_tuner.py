@@ -94,6 +94,31 @@ def test_key_normalisation_and_round_trip():
         tn.Config(0)
 
 
+def test_key_has_ranks_per_node(tmp_path):
+    one = tn.TuneKey("h800", 132, "bf16", 16, 64, 4, 2048, 2816, 4096, 0)
+    assert one.ranks_per_node == 16 and one.shape().nodes == 1
+    # one node keeps the id it had before nodes were modelled (existing caches stay valid)
+    assert one.id() == "h800|sm132|bf16|L0|W16|E64|k4|H2048|N2816|T4096"
+    assert tn.TuneKey.from_dict({k: v for k, v in one.to_dict().items()
+                                 if k != "ranks_per_node"}) == one
+    two = tn.TuneKey("h800", 132, "bf16", 16, 64, 4, 2048, 2816, 4096, 0, 8)
+    assert two != one and two.id() != one.id() and "|P8|" in two.id()
+    assert two.family() != one.family()  # nearest-bucket lookup never mixes node layouts
+    assert tn.TuneKey.from_dict(json.loads(json.dumps(two.to_dict()))) == two
+    assert two.shape().ranks_per_node == 8 and two.shape().nodes == 2
+    shape = pm.MoEShape(W=16, E=64, k=4, H=2048, N=2816, T=4096, ranks_per_node=8)
+    assert tn.make_key(shape, 0, "bf16", "h800", 132) == two
+    with pytest.raises(ValueError):
+        tn.TuneKey("h800", 132, "bf16", 16, 64, 4, 2048, 2816, 4096, 0, 3)
+    # a measured entry for one layout is not used for the other; the model answers per layout
+    tuner = tn.Tuner(tmp_path / "c")
+    tuner.store(one, tn.Config(7))
+    assert tuner.choose(one, explain=True) == (tn.Config(7), "cache")
+    cfg, src = tuner.choose(two, explain=True)
+    assert src == "model"
+    assert cfg.n_comm == pm.choose_n_comm(two.shape(), pm.GPUS["h800"], 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
@@ -387,6 +412,48 @@ def test_cli_in_process_variants(capsys, cache_env):
         cli.main(["--model", "nope", "--world", "8"])
     with pytest.raises(SystemExit):
         cli.main(["--model", "custom", "--world", "8"])
+
+
+def test_cli_across_nodes(tmp_path, capsys, cache_env):
+    p = _run_cli(["--model", "qwen2", "--world", "16", "--ranks-per-node", "8", "--gpu", "h800"],
+                 tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "not measured" in out and "2 nodes x 8 ranks" in out and "node-first" in out
+    lines = [line.split() for line in out.splitlines() if line.split()]
+    header = next(line for line in lines if line[:3] == ["layer", "GEMM", "MxNxK"])
+    assert "NVLink" in header and "NIC" in header and "gemm" in header and "prologue" in header
+    rows = {line[0]: line for line in lines if line[0] in ("layer0", "layer1")}
+    assert set(rows) == {"layer0", "layer1"}
+    for layer, N in ((0, 2816), (1, 1408)):
+        shape = pm.MoEShape(W=16, E=64, k=4, H=2048, N=N, T=4096, ranks_per_node=8)
+        n = pm.choose_n_comm(shape, pm.GPUS["h800"], layer)
+        pr = pm.predict(shape, pm.GPUS["h800"], n, layer)
+        r = rows[f"layer{layer}"]
+        assert int(r[2]) == n
+        # columns: NVLink rows, NIC rows, NVLink ms, NIC ms, comm ms, gemm ms, prologue ms
+        assert float(r[5]) == pytest.approx(pr["intra_rows"], abs=0.5)
+        assert float(r[6]) == pytest.approx(pr["inter_rows"], abs=0.5)
+        assert float(r[7]) == pytest.approx(pr["intra"] * 1e3, abs=1e-3)
+        assert float(r[8]) == pytest.approx(pr["inter"] * 1e3, abs=1e-3)
+        assert float(r[8]) > 0
+    # flat all-to-all: more rows over the NIC for layer0, the same for layer1
+    assert cli.main(["--model", "qwen2", "--world", "16", "--ranks-per-node", "8", "--gpu",
+                     "h800", "--flat"]) == 0
+    out = capsys.readouterr().out
+    assert "flat all-to-all" in out
+    flat = {l.split()[0]: l.split() for l in out.splitlines() if l.split()[:1] in (["layer0"], ["layer1"])}
+    assert float(flat["layer0"][6]) > float(rows["layer0"][6])
+    assert float(flat["layer1"][6]) == float(rows["layer1"][6])
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "qwen2", "--world", "16", "--ranks-per-node", "3"])
+    # one node: no NIC traffic, same split as without the option
+    assert cli.main(["--model", "mixtral", "--world", "8", "--ranks-per-node", "8",
+                     "--gpu", "h800"]) == 0
+    out = capsys.readouterr().out
+    assert "nodes x" not in out
+    r0 = next(l.split() for l in out.splitlines() if l.startswith("layer0"))
+    assert r0[6] == "0" and r0[8] == "0.000"
 
 
 def test_cli_profiling_path(capsys, cache_env, monkeypatch):

@@ -98,8 +98,15 @@ class CpuContext {
   // The host published and waited for every source's data before the kernel.
   void acquire(int32_t) {}
 
+  // Null for ranks on other nodes (comet/topology.h): only put_signal reaches them.
   char* data(int32_t rank) const { return heap_->data(rank); }
   RankHeader* header(int32_t rank) const { return heap_->header(rank); }
+  bool reachable(int32_t rank) const { return heap_->reachable(rank); }
+  // Through the heap's link proxy (link_proxy.h), as the GPU's NVSHMEM put-with-signal.
+  void put_signal(int32_t rank, void* dst, const void* src, size_t bytes, uint64_t* sig,
+                  uint64_t value) {
+    heap_->proxy()->put_signal(rank, dst, src, bytes, sig, value);
+  }
 
   // Block-wide: thread 0 waits, the others meet it at the barrier.
   void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index) {

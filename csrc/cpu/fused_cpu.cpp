@@ -3,6 +3,7 @@
 #include "fused_cpu.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -11,6 +12,7 @@
 #include "comet/comm_layer0.h"
 #include "comet/comm_layer1.h"
 #include "comet/gemm_schedule.h"
+#include "comet/node_push.h"
 #include "comet/prologue.h"
 #include "grid_scratch.h"
 #include "tile_gemm.h"
@@ -27,11 +29,32 @@ void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch
            [&](CpuContext& ctx) { body(ctx, ps); });
 }
 
-std::vector<const char*> peer_datas(const SymmHeap& heap) {
+// The call's regions, with room for the mirrors of remote sources when the group spans nodes.
+DataRegions regions_of(const SymmHeap& heap, OpKind op, int64_t tmax, int64_t hidden, int32_t k,
+                       int32_t experts, int64_t elem, int32_t acc_bytes = 4) {
+  return data_regions(op, tmax, int32_t(hidden), k, experts, heap.world(), int32_t(elem), acc_bytes,
+                      heap.topology().nodes() - 1);
+}
+
+// Where each source's published region is read (its segment, or its mirror on this node).
+std::vector<const char*> source_bases(const SymmHeap& heap, const DataRegions& reg) {
   std::vector<const char*> d(static_cast<size_t>(heap.world()));
-  for (int32_t s = 0; s < heap.world(); ++s) d[size_t(s)] = heap.data(s);
+  for (int32_t s = 0; s < heap.world(); ++s) d[size_t(s)] = heap.source_base(s, reg);
   return d;
 }
+
+// Waits for every rank's delivered puts before anything that the puts read goes away.
+struct QuietOnExit {
+  const SymmHeap& heap;
+  ~QuietOnExit() {
+    if (!heap.proxy()) return;
+    try {
+      heap.proxy()->quiet();
+    } catch (const std::exception&) {
+      // A failed delivery was reported by the call's own end_call or by the next call.
+    }
+  }
+};
 
 // m-tiles (and layer0's visit order when `order` is given) of a dispatch layout of M rows.
 std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
@@ -56,11 +79,18 @@ std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
   return mtiles;
 }
 
-// Publishes this rank's source data (written by the caller) and waits for every source's.
-void exchange_sources(SymmHeap& heap, uint64_t epoch) {
+// Publishes this rank's source data (written by the caller, and pushed to the other nodes'
+// mirrors by `push`) and waits for every source's: on this node its data flag, across nodes its
+// mirror's on this node's relay.
+template <class Push>
+void exchange_sources(SymmHeap& heap, const CpuLaunch& l, uint64_t epoch, Push&& push) {
   flag_release(heap.header(heap.rank())->data_epoch, epoch);
+  if (heap.topology().nodes() > 1) {
+    GridScratch scratch(l.n_comm + l.n_gemm, l.threads, 0, 0, 0);
+    run_prologue(heap, l, scratch, push);
+  }
   for (int32_t s = 0; s < heap.world(); ++s)
-    heap.wait(heap.header(s)->data_epoch, epoch, WaitSite::PeerData, s);
+    heap.wait(heap.source_ready(s), epoch, WaitSite::PeerData, s);
 }
 
 // A GEMM tile computed by all threads of a block: each its contiguous share of the tile's rows.
@@ -85,8 +115,7 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
     : heap_(heap), epoch_(epoch), p_(p), l_(l) {
   const int32_t W = heap.world(), d = heap.rank(), E = p.experts, El = E / W, k = p.topk;
   const int64_t T = p.tokens, elem = scalar_bytes(p.kind);
-  const DataRegions reg = data_regions(OpKind::Layer0, max_tokens(heap), int32_t(p.hidden), k, E,
-                                       W, int32_t(elem));
+  const DataRegions reg = regions_of(heap, OpKind::Layer0, max_tokens(heap), p.hidden, k, E, elem);
   heap.reserve(reg.total);
 
   // Publish this rank's send plan and tokens.
@@ -99,10 +128,16 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
     });
   }
   if (T > 0) std::memcpy(mine + reg.x, p.x, size_t(T * p.hidden * elem));
-  exchange_sources(heap, epoch);
+  const NodePushArgs push{heap.topology(), d, E, El, k, T, p.hidden * elem, 0, epoch, reg, p.ids};
+  exchange_sources(heap, l, epoch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+    layer0_push_program(ctx, ps.bar, push);
+  });
 
   // Dispatch layout from every source's bucket sizes, then the m-tiles and their order.
-  gather_recv_counts(peer_datas(heap).data(), reg.bucket_off, d, W, El, recv_counts);
+  sources_ = source_bases(heap, reg);
+  rows_ready_.resize(size_t(W));
+  for (int32_t s = 0; s < W; ++s) rows_ready_[size_t(s)] = heap.rows_ready(s);
+  gather_recv_counts(sources_.data(), reg.bucket_off, d, W, El, recv_counts);
   expert_off_.resize(size_t(El) + 1);
   seg_off_.resize(size_t(El) * (W + 1));
   rows_ = build_dispatch_layout(recv_counts, d, W, El, expert_off_.data(), seg_off_.data());
@@ -111,9 +146,9 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
 
 int64_t Layer0Call::max_rows_of_group() const {
   const int32_t W = heap_.world(), El = p_.experts / W;
-  const DataRegions reg = data_regions(OpKind::Layer0, max_tokens(heap_), int32_t(p_.hidden),
-                                       p_.topk, p_.experts, W, int32_t(scalar_bytes(p_.kind)));
-  const std::vector<const char*> datas = peer_datas(heap_);
+  const DataRegions reg = regions_of(heap_, OpKind::Layer0, max_tokens(heap_), p_.hidden, p_.topk,
+                                     p_.experts, scalar_bytes(p_.kind));
+  const std::vector<const char*> datas = source_bases(heap_, reg);
   std::vector<int32_t> counts(size_t(W) * size_t(El));
   int64_t most = 0;
   for (int32_t dest = 0; dest < W; ++dest) {
@@ -130,14 +165,16 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   const int32_t W = heap_.world(), d = heap_.rank(), El = p_.experts / W;
   const int64_t H = p_.hidden, N0 = p_.n0, elem = scalar_bytes(p_.kind);
   const int64_t MT = int64_t(mtiles_.size());
-  const DataRegions reg = data_regions(OpKind::Layer0, max_tokens(heap_), int32_t(H), p_.topk,
-                                       p_.experts, W, int32_t(elem));
+  const DataRegions reg =
+      regions_of(heap_, OpKind::Layer0, max_tokens(heap_), H, p_.topk, p_.experts, elem);
   auto& flags = heap_.tile_flags();
   if (int64_t(flags.size()) < MT) flags.resize(size_t(MT), 0);
 
-  const Layer0CommArgs ca{d, W, El, p_.topk, H * elem, epoch_, reg, seg_off_.data(),
-                          mtiles_.data(), order_.data(), MT, static_cast<char*>(a), flags.data(),
-                          row_source, row_token, row_slot};
+  Layer0CommArgs ca{d, W, El, p_.topk, H * elem, epoch_, reg, seg_off_.data(),
+                    mtiles_.data(), order_.data(), MT, static_cast<char*>(a), flags.data(),
+                    row_source, row_token, row_slot};
+  ca.sources = sources_.data();
+  ca.rows_ready = rows_ready_.data();
   const int32_t NT = int32_t(ceil_div(N0, l_.tile_n));
   const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
                             nullptr, nullptr};
@@ -172,9 +209,11 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const int64_t T = p.tokens, M = p.rows, N1 = p.n1, H = p.hidden;
   const int64_t elem = scalar_bytes(p.kind);
   const int64_t tmax = max_tokens(heap);
-  const DataRegions reg = data_regions(OpKind::Layer1, tmax, int32_t(H), k, E, W, int32_t(elem),
-                                       int32_t(sizeof(Acc)));
+  const DataRegions reg =
+      regions_of(heap, OpKind::Layer1, tmax, H, k, E, elem, int32_t(sizeof(Acc)));
   heap.reserve(std::max<size_t>(reg.total, 1));
+  std::vector<std::max_align_t> stage;  // across nodes: staged partial rows (sources of puts)
+  const QuietOnExit quiet{heap};        // declared after `stage`: runs before it is freed
 
   // Publish this rank's routing, bucket positions, weights and pair lists for the destinations.
   char* mine = heap.data(d);
@@ -190,7 +229,11 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
                         reinterpret_cast<int32_t*>(mine + reg.pair_slot));
     });
   }
-  exchange_sources(heap, epoch);
+  const NodePushArgs push{heap.topology(), d, E, El, k, T, 0, int64_t(sizeof(Acc)), epoch, reg,
+                          p.ids};
+  exchange_sources(heap, l, epoch, [&](CpuContext& ctx, const PrologueScratch&) {
+    layer1_push_program(ctx, push);
+  });
 
   std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
   build_dispatch_layout(p.recv_counts, d, W, El, expert_off.data(), seg_off.data());
@@ -199,7 +242,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
 
   // The reduce plan from the peers' published routing and pair lists.
   std::vector<PlanSource<Acc>> src(static_cast<size_t>(W));
-  for (int32_t s = 0; s < W; ++s) src[size_t(s)] = plan_source<Acc>(heap.data(s), reg);
+  for (int32_t s = 0; s < W; ++s) src[size_t(s)] = plan_source<Acc>(heap.source_base(s, reg), reg);
   const int64_t cap = std::max<int64_t>(M, 1);
   std::vector<int32_t> e_src(static_cast<size_t>(cap)), e_tok(static_cast<size_t>(cap)),
       e_part(static_cast<size_t>(cap));
@@ -229,10 +272,20 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   if (int64_t(flags.size()) < NT) flags.resize(size_t(NT), 0);
   if (int64_t(counts.size()) < NT) counts.resize(size_t(NT), 0);
 
-  const Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
-                               flags.data(), plan,
-                               std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm))),
-                               heap.blocks_done(), T, p.ids, out, p.kind};
+  const int64_t per_item = std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm)));
+  Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
+                         flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out, p.kind};
+  // Across nodes: partial rows for remote homes are staged (16-byte aligned) and put whole.
+  if (heap.topology().nodes() > 1) {
+    const size_t bytes = size_t(std::max<int64_t>(entries, 1)) * size_t(H) * size_t(elem);
+    stage.resize(ceil_div(int64_t(bytes), int64_t(sizeof(std::max_align_t))));
+    auto& chunk_counts = heap.chunk_counts();
+    const size_t chunks = size_t(ceil_div(entries, per_item));
+    if (chunk_counts.size() < chunks) chunk_counts.resize(chunks, 0);
+    la.ranks_per_node = heap.topology().ranks_per_node;
+    la.stage = reinterpret_cast<char*>(stage.data());
+    la.chunk_done = chunk_counts.data();
+  }
   const GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(),
                             flags.data()};
   const char* w1 = static_cast<const char*>(p.w1);

@@ -54,6 +54,8 @@ class Layer0Call {
   int64_t rows_ = 0;
   std::vector<int64_t> expert_off_, seg_off_, order_;
   std::vector<MTile> mtiles_;
+  std::vector<const char*> sources_;  // where each source's published region is read
+  std::vector<uint64_t*> rows_ready_; // sources on other nodes: their rows are in the mirror
 };
 
 template <class Acc>

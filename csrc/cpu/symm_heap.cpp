@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -19,19 +20,34 @@
 namespace comet::cpu {
 
 SymmHeap::SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_hash,
-                   double timeout_s)
-    : rank_(rank), world_(world), job_(std::move(job)), group_hash_(group_hash),
-      timeout_s_(timeout_s), peer_headers_(world), headers_(world, nullptr), peer_data_(world),
-      data_(world, nullptr) {
+                   double timeout_s, int32_t ranks_per_node, LinkSettings link)
+    : rank_(rank), world_(world), remote_pid_(size_t(world > 0 ? world : 0), 0),
+      job_(std::move(job)), group_hash_(group_hash), timeout_s_(timeout_s),
+      peer_headers_(world > 0 ? world : 0), headers_(world > 0 ? world : 0, nullptr),
+      peer_data_(world > 0 ? world : 0), data_(world > 0 ? world : 0, nullptr) {
   if (world < 1 || rank < 0 || rank >= world)
     throw std::invalid_argument("comet.symm: rank " + std::to_string(rank) +
                                 " outside a group of " + std::to_string(world));
+  if (ranks_per_node == 0) ranks_per_node = world;
+  if (ranks_per_node < 1 || world % ranks_per_node != 0)
+    throw std::invalid_argument("comet.symm: ranks_per_node=" + std::to_string(ranks_per_node) +
+                                " does not divide the group size " + std::to_string(world));
+  if (link.latency_us < 0 || link.gbps < 0)
+    throw std::invalid_argument("comet.symm: link latency and bandwidth must be >= 0 (got " +
+                                std::to_string(link.latency_us) + " us, " +
+                                std::to_string(link.gbps) + " GB/s)");
+  topo_ = NodeTopology{world, ranks_per_node};
   own_header_ = ShmSegment::create(segment_name(rank, "h", 0), header_bytes(world));
   headers_[rank] = own_header_.data();
   flag_release(header(rank)->pid, uint64_t(getpid()));
+  if (topo_.nodes() > 1) {
+    proxy_ = std::make_unique<LinkProxy>(world, link);
+    proxy_->set_own(own_header_.data(), own_header_.size(), nullptr, 0);
+  }
 }
 
-SymmHeap::~SymmHeap() = default;
+// The proxy first: it may still read this rank's segments while it drains.
+SymmHeap::~SymmHeap() { proxy_.reset(); }
 
 std::string SymmHeap::segment_name(int32_t r, const char* kind, uint64_t gen) const {
   return "/comet-" + job_ + "-" + std::to_string(r) + "-" + kind + std::to_string(gen);
@@ -40,9 +56,37 @@ std::string SymmHeap::segment_name(int32_t r, const char* kind, uint64_t gen) co
 void SymmHeap::connect() {
   for (int32_t r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    peer_headers_[r] = ShmSegment::open(segment_name(r, "h", 0), header_bytes(world_));
-    headers_[r] = peer_headers_[r].data();
+    ShmSegment h = ShmSegment::open(segment_name(r, "h", 0), header_bytes(world_));
+    if (reachable(r)) {
+      peer_headers_[r] = std::move(h);
+      headers_[r] = peer_headers_[r].data();
+    } else {
+      proxy_->map_header(r, std::move(h));  // the link's window: never seen by the ranks' code
+      remote_pid_[size_t(r)] = proxy_->read_header_word(r, offsetof(RankHeader, pid));
+    }
   }
+}
+
+void SymmHeap::send_flag(int32_t r, PeerFlag kind, uint64_t value) {
+  if (reachable(r))
+    flag_release(header_flag(header(r), world_, kind, rank_), value);
+  else
+    proxy_->put_signal(r, nullptr, nullptr, 0, header_flag(header(rank_), world_, kind, rank_),
+                       value);
+}
+
+uint64_t* SymmHeap::source_ready(int32_t s) const {
+  if (reachable(s)) return header(s)->data_epoch;
+  return header_flag(header(topo_.relay(s, topo_.node(rank_))), world_, PeerFlag::MirrorMeta, s);
+}
+
+uint64_t* SymmHeap::rows_ready(int32_t s) const {
+  if (reachable(s)) return nullptr;
+  return header_flag(header(topo_.relay(s, topo_.node(rank_))), world_, PeerFlag::MirrorRows, s);
+}
+
+uint64_t SymmHeap::peer_pid(int32_t r) const {
+  return reachable(r) ? flag_relaxed(header(r)->pid) : remote_pid_[size_t(r)];
 }
 
 void SymmHeap::unlink_own() { own_header_.unlink(); }
@@ -50,7 +94,7 @@ void SymmHeap::unlink_own() { own_header_.unlink(); }
 // A peer process that is gone, or a zombie not yet reaped by its parent (e.g. a launcher that
 // is itself blocked), counts as dead.
 bool SymmHeap::peer_alive(int32_t r) const {
-  const pid_t pid = pid_t(flag_relaxed(header(r)->pid));
+  const pid_t pid = pid_t(peer_pid(r));
   if (pid <= 0) return true;
   if (kill(pid, 0) != 0) return errno != ESRCH;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
@@ -79,7 +123,7 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
     std::ostringstream msg;
     if (peer_site && index >= 0 && index < world_ && !peer_alive(int32_t(index))) {
       msg << "comet: rank " << rank_ << " waiting for " << wait_site_name(site) << " (call "
-          << epoch << "): rank " << index << " (pid " << flag_relaxed(header(int32_t(index))->pid)
+          << epoch << "): rank " << index << " (pid " << peer_pid(int32_t(index))
           << ") has exited";
       throw std::runtime_error(msg.str());
     }
@@ -96,15 +140,26 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
 uint64_t SymmHeap::begin_call(CallMeta me) {
   check_usable();
   const uint64_t e = ++epoch_;
+  RankHeader* mine = header(rank_);
   try {
-    for (int32_t s = 0; s < world_; ++s) wait(header(s)->done_epoch, e - 1, WaitSite::PeerDone, s);
+    for (int32_t s = 0; s < world_; ++s)
+      wait(header_flag(mine, world_, PeerFlag::Done, s), e - 1, WaitSite::PeerDone, s);
     me.epoch = e;
-    header(rank_)->meta = me;
-    flag_release(header(rank_)->meta_epoch, e);
+    mine->meta = me;  // the source of the puts below: unchanged until the next call
+    for (int32_t r = 0; r < world_; ++r) {
+      CallMeta* box = header_meta_box(header(reachable(r) ? r : rank_), world_, rank_);
+      if (reachable(r)) {
+        *box = me;
+        flag_release(header_flag(header(r), world_, PeerFlag::Meta, rank_), e);
+      } else {
+        proxy_->put_signal(r, box, &mine->meta, sizeof(CallMeta),
+                           header_flag(mine, world_, PeerFlag::Meta, rank_), e);
+      }
+    }
     metas_.resize(world_);
     for (int32_t s = 0; s < world_; ++s) {
-      wait(header(s)->meta_epoch, e, WaitSite::PeerMeta, s);
-      metas_[s] = header(s)->meta;
+      wait(header_flag(mine, world_, PeerFlag::Meta, s), e, WaitSite::PeerMeta, s);
+      metas_[s] = *header_meta_box(mine, world_, s);
     }
   } catch (const std::exception& ex) {
     mark_broken(ex.what());
@@ -126,16 +181,24 @@ void SymmHeap::reserve(size_t bytes) {
     ++gen_;
     own_data_ = ShmSegment::create(segment_name(rank_, "d", gen_), cap);
     data_[rank_] = own_data_.data();
-    flag_release(header(rank_)->gen_ready, gen_);
+    if (proxy_) proxy_->set_own(own_header_.data(), own_header_.size(), own_data_.data(), cap);
+    for (int32_t r = 0; r < world_; ++r)
+      if (r != rank_) send_flag(r, PeerFlag::Gen, gen_);
+    RankHeader* mine = header(rank_);
     for (int32_t s = 0; s < world_; ++s) {
       if (s == rank_) continue;
-      wait(header(s)->gen_ready, gen_, WaitSite::PeerGeneration, s);
-      peer_data_[s] = ShmSegment::open(segment_name(s, "d", gen_), cap);
-      data_[s] = peer_data_[s].data();
-      flag_release(header_mapped(header(s), world_, rank_), gen_);
+      wait(header_flag(mine, world_, PeerFlag::Gen, s), gen_, WaitSite::PeerGeneration, s);
+      ShmSegment seg = ShmSegment::open(segment_name(s, "d", gen_), cap);
+      if (reachable(s)) {
+        peer_data_[s] = std::move(seg);
+        data_[s] = peer_data_[s].data();
+      } else {
+        proxy_->map_data(s, std::move(seg));
+      }
+      send_flag(s, PeerFlag::Mapped, gen_);
     }
     for (int32_t s = 0; s < world_; ++s)
-      if (s != rank_) wait(header_mapped(header(rank_), world_, s), gen_, WaitSite::PeerMapped, s);
+      if (s != rank_) wait(header_mapped(mine, world_, s), gen_, WaitSite::PeerMapped, s);
     own_data_.unlink();
     capacity_ = cap;
   } catch (const std::exception& ex) {
@@ -144,7 +207,13 @@ void SymmHeap::reserve(size_t bytes) {
   }
 }
 
-void SymmHeap::end_call(uint64_t epoch) { flag_release(header(rank_)->done_epoch, epoch); }
+// Every put of this call is delivered before "done" goes out (the link is FIFO anyway; quiet also
+// frees the put sources for the next call).
+void SymmHeap::end_call(uint64_t epoch) {
+  if (proxy_) proxy_->quiet();
+  flag_release(header(rank_)->done_epoch, epoch);
+  for (int32_t r = 0; r < world_; ++r) send_flag(r, PeerFlag::Done, epoch);
+}
 
 void SymmHeap::mark_broken(const std::string& why) {
   if (broken_.empty()) broken_ = why;

@@ -1,12 +1,19 @@
 // The CPU backend of comet.symm: per rank a fixed header segment and a growable data segment, both
-// mapped by every rank of the group (one-sided reads and writes, NVSHMEM's model on one node), plus
-// the per-call protocol every op runs before its kernel:
+// mapped by every rank of the same node (one-sided reads and writes, NVSHMEM's model on one node),
+// plus the per-call protocol every op runs before its kernel:
 //
 //   begin_call: wait until every peer finished reading our memory in the previous call (so this
 //               call may overwrite it), publish this call's metadata, collect every peer's, and
 //               return the common verdict (an input error anywhere fails the call everywhere);
 //   reserve:    grow every rank's data segment together when the call needs more room;
 //   end_call:   announce "finished reading peers' memory for this call".
+//
+// Nodes (the CPU analog of several machines, comet/topology.h): with ranks_per_node < world,
+// ranks of other nodes are not mapped (header()/data() are null for them); everything sent to
+// them goes through the LinkProxy (put-with-signal, served by its own thread with the link's
+// latency). The protocol is written for that: every flag a rank announces to the group it writes
+// into each peer's header mailbox (header_flag(.., PeerFlag::.., me)), by a store on its node and by
+// put-with-signal across nodes, so every wait reads local memory only.
 //
 // Flags carry the call number (epoch), so nothing is reset between calls.
 #pragma once
@@ -19,6 +26,8 @@
 
 #include "comet/exec_context.h"
 #include "comet/symm_layout.h"
+#include "comet/topology.h"
+#include "link_proxy.h"
 #include "shm_segment.h"
 
 namespace comet::cpu {
@@ -28,7 +37,9 @@ struct Aborted {};
 
 class SymmHeap {
  public:
-  SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_hash, double timeout_s);
+  // ranks_per_node must divide world (world: one node, no proxy).
+  SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_hash, double timeout_s,
+           int32_t ranks_per_node = 0, LinkSettings link = {});
   ~SymmHeap();
 
   // Set-up steps, each separated by a group barrier (done by the Python side).
@@ -44,8 +55,24 @@ class SymmHeap {
   int32_t block_threads() const { return block_threads_; }
   void set_block_threads(int32_t n) { block_threads_ = n; }
 
+  // Null for ranks on other nodes.
   RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
   char* data(int32_t r) const { return data_[r]; }
+  const NodeTopology& topology() const { return topo_; }
+  bool reachable(int32_t r) const { return topo_.same_node(rank_, r); }
+  // The link to other nodes; null on one node.
+  LinkProxy* proxy() const { return proxy_.get(); }
+  // This rank's flag `kind` in rank r's header mailbox := value (store, or put-with-signal).
+  void send_flag(int32_t r, PeerFlag kind, uint64_t value);
+  // Base of source s's published region as this rank reads it (its segment, or its mirror on
+  // this node's relay: comet/topology.h), for a call with these regions.
+  const char* source_base(int32_t s, const DataRegions& reg) const {
+    return comet::source_base(topo_, data_.data(), rank_, s, reg.mirror, reg.source_bytes);
+  }
+  // The flag that says source s's published data of this call is readable here: s's own
+  // data_epoch on this node, the relay's MirrorMeta flag for s across nodes.
+  uint64_t* source_ready(int32_t s) const;
+  uint64_t* rows_ready(int32_t s) const;  // null on this node (then source_ready covers the rows)
 
   // Per-call protocol (see above). begin_call returns the epoch; metas() then holds every rank's
   // metadata. verdict() is empty when all ranks' calls agree.
@@ -67,13 +94,18 @@ class SymmHeap {
   // Local scratch that persists across calls (flags are epoch-valued, counters self-reset).
   std::vector<uint64_t>& tile_flags() { return tile_flags_; }
   std::vector<uint32_t>& tile_counts() { return tile_counts_; }
+  std::vector<uint32_t>& chunk_counts() { return chunk_counts_; }
   uint32_t* blocks_done() { return &blocks_done_; }
 
  private:
   std::string segment_name(int32_t r, const char* kind, uint64_t gen) const;
   bool peer_alive(int32_t r) const;
+  uint64_t peer_pid(int32_t r) const;
 
   int32_t rank_, world_;
+  NodeTopology topo_;
+  std::unique_ptr<LinkProxy> proxy_;
+  std::vector<uint64_t> remote_pid_;
   std::string job_;
   int64_t group_hash_;
   double timeout_s_;
@@ -91,6 +123,7 @@ class SymmHeap {
   std::string broken_;
   std::vector<uint64_t> tile_flags_;
   std::vector<uint32_t> tile_counts_;
+  std::vector<uint32_t> chunk_counts_;
   uint32_t blocks_done_ = 0;
 };
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <random>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -195,6 +196,33 @@ int main() {
           CHECK(got[size_t(r)].out == base[size_t(r)].out);
           CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);
         }
+      }
+    }
+  }
+  // Several nodes (the CPU analog: other nodes only through the link proxy), with teams and
+  // delays, bitwise equal to one node: 2 nodes x 2 ranks, 3 nodes x 1 rank.
+  const std::pair<int32_t, int32_t> topologies[] = {{4, 2}, {3, 1}};
+  for (const auto& [W, rpn] : topologies) {
+    auto world = [&](int32_t per_node, const std::string& tag) {
+      std::vector<std::unique_ptr<cpu::SymmHeap>> heaps;
+      for (int32_t r = 0; r < W; ++r)
+        heaps.push_back(std::make_unique<cpu::SymmHeap>(r, W, job + tag + std::to_string(W), 11,
+                                                        30.0, per_node,
+                                                        cpu::LinkSettings{5.0, 0.0}));
+      for (auto& h : heaps) h->connect();
+      for (auto& h : heaps) h->unlink_own();
+      return heaps;
+    };
+    auto one = world(W, "one"), nodes = world(rpn, "nodes");
+    for (int iter = 0; iter < 2; ++iter) {
+      const Problem p = make_problem(rng, W);
+      const std::vector<Result> base = run_world(one, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 0});
+      const std::vector<Result> got =
+          run_world(nodes, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 29 + uint64_t(iter)});
+      for (int32_t r = 0; r < W; ++r) {
+        CHECK(got[size_t(r)].y0 == base[size_t(r)].y0);
+        CHECK(got[size_t(r)].out == base[size_t(r)].out);
+        CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);
       }
     }
   }

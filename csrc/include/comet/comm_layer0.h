@@ -27,6 +27,11 @@ struct Layer0CommArgs {
   int32_t* row_source;         // [M] outputs: each row's origin
   int32_t* row_token;
   int32_t* row_slot;
+  // Several nodes (comet/topology.h): where each source's published region is read (its own
+  // segment, or its mirror on this node's relay) and, for sources on other nodes, the flag that
+  // says their rows are in the mirror (null: the source is on this node). Null arrays: one node.
+  const char* const* sources = nullptr;  // [W]
+  uint64_t* const* rows_ready = nullptr; // [W]
 };
 
 // Rows of an m-tile are handled in batches of up to kRowBatch rows, their descriptors in the
@@ -50,7 +55,12 @@ COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
     // within an expert). Acquiring them is block-wide, so it happens here, uniformly.
     const int32_t p_first = row_origin(a.seg_off, a.world, mt.expert, mt.row_begin).ring_pos;
     const int32_t p_last = mtile_ring_distance(mt, a.seg_off, a.world);
-    for (int32_t p = p_first; p <= p_last; ++p) ctx.acquire(ring_source(a.rank, p, a.world));
+    for (int32_t p = p_first; p <= p_last; ++p) {
+      const int32_t src = ring_source(a.rank, p, a.world);
+      ctx.acquire(src);
+      if (a.rows_ready && a.rows_ready[src])
+        ctx.wait(a.rows_ready[src], a.epoch, WaitSite::MirrorRows, src);
+    }
     for (int64_t b0 = mt.row_begin; b0 < mt.row_begin + mt.rows; b0 += kRowBatch) {
       const int64_t left = mt.row_begin + mt.rows - b0;
       const int32_t n = int32_t(left < kRowBatch ? left : kRowBatch);
@@ -58,7 +68,7 @@ COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
         const int64_t row = b0 + r;
         const RowOrigin o = row_origin(a.seg_off, a.world, mt.expert, row);
         const int32_t src = ring_source(a.rank, o.ring_pos, a.world);
-        const char* sd = ctx.data(src);
+        const char* sd = a.sources ? a.sources[src] : ctx.data(src);
         const int32_t* bucket_off = reinterpret_cast<const int32_t*>(sd + a.regions.bucket_off);
         const int32_t* send_slot = reinterpret_cast<const int32_t*>(sd + a.regions.send_slot);
         const int32_t slot = send_slot[bucket_off[a.rank * a.experts_local + mt.expert] + o.index];

@@ -53,7 +53,24 @@ struct Layer1CommArgs {
   const int32_t* ids;   // local routing [T*k]
   void* out;            // [T, H]
   ScalarKind out_kind;  // also the partials' dtype
+  // Several nodes (comet/topology.h; ranks_per_node 0 or W: one node): partial rows for homes on
+  // other nodes are reduced into `stage` ([entries, H] in the partials' dtype, local) and sent
+  // whole, one put per (entry), by the block that finishes the last n-tile of their chunk
+  // (chunk_done: n-tiles reduced per chunk, local, self-resetting).
+  int32_t ranks_per_node = 0;
+  char* stage = nullptr;
+  uint32_t* chunk_done = nullptr;
 };
+
+template <class Acc>
+COMET_HD bool several_nodes(const Layer1CommArgs<Acc>& a) {
+  return a.ranks_per_node > 0 && a.ranks_per_node < a.world;
+}
+// Whether rank s is on another node than this rank (then its memory is only reachable by put).
+template <class Acc>
+COMET_HD bool other_node(const Layer1CommArgs<Acc>& a, int32_t s) {
+  return several_nodes(a) && s / a.ranks_per_node != a.rank / a.ranks_per_node;
+}
 
 constexpr int32_t kColGroup = 8;
 
@@ -62,7 +79,8 @@ constexpr int32_t kColGroup = 8;
 template <class Ctx, class Acc>
 COMET_HD bool layer1_vectorised(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const uintptr_t bases = reinterpret_cast<uintptr_t>(a.c) | reinterpret_cast<uintptr_t>(a.out) |
-                          reinterpret_cast<uintptr_t>(ctx.data(a.rank) + a.regions.recv);
+                          reinterpret_cast<uintptr_t>(ctx.data(a.rank) + a.regions.recv) |
+                          reinterpret_cast<uintptr_t>(a.stage);
   return sizeof(Acc) == 4 && a.hidden % kColGroup == 0 && a.tile_n % kColGroup == 0 &&
          bases % 16 == 0;
 }
@@ -110,6 +128,37 @@ COMET_HD void load_group_as(const void* p, ScalarKind kind, float (&v)[kColGroup
     v[i] = kind == ScalarKind::BF16 ? bf16_to_float(h[i]) : f16_to_float(h[i]);
 }
 
+// After one (chunk, n-tile) item: the block that completes the chunk's last n-tile sends the
+// chunk's staged rows whose home is on another node, one put per row (a whole partial row of H
+// columns), the threads of the block each taking rows. The count is published with release after
+// the block's stores (fence, barrier), and the last arriver acquires every other block's.
+template <class Ctx, class Acc>
+COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, int64_t chunk,
+                               int64_t first, int64_t last, int64_t pstride) {
+  int32_t* complete = static_cast<int32_t*>(ctx.block_shared());
+  ctx.fence_peers();
+  ctx.sync();
+  if (ctx.thread() == 0) {
+    const uint32_t before = count_ref(a.chunk_done[chunk]).fetch_add(1u, mo::memory_order_acq_rel);
+    *complete = before + 1u == uint32_t(a.num_ntiles);
+    if (*complete) count_ref(a.chunk_done[chunk]).store(0u, mo::memory_order_relaxed);
+  }
+  ctx.sync();
+  if (*complete) {
+    const int64_t eb = scalar_bytes(a.out_kind);
+    const size_t row = size_t(a.hidden) * size_t(eb);
+    for (int64_t e = first + ctx.thread(); e < last; e += ctx.threads()) {
+      const int32_t home = a.plan.entry_source[e];
+      if (!other_node(a, home)) continue;
+      const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
+                         int64_t(a.plan.entry_token[e]) * a.hidden;
+      ctx.put_signal(home, ctx.data(a.rank) + a.regions.recv + at * eb, a.stage + e * int64_t(row),
+                     row, nullptr, 0);
+    }
+  }
+  ctx.sync();  // `complete` is rewritten by the next item
+}
+
 template <class Ctx, class Acc>
 COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const bool vec = layer1_vectorised(ctx, a);
@@ -130,9 +179,13 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
       const int64_t e = first + q / groups;
       const int32_t col = col0 + int32_t(q % groups) * (vec ? kColGroup : 1);
       const int64_t s0 = a.plan.entry_begin[e], s1 = a.plan.entry_begin[e + 1];
-      char* part = ctx.data(a.plan.entry_source[e]) + a.regions.recv;
-      const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
-                         int64_t(a.plan.entry_token[e]) * a.hidden + col;
+      const int32_t home = a.plan.entry_source[e];
+      // The home's receive slot, or (home on another node) this entry's staging row.
+      const bool staged = other_node(a, home);
+      char* part = staged ? a.stage : ctx.data(home) + a.regions.recv;
+      const int64_t at = staged ? e * a.hidden + col
+                                : int64_t(a.plan.entry_partial[e]) * pstride +
+                                      int64_t(a.plan.entry_token[e]) * a.hidden + col;
       if (vec) {
         float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t s = s0; s < s1; ++s) {
@@ -149,6 +202,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
         store_as<Acc>(part, at, a.out_kind, acc);
       }
     }
+    if (several_nodes(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
     ctx.delay();
   }
   // Publish "all my partials for you are written" to every rank (also those that got none, so a
@@ -159,8 +213,13 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     uint32_t before = count_ref(*a.blocks_done).fetch_add(1u, mo::memory_order_acq_rel);
     if (before + 1u == uint32_t(ctx.blocks())) {
       count_ref(*a.blocks_done).store(0u, mo::memory_order_relaxed);
-      for (int32_t s = 0; s < a.world; ++s)
-        flag_release(header_arrive(ctx.header(s), a.rank), a.epoch);
+      for (int32_t s = 0; s < a.world; ++s) {
+        if (other_node(a, s))  // after this rank's partial puts to s: the link is FIFO per target
+          ctx.put_signal(s, nullptr, nullptr, 0, header_arrive(ctx.header(a.rank), a.rank),
+                         a.epoch);
+        else
+          flag_release(header_arrive(ctx.header(s), a.rank), a.epoch);
+      }
     }
   }
 }

@@ -26,6 +26,13 @@
 //   void work(int64_t n)                     span accounting: n more elements assigned to this
 //                                            thread (counted on the CPU, no-op on the GPU)
 //   void* block_shared()                     the block's shared scratch, kBlockSharedBytes bytes
+//   bool reachable(int32_t rank)             rank's header/data may be dereferenced (same node)
+//   void put_signal(int32_t rank, void* dst, const void* src, size_t bytes, uint64_t* sig,
+//                   uint64_t value)          one thread: non-blocking put of bytes from src into
+//                                            rank's copy of the symmetric object dst (given as
+//                                            its address in THIS rank's segment), then rank's
+//                                            copy of flag sig (this rank's header) := value;
+//                                            FIFO per target (a signal covers earlier puts)
 #pragma once
 
 #include "comet/config.h"
@@ -46,6 +53,7 @@ enum class WaitSite : int32_t {
   ColumnTile = 6,    // layer1: an n-tile finished (comm block waiting on GEMM blocks)
   Partials = 7,      // layer1: a peer's partial sums of our tokens
   GridBarrier = 8,   // a grid barrier of a multi-block program
+  MirrorRows = 9,    // layer0: rows of a source on another node (its mirror on this node's relay)
 };
 
 // Flags of these sites are written and read by this GPU only (device-scope acquire suffices);
@@ -65,6 +73,7 @@ COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout m
     case WaitSite::ColumnTile: return "layer1 n-tile (GEMM -> comm)";
     case WaitSite::Partials: return "layer1 partial sums from peer";
     case WaitSite::GridBarrier: return "grid barrier of a prologue program";
+    case WaitSite::MirrorRows: return "rows of a source on another node (mirror on the relay)";
   }
   return "?";
 }

@@ -1,0 +1,125 @@
+"""The fused MoE layer on one node vs two nodes, on the CPU analog of a multi-node group (ranks of
+the other node reached only through the per-rank link proxy, comet/topology.h):
+
+    .venv/bin/python -m bench.multinode            # 4 ranks: 1 x 4 vs 2 x 2, two model shapes
+    .venv/bin/python -m bench.multinode --smoke    # CI-sized
+
+Per model shape and topology: median time of moe_layer0 and moe_layer1 (slowest rank per call),
+and per rank and call the bytes the link delivered, next to what a flat dispatch (one row per
+(token, slot) bound to the other node, no node-first dedup) would have sent for the same routing.
+The link's latency and bandwidth are settings (--latency-us, --gbps), not a NIC's: on this CPU
+the numbers show the structure works and what node-first saves in bytes, not GPU or network
+speed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import CPU_LABEL, environment, launch, measure, ms, progress, shape_of, table, \
+    write_json
+
+MODELS = ["mixtral", "qwen2"]
+
+
+def _body(rank, world, shape, tokens, rpn, latency_us, gbps, warmup, iters):
+    import torch.distributed as dist
+
+    import comet
+
+    torch.manual_seed(1234 + rank)
+    torch.set_num_threads(1)
+    buf = comet.Buffer(ranks_per_node=rpn, link_latency_us=latency_us, link_gbps=gbps)
+    E, k, H = shape["E"], shape["k"], shape["H"]
+    el = E // world
+    x = torch.randn(tokens, H, dtype=torch.bfloat16)
+    w0 = torch.randn(el, shape["N0"], H, dtype=torch.bfloat16) * H ** -0.5
+    w1 = torch.randn(el, H, shape["N1"], dtype=torch.bfloat16) * shape["N1"] ** -0.5
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(tokens)])
+    wts = torch.softmax(torch.randn(tokens, k), dim=-1)
+    y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf)
+    h = y0[:, : shape["N1"]].contiguous()
+
+    def layer0():
+        return comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf)
+
+    def layer1():
+        return comet.moe_layer1(h, w1, wts, layout, buffer=buf)
+
+    times = measure({"layer0": layer0, "layer1": layer1}, torch.device("cpu"), warmup, iters,
+                    label=f"{shape['model']} {world // rpn} node(s)")
+    before = buf.link_stats()[1]
+    layer0()
+    link0 = buf.link_stats()[1] - before
+    before = buf.link_stats()[1]
+    layer1()
+    link1 = buf.link_stats()[1] - before
+    # What crosses nodes without node-first dedup: every (token, slot) row bound to another node.
+    node = rank // rpn
+    other = (ids // (el * rpn)) != node
+    flat0 = int(other.sum()) * H * 2
+    dist.barrier()
+    return dict(times=times, link0=link0, link1=link1, flat0=flat0)
+
+
+def run(models, world, tokens, scale, latency_us, gbps, warmup, iters):
+    rows = []
+    start = time.time()
+    configs = [(m, rpn) for m in models for rpn in (world, world // 2)]
+    for i, (m, rpn) in enumerate(configs):
+        shape = shape_of(m, scale)
+        progress(f"[{i + 1}/{len(configs)}] {shape['title']} on {world // rpn} node(s) "
+                 f"({time.time() - start:.0f} s)")
+        res = launch(_body, world, shape, tokens, rpn, latency_us, gbps, warmup, iters,
+                     timeout=600)
+        t = res[0]["times"]
+        rows.append(dict(model=m, title=shape["title"], H=shape["H"], E=shape["E"], k=shape["k"],
+                         world=world, nodes=world // rpn, ranks_per_node=rpn, tokens=tokens,
+                         layer0_s=t["layer0"]["median"], layer1_s=t["layer1"]["median"],
+                         link_bytes_layer0=sum(r["link0"] for r in res) / world,
+                         link_bytes_layer1=sum(r["link1"] for r in res) / world,
+                         flat_row_bytes_layer0=sum(r["flat0"] for r in res) / world))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.multinode",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CI size")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--latency-us", type=float, default=10.0)
+    p.add_argument("--gbps", type=float, default=0.0, help="link GB/s (0: memcpy speed)")
+    p.add_argument("--out", default=None, help="directory of the JSON result (default bench/results)")
+    a = p.parse_args(argv)
+    if a.world < 2 or a.world % 2:
+        p.error(f"--world must be even and >= 2 (two nodes), got {a.world}")
+    if a.smoke:
+        rows = run(["mixtral"], a.world, 64, 128, a.latency_us, a.gbps, 1, 3)
+    else:
+        rows = run(MODELS, a.world, 512, None, a.latency_us, a.gbps, 2, 8)
+    headers = ["model (scaled)", "nodes x ranks", "layer0 ms", "layer1 ms", "link KB/call L0",
+               "flat L0 rows KB", "link KB/call L1"]
+    body = [[r["title"], f"{r['nodes']} x {r['ranks_per_node']}", ms(r["layer0_s"]),
+             ms(r["layer1_s"]), f"{r['link_bytes_layer0'] / 1e3:.1f}",
+             f"{r['flat_row_bytes_layer0'] / 1e3:.1f}" if r["nodes"] > 1 else "-",
+             f"{r['link_bytes_layer1'] / 1e3:.1f}"] for r in rows]
+    label = (f"{CPU_LABEL}; other node through the link proxy ({a.latency_us:g} us, "
+             f"{'memcpy speed' if a.gbps == 0 else f'{a.gbps:g} GB/s'})")
+    print(f"comet fused layer, 1 node vs 2 nodes: {label}")
+    print(table(headers, body))
+    print("link KB/call: bytes this rank's link delivered per call (rows, send plan, routing, "
+          "metadata); flat L0 rows: the rows a flat dispatch would send for the same routing")
+    path = write_json("multinode_smoke" if a.smoke else "multinode",
+                      dict(environment=environment("cpu"), label=label, smoke=a.smoke,
+                           latency_us=a.latency_us, gbps=a.gbps, rows=rows),
+                      None if a.out is None else Path(a.out))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The CPU analog of a multi-node group (comet/topology.h, csrc/cpu/link_proxy.h): ranks grouped
+into nodes, other nodes' memory reached only by put-with-signal through a proxy thread with link
+latency. Every awkward case at 2x2, 2x3 and 3x2 must equal the reference and be bitwise equal to
+the one-node run; node-first dispatch must move each token's row to a node once; stress with
+random delays and a slow link; a rank dying on the other node ends in an error, not a hang."""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import comet
+from tests.cases import E6_ON_3, Case, cases_for, h_from_y0, make_inputs
+from tests.dist_utils import free_port, run_ranks
+from tests.test_ops_dist import _compare_all_cases
+from tests.test_ops_sim import check_against_reference, run_layers
+
+# (world, ranks per node): 2 nodes x 2, 2 nodes x 3, 3 nodes x 2
+TOPOLOGIES = [(4, 2), (6, 3), (6, 2)]
+CASES = [(c, rpn) for w, rpn in TOPOLOGIES for c in cases_for(w)] + [(E6_ON_3, 1)]
+
+
+def _nodes(case, rpn, **kw):
+    return comet.Buffer.simulated_world(case.world, timeout=20, ranks_per_node=rpn, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case,rpn", CASES, ids=lambda v: str(v))
+def test_across_nodes_matches_reference_and_one_node_bitwise(case, rpn, dtype):
+    bufs = _nodes(case, rpn)
+    assert all(b.ranks_per_node == rpn for b in bufs)
+    got, inputs = run_layers(case, dtype, n_comm=2, n_gemm=2, buffers=bufs)
+    check_against_reference(case, dtype, got, inputs)
+    one, _ = run_layers(case, dtype, n_comm=2, n_gemm=2, inputs=inputs,
+                        buffers=comet.Buffer.simulated_world(case.world, timeout=20))
+    for (y0, layout, _h, out), (y0_1, layout_1, _h1, out_1) in zip(got, one):
+        assert torch.equal(y0, y0_1) and torch.equal(out, out_1)
+        assert torch.equal(layout.row_token, layout_1.row_token)
+    assert sum(b.link_stats()[1] for b in bufs) > 0  # data did cross the link
+
+
+def test_thread_teams_and_stress_with_a_slow_link(monkeypatch):
+    """Random delays in every block and thread (COMET_STRESS) over a 300 us link at 1 GB/s,
+    teams of 2 threads per block: still bitwise equal to one node, over back-to-back calls."""
+    case = cases_for(4)[5]  # skewed routing, odd sizes
+    inputs = make_inputs(case, torch.bfloat16)
+    one, _ = run_layers(case, torch.bfloat16, inputs=inputs, n_comm=2, n_gemm=2,
+                        buffers=comet.Buffer.simulated_world(4, timeout=20))
+    bufs = _nodes(case, 2, link_latency_us=300, link_gbps=1.0, threads_per_block=2)
+    for seed in (1, 2, 3):
+        monkeypatch.setenv("COMET_STRESS", str(seed))
+        got, _ = run_layers(case, torch.bfloat16, inputs=inputs, n_comm=2, n_gemm=2, buffers=bufs)
+        for a, b in zip(got, one):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3])
+
+
+def _layer0_link_bytes(bufs, ids, x, w0, E):
+    """Bytes each rank's link delivered during one moe_layer0 call."""
+    from tests.sim_world import run_threads
+
+    before = [b.link_stats()[1] for b in bufs]
+    run_threads(len(bufs), lambda r, b: comet.moe_layer0(x[r], w0[r], ids[r], num_experts=E,
+                                                          buffer=b), buffers=bufs)
+    return [b.link_stats()[1] - before[r] for r, b in enumerate(bufs)]
+
+
+def test_node_first_dispatch_sends_a_token_to_a_node_once():
+    """Every token of node 0 sends all its k = 4 slots to experts of node 1: layer0 moves each
+    such row across once (T rows, not T*k), plus 4 bytes of send plan per slot. Measured as the
+    difference to a call with no tokens (metadata only)."""
+    W, rpn, E, k, H, T = 4, 2, 8, 4, 16, 10
+    bufs = comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=rpn, link_latency_us=0)
+    w0 = [torch.randn(E // W, 6, H) for _ in range(W)]
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(T, H, generator=g) for _ in range(W)]
+    # node 0's ranks route to experts 4..7 (node 1), node 1's ranks to their own node only
+    ids = [torch.stack([torch.randperm(4, generator=g)[:k] + (4 if r < rpn else 4 * (r // rpn))
+                        for _ in range(T)]) for r in range(W)]
+    empty = _layer0_link_bytes(bufs, [i[:0] for i in ids], [x[:0] for x in xs], w0, E)
+    full = _layer0_link_bytes(bufs, ids, xs, w0, E)
+    for r in range(W):
+        expect = T * H * 4 + T * k * 4 if r < rpn else 0
+        assert full[r] - empty[r] == expect, (r, full[r], empty[r])
+
+
+def test_ranks_per_node_must_divide_the_group():
+    with pytest.raises(ValueError, match="ranks_per_node must divide the group size 4, got 3"):
+        comet.Buffer.simulated_world(4, ranks_per_node=3)
+    with pytest.raises(ValueError, match="link_latency_us must be a number >= 0"):
+        comet.Buffer.simulated_world(4, ranks_per_node=2, link_latency_us=-1)
+
+
+@pytest.mark.parametrize("world,rpn", [(4, 2), (6, 3)])
+def test_full_op_suite_across_processes_on_two_nodes(world, rpn):
+    """The process suite of test_ops_dist (every case, fp32 and bf16, vs the torch.distributed
+    reference) with the group split into 2 nodes by the environment, as a user would set it."""
+    cases = cases_for(world)
+    results = run_ranks(_compare_all_cases, world, cases, timeout=300,
+                        env={"COMET_CPU_RANKS_PER_NODE": str(rpn),
+                             "COMET_CPU_LINK_LATENCY_US": "50"})
+    assert all(len(r) == 2 * len(cases) for r in results)
+
+
+def _killed_on_other_node(rank, world, port, q):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["COMET_STRESS"] = "5"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    buf = comet.Buffer(timeout=30, ranks_per_node=2, link_latency_us=100)
+    E, H = 8, 64
+    x, w0 = torch.randn(150, H), torch.randn(E // world, 64, H)
+    ids = torch.randint(0, E, (150, 2))
+    if rank == world - 1:  # on node 1; ranks 0 and 1 are node 0
+        import threading
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(100000):
+            y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf)
+            comet.moe_layer1(y0.contiguous(), torch.randn(E // world, H, 64), torch.rand(150, 2),
+                             layout, buffer=buf)
+        q.put((rank, "no error", time.monotonic() - t0))
+    except RuntimeError as e:
+        q.put((rank, str(e), time.monotonic() - t0))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+def test_rank_dying_on_the_other_node_fails_survivors_not_hangs():
+    world = 4
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_killed_on_other_node, args=(r, world, port, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=150) for _ in range(world - 1)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[-1].exitcode == -signal.SIGKILL
+    for rank, msg, took in got:
+        assert rank != world - 1
+        assert "has exited" in msg or "gave up" in msg, msg
+        assert took < 30, f"rank {rank} needed {took:.1f} s to notice"
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("comet-")]
+    assert not leftovers, f"shared-memory segments left behind: {leftovers}"
