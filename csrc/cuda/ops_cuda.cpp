@@ -109,12 +109,19 @@ bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
                      ", " + std::to_string(tile_n) + ")");
 }
 
-// Calls on a buffer whose group spans nodes: the transport (put ring + proxy), the mailbox
-// protocol of the prologue (begin / done across nodes) and the node sizes of the data segment are
-// in place; the data paths across nodes (the engine's node-first programs: mirror pushes in the
-// publish kernel, layer0 reading remote sources from mirrors, layer1's remote partials and
-// arrivals by put_signal) are not wired into the kernels yet. Until they are, such calls are
-// refused on every rank alike (a local input error, exchanged like any other).
+// Calls on a buffer whose group spans nodes: the transport (put ring + proxy kernel), the mailbox
+// protocol of the prologue (begin's metadata and the end of call across nodes) and the node sizes
+// of the data segment are in place. Not wired yet, so such calls are refused on every rank alike
+// (a local input error, exchanged through the mailboxes like any other):
+//  - layer0's dispatch layout for sources on other nodes: the begin kernel reads every source's
+//    bucket offsets, but a remote source's arrive in the mirror only with its push (publish
+//    kernel, after the read-back), at an offset that depends on the agreed token capacity;
+//  - the publish kernel running layer0_push_program / layer1_push_program (node_push.h), then
+//    waiting per source on source_ready (same node: its data flag; else the relay's MirrorMeta)
+//    and building Layer0CommArgs.sources / rows_ready and layer1's plan sources from source_base;
+//  - layer1's staging rows (Layer1CommArgs.stage) must be symmetric (or registered) memory, the
+//    source of a put over IB: a region of the data segment (ring_push refuses other sources).
+// tests/gpu/test_multinode.py runs the data paths once this is true.
 constexpr bool kNodeFirstWired = false;
 
 bool check_nodes(Checker& c, const CudaBuffer& b) {
