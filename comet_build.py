@@ -1,19 +1,24 @@
-"""The CUDA part of comet's build: setup.py imports `cuda_extension` from here when csrc/cuda/*.cu
-exists, nvcc is found and torch is a CUDA build. No GPU is needed to build.
+"""The CUDA part of comet's build: setup.py imports `cuda_extension` and `build_ext_class` from here
+when csrc/cuda/*.cu exists, nvcc is found and torch is a CUDA build. No GPU is needed to build.
 
 What it adds to the CPU extension (see ../shared/TOOLCHAIN.md for why each flag is there):
   - csrc/cuda/*.cu compiled by nvcc for every architecture of COMET_CUDA_ARCHS (default "80;90a";
     sm_90a is required for the TMA/wgmma path, sm_80 for the mma.sync path). -DNDEBUG and no
     -rdc: ptxas serialises wgmma and ignores setmaxnreg otherwise. The kernels are torch-free.
+  - ONE exception, RDC_SOURCES (csrc/cuda/proxy.cu, the inter-node transport's proxy kernel, the
+    only device code that calls NVSHMEM): compiled with -rdc=true and device-linked on its own
+    with libnvshmem_device.a (`nvcc -dlink proxy.o -lnvshmem_device`, no -dlto: there is no
+    libnvvm here), by build_ext_class() before the extension links; both objects, the static
+    library (its host part: nvshmemx_init_attr's device-state set-up) and libcudadevrt join the
+    link of comet._C. The other .cu files never see -rdc, so the fused kernels are unchanged.
   - csrc/cuda/*.cpp (the CUDA op kernels and the NVSHMEM host side) compiled by the C++ compiler.
   - CUTLASS/CuTe headers: $COMET_CUTLASS_DIR (a checkout, e.g. third_party/cutlass) or the
     nvidia-cutlass wheel's copy.
-  - NVSHMEM host library only (nvshmemx_hostlib_init_attr, nvshmem_malloc, nvshmem_ptr): there
-    is no unversioned libnvshmem_host.so, so it is linked by file name with an rpath; no
-    libnvshmem_device.a and no device link, because no kernel calls NVSHMEM.
+  - NVSHMEM: libnvshmem_host.so.3 (there is no unversioned libnvshmem_host.so, so it is linked by
+    file name with an rpath) and libnvshmem_device.a (see above).
 
 Also used by tools/check_ptxas.py (the same flags, so the static check sees what the build
-builds): `nvcc_command(root, source, arch, extra)`.
+builds): `nvcc_command(root, source, arch, extra)`, which adds `source_flags(source)`.
 """
 from __future__ import annotations
 
@@ -93,6 +98,23 @@ NVCC_FLAGS = [
 ]
 
 
+# Sources compiled with relocatable device code (they call NVSHMEM on the device): see the module
+# docstring. Relative to the repository root.
+RDC_SOURCES = ("csrc/cuda/proxy.cu",)
+
+
+def is_rdc(source: str) -> bool:
+    return any(source.replace(os.sep, "/").endswith(s) for s in RDC_SOURCES)
+
+
+def source_flags(source: str) -> list[str]:
+    """nvcc flags one source needs beyond NVCC_FLAGS: -rdc and NVSHMEM's headers for RDC_SOURCES
+    (3012/3013: NVSHMEM's headers use deprecated volatile forms under C++20)."""
+    if not is_rdc(source):
+        return []
+    return ["-rdc=true", f"-I{nvshmem_dirs()[0]}", "-diag-suppress=3012,3013"]
+
+
 def include_dirs(root: str) -> list[str]:
     return [os.path.join(root, "csrc", "include"), os.path.join(root, "csrc"),
             os.path.join(root, "csrc", "cuda")] + cutlass_include_dirs()
@@ -103,12 +125,75 @@ def nvcc_command(root: str, source: str, arch: str, extra: list[str] | None = No
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                                 "bin", "nvcc")
     cmd = [nvcc] + NVCC_FLAGS + gencode_flags([arch])
-    cmd += [f"-I{d}" for d in include_dirs(root)]
+    cmd += [f"-I{d}" for d in include_dirs(root)] + source_flags(source)
     return cmd + (extra or []) + ["-c", source]
 
 
 def cuda_sources(root: str) -> list[str]:
+    """Every csrc/cuda/*.cu (RDC_SOURCES included: check_ptxas compiles them all)."""
     return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+
+
+def _newer(target: str, deps: list[str]) -> bool:
+    """Whether target is missing or older than any of deps."""
+    if not os.path.exists(target):
+        return True
+    t = os.path.getmtime(target)
+    return any(os.path.getmtime(d) > t for d in deps if os.path.exists(d))
+
+
+def build_rdc_objects(root: str, build_dir: str, verbose: bool = False) -> list[str]:
+    """Compiles RDC_SOURCES with -rdc=true and device-links them with libnvshmem_device.a alone.
+    Returns the objects for the host link: each source's object, then the device-link object."""
+    import subprocess
+
+    os.makedirs(build_dir, exist_ok=True)
+    _, nv_lib = nvshmem_dirs()
+    gencodes = gencode_flags(archs())
+    objs = []
+    deps = glob.glob(os.path.join(root, "csrc", "cuda", "*.h")) + \
+        glob.glob(os.path.join(root, "csrc", "cuda", "*.cuh")) + \
+        glob.glob(os.path.join(root, "csrc", "include", "comet", "*.h"))
+    for src in RDC_SOURCES:
+        path = os.path.join(root, src)
+        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
+        if _newer(obj, [path, __file__] + deps):
+            cmd = nvcc_command(root, path, archs()[0], ["-Xcompiler=-fPIC", "-o", obj])
+            cmd[1:1] = gencodes[1:]
+            if os.environ.get("COMET_PTXAS_VERBOSE"):
+                cmd.append("-Xptxas=-v")
+            if verbose:
+                print(" ".join(cmd))
+            subprocess.run(cmd, check=True)
+        objs.append(obj)
+    nvcc = nvcc_command(root, RDC_SOURCES[0], archs()[0])[0]
+    dlink = os.path.join(build_dir, "rdc_dlink.o")
+    if _newer(dlink, objs):
+        cmd = [nvcc, "-dlink", "-Xcompiler=-fPIC"] + gencodes + objs + \
+            [f"-L{nv_lib}", "-lnvshmem_device", "-o", dlink]
+        if verbose:
+            print(" ".join(cmd))
+        subprocess.run(cmd, check=True)
+    return objs + [dlink]
+
+
+def build_ext_class():
+    """torch's BuildExtension (ninja) that first builds the rdc objects of an extension marked by
+    cuda_extension (attribute comet_rdc_root) and adds them to its link."""
+    from torch.utils import cpp_extension
+
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class CometBuildExt(base):
+        def build_extension(self, ext):
+            root = getattr(ext, "comet_rdc_root", None)
+            if root is not None:
+                objs = build_rdc_objects(root, os.path.join(self.build_temp, "comet_rdc"),
+                                         verbose=bool(self.verbose))
+                ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in objs] + objs
+            super().build_extension(ext)
+
+    return CometBuildExt
 
 
 def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_flags: list[str]):
@@ -130,11 +215,18 @@ def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_
     nvcc = NVCC_FLAGS + gencode_flags(archs())
     if os.environ.get("COMET_PTXAS_VERBOSE"):
         nvcc.append("-Xptxas=-v")
-    return cpp_extension.CUDAExtension(
+    cuda_lib = os.path.join(os.environ["CUDA_HOME"], "lib64")
+    ext = cpp_extension.CUDAExtension(
         "comet._C",
-        list(sources) + cuda_cpp + cuda_sources(root),
+        list(sources) + cuda_cpp + [s for s in cuda_sources(root) if not is_rdc(s)],
         include_dirs=incs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        extra_link_args=[f"-L{nv_lib}", "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{nv_lib}"],
+        # After the rdc objects (extra_objects): the device library's host part, then cudadevrt
+        # (what nvcc would add when linking relocatable device code).
+        extra_link_args=[os.path.join(nv_lib, "libnvshmem_device.a"), f"-L{nv_lib}",
+                         "-l:libnvshmem_host.so.3", f"-Wl,-rpath,{nv_lib}", f"-L{cuda_lib}",
+                         "-lcudadevrt"],
         libraries=["rt"],
     )
+    ext.comet_rdc_root = root  # build_ext_class() builds and links RDC_SOURCES
+    return ext

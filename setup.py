@@ -40,13 +40,16 @@ sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
 
 if want_cuda():
     sys.path.insert(0, ROOT)  # comet_build.py sits beside this file (not on sys.path under pip)
-    from comet_build import cuda_extension  # build logic for the CUDA part lives beside this file
+    # build logic for the CUDA part lives beside this file
+    from comet_build import build_ext_class, cuda_extension
 
     ext = cuda_extension(ROOT, sources, include_dirs, cxx_flags)
+    build_ext = build_ext_class()  # also builds the one -rdc source (the NVSHMEM proxy)
 else:
     ext = cpp_extension.CppExtension(
         "comet._C", sources, include_dirs=include_dirs, extra_compile_args=cxx_flags,
         libraries=["rt"])
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
 setup(
     name="comet-moe",
@@ -58,5 +61,5 @@ setup(
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
                     "megatron": ["megatron-core==0.16.1"], "bench": ["matplotlib"]},
     ext_modules=[ext],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": build_ext},
 )

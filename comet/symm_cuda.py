@@ -2,9 +2,12 @@
 
 One `Buffer` per expert-parallel group owns, on every rank, a header (flags and call metadata) and
 a growable data segment on the NVSHMEM heap, plus the peer pointer tables the kernels use
-(nvshmem_ptr): the kernels load and store peers' memory directly, intra-node (NVLink / P2P). A
-peer that is not reachable by pointer (another node) is reported when the buffer is created;
-multi-node buffers are a later issue.
+(nvshmem_ptr): the kernels load and store same-node peers' memory directly (NVLink / P2P). Peers
+not reachable by pointer must form whole nodes of consecutive group ranks (comet/node_shape.py
+infers `ranks_per_node` from every rank's reachability and refuses other shapes); they are reached
+with NVSHMEM put-with-signal, issued by a proxy kernel that runs beside each call's kernels
+(csrc/cuda/proxy.h), and each relay's data segment holds room for the mirrors of the other
+nodes' sources (comet/topology.h).
 
 NVSHMEM is bootstrapped once per process from torch.distributed: rank 0 creates a unique id and
 broadcasts it over the default group (a process without torch.distributed is a world of one). A
@@ -38,7 +41,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from comet import symm
+from comet import node_shape, symm
 from comet._native import _C
 
 DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
@@ -109,6 +112,9 @@ class Buffer:
     spin-wait of the kernels: a wait that times out records which flag never arrived, traps, and
     the op (or check()) raises with that description. `capacity_bytes` is the initial data
     segment (default $COMET_CUDA_BUFFER_BYTES or 64 MiB); eager calls grow it as needed.
+
+    `ranks_per_node` / `nodes`: how the group splits into nodes (consecutive group ranks that
+    reach each other's memory by pointer; `ranks_per_node == world` on one node).
     """
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
@@ -133,16 +139,20 @@ class Buffer:
         self.handle = int(ops.buffer_create(self.rank, self.world, members, self.device.index,
                                             timeout, _group_hash(members), capacity))
         self.subgroup = bool(ops.buffer_is_subgroup(self.handle))
-        problems = [str(ops.buffer_unreachable(self.handle))]
+        reach = [[bool(v) for v in ops.buffer_reach(self.handle)]]
         if _distributed():
             everyone = [None] * self.world
-            dist.all_gather_object(everyone, problems[0], group=group)
-            problems = everyone
+            dist.all_gather_object(everyone, reach[0], group=group)
+            reach = everyone
         self._barrier()  # every header is cleared before anyone uses it
-        bad = [p for p in problems if p]
-        if bad:
-            ops.buffer_release(self.handle)
-            raise RuntimeError(bad[0])
+        try:
+            # Every rank sees the same matrix, so every rank accepts or raises alike.
+            self.ranks_per_node = node_shape.ranks_per_node(reach)
+            ops.buffer_set_ranks_per_node(self.handle, self.ranks_per_node)
+        except (ValueError, RuntimeError):
+            ops.buffer_release(self.handle)  # collective, like the creation
+            raise
+        self.nodes = self.world // self.ranks_per_node
         self._closed = False
         symm._WORLD_OF_HANDLE[self.handle] = self.world
         self._finalizer = weakref.finalize(self, symm._WORLD_OF_HANDLE.pop, self.handle, None)
@@ -213,7 +223,7 @@ class Buffer:
         """Room for calls of both layers with up to `tokens` tokens per rank (collective)."""
         elem = torch.empty((), dtype=dtype).element_size()
         need = max(int(_ops().region_bytes(op, tokens, hidden, topk, num_experts, self.world,
-                                           elem)) for op in (0, 1))
+                                           elem, self.nodes - 1)) for op in (0, 1))
         self.reserve_bytes(need)
 
     def close(self) -> None:
@@ -246,7 +256,8 @@ class Buffer:
 
     def __repr__(self):
         return (f"comet.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "
-                f"device={self.device}, handle={self.handle})")
+                f"ranks_per_node={self.ranks_per_node}, device={self.device}, "
+                f"handle={self.handle})")
 
 
 _buffers: dict = {}

@@ -14,6 +14,8 @@
 #include "comet/reduce_plan.h"
 #include "comet/symm_layout.h"
 #include "comet/tile_order.h"
+#include "comet/topology.h"
+#include "put_ring.h"
 
 namespace comet::gpu {
 
@@ -32,12 +34,13 @@ enum class BenchMode : int32_t { Fused = 0, CommOnly = 1, GemmOnly = 2 };
 // kernel trapped (the CUDA context is then unusable, host memory is not).
 struct ErrorRecord {
   int32_t code;     // 0 none, 1 wait timed out, 2 rows over max_rows, 3 workspace bound exceeded,
-                    // 4 a call without host synchronisation was rejected (bad input / mismatch)
+                    // 4 a call without host synchronisation was rejected (bad input / mismatch),
+                    // 5-7 the inter-node transport (put_ring.h: ring full, proxy idle, bad put)
   int32_t site;     // WaitSite of a timeout
   int32_t rank;     // rank that recorded it
   int32_t block;    // block that recorded it
-  int64_t index;    // flag index of a timeout / offending count of an overflow
-  int64_t limit;    // bound of an overflow
+  int64_t index;    // flag index of a timeout / offending count of an overflow / target rank
+  int64_t limit;    // bound of an overflow / ring ticket waited for
   uint64_t epoch;   // call the wait belonged to
   uint64_t seen;    // last value the flag held
   double seconds;   // how long it waited
@@ -82,6 +85,10 @@ struct CallParams {
   DeviceState* state;
   ErrorRecord* error;
   uint64_t timeout_ns;
+  // Nodes of the group (comet/topology.h): peers on other nodes have null entries in headers /
+  // datas and are reached through the put ring only (ring.slots null on one node).
+  NodeTopology topo;
+  PutRing ring;
 
   // launch
   int32_t n_comm, n_gemm, tile_m, tile_n;

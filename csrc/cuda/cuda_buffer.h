@@ -3,8 +3,14 @@
 // nvshmem_ptr), the per-buffer device state (call counter, self-resetting counters) and the pinned
 // host memory the ops read (the call summary of eager calls, the error record kernels write).
 //
-// NVSHMEM itself stays inside symm_nvshmem.cpp (host API only: no device library, no -rdc); this
-// header has no NVSHMEM types, so the op code and the kernels never see them.
+// Peers whose memory nvshmem_ptr cannot reach are allowed when they form whole nodes (comet/
+// topology.h: ranks_per_node consecutive ranks per node, each rank reaching exactly its node's);
+// their table entries are null and the kernels reach them only through the buffer's put ring,
+// drained by the proxy kernel (put_ring.cuh, proxy.cu) for the duration of each call.
+//
+// NVSHMEM's host API stays inside symm_nvshmem.cpp and its device API inside proxy.cu (the one
+// -rdc translation unit); this header has no NVSHMEM types, so the op code and the fused kernels
+// never see them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +20,7 @@
 #include <vector>
 
 #include "call_params.h"
+#include "put_ring.h"
 
 namespace comet::gpu {
 
@@ -44,8 +51,25 @@ class CudaBuffer {
   int64_t group_hash() const { return group_hash_; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double s) { timeout_s_ = s; }
-  // Non-empty when some peer's memory is not reachable by pointer (another node, no P2P).
+  // Non-empty when some peer's memory is not reachable by pointer (another node, no P2P): which.
   const std::string& unreachable() const { return unreachable_; }
+  // reach()[r]: rank r's header and data are reachable by pointer from this rank.
+  const std::vector<uint8_t>& reach() const { return reach_; }
+  // Nodes (comet/topology.h). Set once after construction from every rank's reach() (comet/
+  // symm_cuda.py gathers them: comet/node_shape.py); checked against this rank's own reach().
+  // With more than one node it allocates the put ring and the PE table the proxy uses.
+  void set_ranks_per_node(int32_t n);
+  int32_t ranks_per_node() const { return ranks_per_node_; }
+  NodeTopology topology() const { return NodeTopology{world_, ranks_per_node_}; }
+  bool multi_node() const { return ranks_per_node_ < world_; }
+  // Mirror slots a relay holds (DataRegions.mirror): one per other node.
+  int32_t mirrors() const { return world_ / ranks_per_node_ - 1; }
+  // Device view of the put ring and this rank's segments (slots null on one node). Changes when
+  // the data segment grows: read it again after grow().
+  PutRing put_ring() const;
+  const int32_t* pes_device() const { return pes_dev_; }
+  size_t header_size() const { return header_bytes_; }
+  RankHeader* own_header() const { return static_cast<RankHeader*>(header_); }
 
   // Calls without host synchronisation: outputs hold max_rows rows (-1: off, rows read back).
   int64_t max_rows() const { return max_rows_; }
@@ -101,6 +125,10 @@ class CudaBuffer {
   int64_t max_rows_ = -1;
   int32_t bench_mode_ = 0;
   std::string unreachable_;
+  std::vector<uint8_t> reach_;
+  int32_t ranks_per_node_;
+  void* ring_mem_ = nullptr;     // device: RingControl, then kPutRingSlots PutRequests
+  int32_t* pes_dev_ = nullptr;   // device: pes_
   std::string broken_;
 };
 

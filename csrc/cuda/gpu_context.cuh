@@ -5,7 +5,9 @@
 //                    threads of the block cooperate; copies are 16-byte vectors through peer
 //                    pointers; data(r) of a source rank first acquires that rank's "data
 //                    published" flag (once per block and call), so local rows flow before remote
-//                    sources have even published theirs.
+//                    sources have even published theirs. Peers on other nodes (reachable() false)
+//                    are only written, by put_signal: a request into the buffer's put ring, which
+//                    the proxy kernel (proxy.cu) turns into NVSHMEM put-with-signal.
 //   BlockGemmContext a GEMM block whose threads all run the tile (sm_80 path).
 //   ProducerContext  the TMA producer warp of an sm_90a GEMM block: its wait acquires a tile's
 //                    readiness and then issues the generic->async proxy fence the TMA loads need.
@@ -22,6 +24,8 @@
 #include "comet/exec_context.h"
 #include "comet/flags.h"
 #include "comet/symm_layout.h"
+#include "comet/topology.h"
+#include "put_ring.cuh"
 
 // Kernels with wgmma must contain no function call at all (ptxas then serialises every wgmma,
 // C7510): their translation units define COMET_DEVICE_PRINTF 0 and rely on the ErrorRecord, which
@@ -122,6 +126,18 @@ struct KernelClock {
   }
 };
 
+// put_signal of the execution-context interface for kernels with CallParams (the comm programs'
+// contexts and the prologue kernels): ONE thread enqueues `bytes` from src (this rank's
+// symmetric memory) to rank r's copy of dst, then r's copy of the flag sig := value, after the
+// data and after every earlier put_signal of this rank to r. dst / sig are addresses in this
+// rank's own header or data segment (NVSHMEM's convention); bytes 0: signal only; sig null: no
+// signal. Non-blocking: src must stay unchanged until the call ends (the proxy's quiet).
+static __device__ __forceinline__ void put_signal(const CallParams& p, int32_t r, void* dst,
+                                                  const void* src, size_t bytes, uint64_t* sig,
+                                                  uint64_t value) {
+  ring_push(p.ring, p.error, p.rank, p.timeout_ns, r, dst, src, bytes, sig, value);
+}
+
 // Context of one comm block (all its threads).
 class CommContext {
  public:
@@ -131,7 +147,8 @@ class CommContext {
   __device__ CommContext(const CallParams& p, int32_t block, int32_t blocks, uint64_t epoch,
                          bool wait_source_data, void* shared)
       : headers_(p.headers), datas_(p.datas), wc_{p.error, p.timeout_ns, p.rank}, epoch_(epoch),
-        block_(block), blocks_(blocks), rank_(p.rank), lazy_(wait_source_data), shared_(shared) {}
+        block_(block), blocks_(blocks), rank_(p.rank), lazy_(wait_source_data), shared_(shared),
+        topo_(p.topo), ring_(&p.ring) {}
 
   __device__ int32_t block() const { return block_; }
   __device__ int32_t blocks() const { return blocks_; }
@@ -158,11 +175,13 @@ class CommContext {
   __device__ void fence_peers() { __threadfence_system(); }
   __device__ void delay() {}
   __device__ void* block_shared() const { return shared_; }
-  // One node on this path: every peer is reachable by nvshmem_ptr (CudaBuffer refuses others),
-  // and the comm programs only put to other nodes when their args say the group spans nodes,
-  // which the CUDA ops never set yet; the trap guards that promise.
-  __device__ bool reachable(int32_t) const { return true; }
-  __device__ void put_signal(int32_t, void*, const void*, size_t, uint64_t*, uint64_t) { __trap(); }
+  // Whether rank r's header and data are reachable by pointer (r on this rank's node).
+  __device__ bool reachable(int32_t r) const { return topo_.same_node(rank_, r); }
+  // One thread; see put_signal(CallParams, ...) above.
+  __device__ void put_signal(int32_t r, void* dst, const void* src, size_t bytes, uint64_t* sig,
+                             uint64_t value) {
+    ring_push(*ring_, wc_.error, rank_, wc_.timeout_ns, r, dst, src, bytes, sig, value);
+  }
 
  private:
   __device__ void acquire_source(int32_t r) {
@@ -178,6 +197,8 @@ class CommContext {
   int32_t block_, blocks_, rank_;
   bool lazy_;
   void* shared_;
+  NodeTopology topo_;
+  const PutRing* ring_;  // in the kernel's __grid_constant__ parameters
   uint64_t ready_ = 0;
 };
 

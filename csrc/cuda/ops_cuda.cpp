@@ -36,6 +36,7 @@
 #include "cuda_buffer.h"
 #include "launch.h"
 #include "op_checks.h"
+#include "proxy_session.h"
 
 namespace comet::gpu {
 
@@ -68,6 +69,23 @@ std::string describe_error(const ErrorRecord& e) {
       else
         m << "ranks disagree on the call (op, shapes, dtype or group)";
       break;
+    case kErrRingFull:
+      m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
+        << " s waiting for room in its inter-node put ring (a put to rank " << e.index
+        << ", ticket " << e.limit << ", the proxy had issued " << e.seen
+        << "): the proxy kernel is not running or a remote peer stopped draining; this buffer "
+           "is unusable now";
+      break;
+    case kErrProxyIdle:
+      m << "comet: rank " << e.rank << ": the inter-node proxy waited " << e.seconds
+        << " s for a request or its stop (ring position " << e.seen << " of " << e.limit
+        << "); the call's kernels stalled; this buffer is unusable now";
+      break;
+    case kErrBadPut:
+      m << "comet: rank " << e.rank << " (block " << e.block << "): a put to rank " << e.index
+        << " names memory outside this rank's symmetric header and data segment, or the buffer "
+           "has no put ring (a bug); this buffer is unusable now";
+      break;
     default: m << "comet: unknown device error " << e.code;
   }
   return m.str();
@@ -89,6 +107,29 @@ bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
                  "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
                      std::to_string(kTileN) + " tiles, got tile=(" + std::to_string(tile_m) +
                      ", " + std::to_string(tile_n) + ")");
+}
+
+// Calls on a buffer whose group spans nodes: the transport (put ring + proxy kernel), the mailbox
+// protocol of the prologue (begin's metadata and the end of call across nodes) and the node sizes
+// of the data segment are in place. Not wired yet, so such calls are refused on every rank alike
+// (a local input error, exchanged through the mailboxes like any other):
+//  - layer0's dispatch layout for sources on other nodes: the begin kernel reads every source's
+//    bucket offsets, but a remote source's arrive in the mirror only with its push (publish
+//    kernel, after the read-back), at an offset that depends on the agreed token capacity;
+//  - the publish kernel running layer0_push_program / layer1_push_program (node_push.h), then
+//    waiting per source on source_ready (same node: its data flag; else the relay's MirrorMeta)
+//    and building Layer0CommArgs.sources / rows_ready and layer1's plan sources from source_base;
+//  - layer1's staging rows (Layer1CommArgs.stage) must be symmetric (or registered) memory, the
+//    source of a put over IB: a region of the data segment (ring_push refuses other sources).
+// tests/gpu/test_multinode.py runs the data paths once this is true.
+constexpr bool kNodeFirstWired = false;
+
+bool check_nodes(Checker& c, const CudaBuffer& b) {
+  return c.value(kNodeFirstWired || !b.multi_node(),
+                 "this buffer's group spans " + std::to_string(b.world() / b.ranks_per_node()) +
+                     " nodes of " + std::to_string(b.ranks_per_node()) +
+                     " ranks; the CUDA kernels' cross-node data paths are not wired yet (issue "
+                     "12): use a group within one node");
 }
 
 // Which fused kernel runs a call and with how many blocks.
@@ -116,10 +157,13 @@ bool sm90_path(int device, int64_t k, int64_t n_out, const void* a, const void* 
 // Picks the path from the device and the operands (b: the weights as given, MN-major when b_mn:
 // both paths read either layout in place), then sizes the grid
 // from the occupancy API so that every block is co-resident (they spin-wait on each other);
-// refuses what could deadlock.
+// refuses what could deadlock. proxy_sm: the buffer has peers on other nodes, so the inter-node
+// proxy kernel (proxy.cu, one block) runs beside the fused kernel, which waits on what the proxy
+// delivers (and on ring room the proxy frees): the fused grid leaves it one SM, since a fused
+// block fills its SM's registers / shared memory and the proxy could not fit beside one.
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
-                       int64_t n_gemm) {
+                       int64_t n_gemm, bool proxy_sm) {
   LaunchPlan lp;
   if (c.failed()) return lp;
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
@@ -140,13 +184,15 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
                                                     lp.info.smem_bytes) != cudaSuccess)
     per_sm = 0;
-  const int64_t resident = int64_t(per_sm) * prop.multiProcessorCount;
+  const int sms = prop.multiProcessorCount - (proxy_sm ? 1 : 0);
+  const int64_t resident = int64_t(per_sm) * std::max(sms, 0);
   const int64_t grid = n_gemm == 0 ? resident : n_comm + n_gemm;
   std::ostringstream why;
   why << "n_comm=" << n_comm << " + n_gemm=" << (n_gemm == 0 ? resident - n_comm : n_gemm)
       << " blocks cannot all be co-resident: this GPU runs at most " << per_sm
-      << " block(s) of the fused kernel per SM x " << prop.multiProcessorCount << " SMs = "
-      << resident << " (the blocks wait on each other, so a larger grid could deadlock; "
+      << " block(s) of the fused kernel per SM x " << sms << " SMs = " << resident
+      << (proxy_sm ? " (one SM is left to the inter-node proxy)" : "")
+      << " (the blocks wait on each other, so a larger grid could deadlock; "
       << "lower n_comm/n_gemm, n_gemm=0 uses every block left)";
   if (!c.value(grid <= resident && grid - n_comm >= 1, why.str())) return lp;
   lp.grid = int(grid);
@@ -226,7 +272,8 @@ class Carver {
 
 // Grid of a multi-block prologue kernel (prologue.cu): about 16 items per thread, at most one block
 // per SM (its grid barrier needs every block resident), and the scratch its programs need for
-// `keys` counting-sort keys.
+// `keys` counting-sort keys. The inter-node proxy's one 32-thread block, when running, fits beside
+// a prologue block on any SM (256 threads, ~60 registers, 4 KiB of shared memory).
 int32_t prologue_blocks(int64_t items, int device) {
   const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   return int32_t(std::clamp<int64_t>(ceil_div(std::max<int64_t>(items, 1),
@@ -279,6 +326,8 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.op = int32_t(op);
   p.headers = b.headers_table();
   p.datas = b.datas_table();
+  p.topo = b.topology();
+  p.ring = b.put_ring();
   p.state = b.state();
   p.error = b.error_device();
   p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
@@ -304,7 +353,7 @@ void check_fits(Checker& c, int64_t max_rows, int64_t tokens, int64_t tcap) {
 
 void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, bool ok,
                     int64_t tokens, int64_t hidden, int64_t cols, int64_t tcap, int64_t k,
-                    int32_t num_experts, int32_t world) {
+                    int32_t num_experts, int32_t world, int32_t mirrors) {
   p.kind = int32_t(kind);
   p.elem_bytes = elem;
   p.tokens = ok ? tokens : 0;
@@ -312,13 +361,14 @@ void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, boo
   p.cols = cols;
   p.tcap = tcap;
   p.regions = data_regions(op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
-                           num_experts, world, elem, 4);
+                           num_experts, world, elem, 4, mirrors);
 }
 
 // The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
-// buffer (collectively) when a rank has more tokens than it holds. Returns the summary.
+// buffer (collectively) when a rank has more tokens than it holds, with the inter-node proxy
+// paused around it. Returns the summary.
 CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const char* op_name,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, ProxySession& proxy) {
   CallSummary s = b.read_summary(p.metas, stream);
   if (b.error_host().code != 0) {
     const std::string msg = describe_error(b.error_host());
@@ -333,7 +383,7 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     TORCH_CHECK_VALUE(false, v);
   }
   const size_t need = data_regions(OpKind(p.op), s.state.max_tokens, int32_t(p.hidden), p.topk,
-                                   p.num_experts, p.world, p.elem_bytes, 4)
+                                   p.num_experts, p.world, p.elem_bytes, 4, b.mirrors())
                           .total;
   if (need > b.capacity()) {
     if (b.subgroup()) {  // growing would need every process of the NVSHMEM world
@@ -344,8 +394,11 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
                         "collective over every process): call buffer.reserve(tokens=..., ...) "
                         "on every process first, or create it with a larger capacity_bytes");
     }
+    proxy.pause();
     b.grow(need, stream);
     p.datas = b.datas_table();
+    p.ring = b.put_ring();
+    proxy.resume();
   }
   return s;
 }
@@ -392,7 +445,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Checker c = cuda_checker("comet.moe_layer0", dev, pending);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows}, W,
                {n_comm, n_gemm, tile_m, tile_n}) &&
-      check_cuda_launch(c, tile_m, tile_n);
+      check_cuda_launch(c, tile_m, tile_n) && check_nodes(c, b);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
   const int64_t N0 = shaped ? w0_out(w0, w0_transposed) : 0, k = shaped ? topk_ids.size(1) : 0;
@@ -402,7 +455,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   // w0 read in place: [El, N0, H], or [El, H, N0] when transposed (MN-major B).
   const bool w_mn = shaped && w0_transposed;
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
-                                    shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
+                                    shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
+                                    b.multi_node());
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -411,7 +465,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok));
-  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, W);
+  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, W, b.mirrors());
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
@@ -434,6 +488,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
 
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");
+  // From the begin kernel (metadata to other nodes) to the last kernel: the inter-node proxy runs
+  // (a no-op on one node); it also ends on every exception below.
+  ProxySession proxy(b, stream);
   launch_begin(p, me, stream);
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
@@ -442,11 +499,12 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   }
   int64_t rows_cap = max_rows;
   if (max_rows < 0) {
-    const CallSummary s = settle(b, p, check, "comet.moe_layer0", stream);
+    const CallSummary s = settle(b, p, check, "comet.moe_layer0", stream, proxy);
     rows_cap = s.state.rows;
     tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
     p.tcap = tcap;
-    p.regions = data_regions(OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
+    p.regions = data_regions(OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, W, elem, 4,
+                             b.mirrors());
   }
   p.rows_cap = rows_cap;
   p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
@@ -492,6 +550,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     run.info = fused_sm80_layer0_info(kind, lp.b_mn);
   }
   launch_fused(0, kind, p, run, stream);
+  proxy.end();
   return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
 }
 
@@ -515,7 +574,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows},
                W, {n_comm, n_gemm, tile_m, tile_n}) &&
-      check_cuda_launch(c, tile_m, tile_n);
+      check_cuda_launch(c, tile_m, tile_n) && check_nodes(c, b);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
   // h's rows: M (the layout's row count) without a bound, max_rows with one (rows >= M unused);
@@ -528,7 +587,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   // w1 read in place: [El, H, N1], or [El, N1, H] when transposed (MN-major B).
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
-                                    shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm);
+                                    shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
+                                    b.multi_node());
   int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -537,7 +597,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
-  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, W);
+  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, W, b.mirrors());
   p.h_rows = h_rows;
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
@@ -579,6 +639,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
 
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");
+  ProxySession proxy(b, stream);  // as in layer0
   launch_begin(p, me, stream);
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
@@ -586,10 +647,11 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
     raise(check);
   }
   if (max_rows < 0) {
-    settle(b, p, check, "comet.moe_layer1", stream);
+    settle(b, p, check, "comet.moe_layer1", stream, proxy);
     tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
     p.tcap = tcap;
-    p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4);
+    p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4,
+                             b.mirrors());
   }
 
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
@@ -616,6 +678,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   launch_fused(1, kind, p, run, stream);
   launch_combine(p, run.grid, stream);
   check_cuda(cudaGetLastError(), "launching the combine kernel");
+  proxy.end();
   return out;
 }
 
@@ -635,9 +698,11 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   Carver ws;
   ws.take(p.metas, b.world());
   at::Tensor ws_t = ws.allocate(b.device());
+  ProxySession proxy(b, stream);
   launch_begin(p, me, stream);
   const CallSummary s = b.read_summary(p.metas, stream);
   launch_finish(p, stream);
+  proxy.end();
   return verdict_message(s.metas, b.rank(), op == 0 ? "comet.moe_layer0" : "comet.moe_layer1",
                          s.state.bad_rank);
 }
@@ -651,6 +716,8 @@ TORCH_LIBRARY_IMPL(comet, CUDA, m) {
 
 TORCH_LIBRARY_FRAGMENT(comet_cuda, m) {
   m.def("buffer_fail_call(int handle, int op, str message) -> str", &buffer_fail_call);
+  // Whether calls on buffers spanning nodes run (else they are refused: check_nodes).
+  m.def("cross_node_wired() -> bool", []() { return kNodeFirstWired; });
 }
 
 }  // namespace comet::gpu

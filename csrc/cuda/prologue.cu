@@ -13,6 +13,13 @@
 //                  and layer0's order, or layer1's reduce plan from the peers' pair lists.
 // The grids synchronise inside one launch with the engine's grid barrier (parallel.h; state in
 // DeviceState), so the host sizes them to at most one block per SM (all resident).
+//
+// Peers on other nodes (p.topo; null in p.headers / p.datas) are never read: what they announce
+// arrives in this rank's header mailboxes (header_flag(own, W, PeerFlag::.., s), header_meta_box),
+// written by their put_signal, and what this rank announces to them it sends the same way
+// (through the put ring and the proxy kernel, proxy.h). Same-node peers keep the direct protocol
+// (their own header words, read by pointer). Across nodes: "done with the previous call" (sent by
+// the proxy's end kernel at the end of each call) and the call metadata (sent by begin).
 #include <cstdio>
 
 #include "call_params.h"
@@ -82,7 +89,8 @@ __device__ void record_overflow(const CallParams& p, int32_t code, int64_t value
 // grid takes part; block_shared() is the block's scan buffer (2 x kThreads values, parallel.h).
 class GridContext {
  public:
-  __device__ explicit GridContext(const WaitConfig& wc) : wc_(wc) {}
+  __device__ explicit GridContext(const CallParams& p)
+      : p_(&p), wc_{p.error, p.timeout_ns, p.rank} {}
   __device__ int32_t block() const { return int32_t(blockIdx.x); }
   __device__ int32_t blocks() const { return int32_t(gridDim.x); }
   __device__ int32_t thread() const { return int32_t(threadIdx.x); }
@@ -98,10 +106,28 @@ class GridContext {
     __shared__ int64_t scan[2 * kThreads];
     return scan;
   }
+  // Symmetric memory and the inter-node transport, for the engine's source-side programs (the
+  // node-first pushes run in the publish kernel): same-node ranks by pointer (null otherwise).
+  __device__ char* data(int32_t r) const { return p_->datas[r]; }
+  __device__ RankHeader* header(int32_t r) const { return p_->headers[r]; }
+  __device__ bool reachable(int32_t r) const { return p_->topo.same_node(p_->rank, r); }
+  __device__ void put_signal(int32_t r, void* dst, const void* src, size_t bytes, uint64_t* sig,
+                             uint64_t value) {
+    gpu::put_signal(*p_, r, dst, src, bytes, sig, value);
+  }
 
  private:
+  const CallParams* p_;  // the kernel's __grid_constant__ parameters
   WaitConfig wc_;
 };
+
+// Where this rank reads the flag `kind` that rank s announces to it: s's own header word `own`
+// (by pointer) when s is on this node, else this rank's mailbox for s, written by s's put_signal.
+__device__ uint64_t* announced(const CallParams& p, int32_t s, uint64_t (RankHeader::*own)[kFlagStride],
+                               PeerFlag kind) {
+  if (p.topo.same_node(p.rank, s)) return p.headers[s]->*own;
+  return header_flag(p.headers[p.rank], p.world, kind, s);
+}
 
 __device__ PrologueScratch prologue_scratch(const CallParams& p) {
   return PrologueScratch{GridBarrier{&p.state->grid_arrived, &p.state->grid_generation},
@@ -110,7 +136,7 @@ __device__ PrologueScratch prologue_scratch(const CallParams& p) {
 }
 
 __global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant__ CallParams p) {
-  GridContext ctx(WaitConfig{p.error, p.timeout_ns, p.rank});
+  GridContext ctx(p);
   const PrologueScratch s = prologue_scratch(p);
   // Routing values (shapes and dtypes were checked on the host): the first bad slot, if any.
   if (grid_rank(ctx) == 0) p.state->first_bad_id = ~0ull;
@@ -145,7 +171,8 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
   me.epoch = e;
   // Buffer reuse: every peer finished reading (and writing) our memory in the previous call.
   for (int32_t s = 0; s < p.world; ++s)
-    spin_until(wc, p.headers[s]->done_epoch, e - 1, WaitSite::PeerDone, s);
+    spin_until(wc, announced(p, s, &RankHeader::done_epoch, PeerFlag::Done), e - 1,
+               WaitSite::PeerDone, s);
 
   const char* op_name = layer0 ? "comet.moe_layer0: " : "comet.moe_layer1: ";
   const unsigned long long bad_slot = p.ids != nullptr ? st->first_bad_id : ~0ull;
@@ -181,14 +208,23 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     for (int32_t i = 0; i <= p.num_experts; ++i) pub[i] = p.bucket[i];
   }
 
-  // Metadata exchange.
+  // Metadata exchange: same-node peers read our header's meta; every peer on another node gets a
+  // copy in its mailbox for us (from our header: a put's source must be symmetric memory, and
+  // this one stays unchanged until the call ends, when the proxy's quiet has delivered it).
   RankHeader* mine = p.headers[p.rank];
   mine->meta = me;
   flag_release(mine->meta_epoch, e);
+  for (int32_t r = 0; r < p.world; ++r)
+    if (!p.topo.same_node(p.rank, r))
+      put_signal(p, r, header_meta_box(mine, p.world, p.rank), &mine->meta, sizeof(CallMeta),
+                 header_flag(mine, p.world, PeerFlag::Meta, p.rank), e);
   int64_t max_tokens = 0;
   for (int32_t s = 0; s < p.world; ++s) {
-    spin_until(wc, p.headers[s]->meta_epoch, e, WaitSite::PeerMeta, s);
-    p.metas[s] = p.headers[s]->meta;
+    const bool near = p.topo.same_node(p.rank, s);
+    spin_until(wc, announced(p, s, &RankHeader::meta_epoch, PeerFlag::Meta), e,
+               WaitSite::PeerMeta, s);
+    const CallMeta* m = near ? &p.headers[s]->meta : header_meta_box(mine, p.world, s);
+    p.metas[s] = *m;
     max_tokens = p.metas[s].tokens > max_tokens ? p.metas[s].tokens : max_tokens;
   }
   const int32_t bad = verdict(p.metas, p.world);
@@ -233,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   const uint64_t e = st->epoch;
   const int32_t status = st->status;
   if (status == int32_t(CallStatus::Rejected)) return;
-  GridContext ctx(WaitConfig{p.error, p.timeout_ns, p.rank});
+  GridContext ctx(p);
   const PrologueScratch s = prologue_scratch(p);
   // Our source data (x and the send plan / the routing and pair lists) is in our data segment:
   // peers may read.

@@ -1,6 +1,9 @@
-// comet.symm's GPU backend on NVSHMEM, host API only (nvshmemx_hostlib_init_attr, nvshmem_malloc,
-// nvshmem_ptr, nvshmem_free): the kernels never call NVSHMEM, they load and store through the peer
-// pointers this file puts in the tables, so no translation unit needs -rdc or libnvshmem_device.
+// comet.symm's GPU backend on NVSHMEM, host side (nvshmemx_init_attr, nvshmem_malloc, nvshmem_ptr,
+// nvshmem_free): the kernels load and store same-node peers' memory through the peer pointers this
+// file puts in the tables; peers on other nodes get null entries and are written only through
+// the buffer's put ring, which the proxy kernel (proxy.cu, the only device code calling NVSHMEM)
+// drains. Initialisation goes through nvshmemx_init_attr, whose part in libnvshmem_device.a
+// also sets up the device state of this module's NVSHMEM device code (the proxy's).
 //
 // Bootstrap: once per process from a unique id that rank 0 creates and comet/symm_cuda.py
 // broadcasts over torch.distributed; the NVSHMEM world is the default group (PE = global rank).
@@ -61,7 +64,7 @@ void* symmetric_alloc(size_t bytes, const char* what) {
 CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, int device,
                        int64_t group_hash, double timeout_s, size_t capacity_bytes)
     : rank_(rank), world_(world), pes_(std::move(pes)), device_(device), group_hash_(group_hash),
-      timeout_s_(timeout_s) {
+      timeout_s_(timeout_s), ranks_per_node_(world) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
     throw std::runtime_error("comet.symm (CUDA): NVSHMEM is not initialised (create buffers "
@@ -106,25 +109,81 @@ CudaBuffer::~CudaBuffer() {
   if (error_host_ != nullptr) cudaFreeHost(error_host_);
   if (summary_host_ != nullptr) cudaFreeHost(summary_host_);
   if (state_ != nullptr) cudaFree(state_);
+  if (ring_mem_ != nullptr) cudaFree(ring_mem_);
+  if (pes_dev_ != nullptr) cudaFree(pes_dev_);
+}
+
+void CudaBuffer::set_ranks_per_node(int32_t n) {
+  std::ostringstream bad;
+  if (n < 1 || world_ % n != 0) {
+    bad << "ranks_per_node " << n << " does not divide the group of " << world_;
+  } else {
+    const int32_t first = rank_ / n * n;
+    for (int32_t r = 0; r < world_; ++r) {
+      const bool same = r >= first && r < first + n;
+      if (bool(reach_[size_t(r)]) != same)
+        bad << (bad.tellp() > 0 ? ", " : "") << "rank " << r << " is "
+            << (same ? "on its node but not reachable" : "on another node but reachable");
+    }
+    if (bad.tellp() > 0) {
+      std::ostringstream head;
+      head << "with " << n << " ranks per node, rank " << rank_ << " would be on node "
+           << rank_ / n << " (ranks " << first << ".." << first + n - 1 << "), but ";
+      bad.str(head.str() + bad.str());
+    }
+  }
+  if (bad.tellp() > 0)
+    throw std::runtime_error("comet.symm (CUDA): " + bad.str());
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  ranks_per_node_ = n;
+  if (n < world_ && ring_mem_ == nullptr) {
+    const size_t bytes = sizeof(RingControl) + size_t(kPutRingSlots) * sizeof(PutRequest);
+    cuda_check(cudaMalloc(&ring_mem_, bytes), "cudaMalloc (put ring)");
+    cuda_check(cudaMemset(ring_mem_, 0, bytes), "clearing the put ring");
+    cuda_check(cudaMalloc(reinterpret_cast<void**>(&pes_dev_), sizeof(int32_t) * world_),
+               "cudaMalloc (PE table)");
+    cuda_check(cudaMemcpy(pes_dev_, pes_.data(), sizeof(int32_t) * world_, cudaMemcpyHostToDevice),
+               "copying the PE table");
+  }
+}
+
+PutRing CudaBuffer::put_ring() const {
+  PutRing r{};
+  if (ring_mem_ != nullptr && multi_node()) {
+    r.control = static_cast<RingControl*>(ring_mem_);
+    r.slots = reinterpret_cast<PutRequest*>(static_cast<char*>(ring_mem_) + sizeof(RingControl));
+  }
+  r.header = static_cast<char*>(header_);
+  r.header_bytes = header_bytes_;
+  r.data = static_cast<char*>(data_);
+  r.data_bytes = capacity_;
+  return r;
 }
 
 void CudaBuffer::refresh_tables(cudaStream_t stream) {
   at::Tensor host = at::empty({2, world_}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* t = host.data_ptr<int64_t>();
   std::ostringstream bad;
+  const bool first = reach_.empty();
+  reach_.resize(size_t(world_));
   for (int32_t r = 0; r < world_; ++r) {
     void* h = nvshmem_ptr(header_, pes_[size_t(r)]);
     void* d = nvshmem_ptr(data_, pes_[size_t(r)]);
-    if (h == nullptr || d == nullptr) bad << (bad.tellp() > 0 ? ", " : "") << r;
-    t[r] = reinterpret_cast<int64_t>(h);
-    t[world_ + r] = reinterpret_cast<int64_t>(d);
+    const bool ok = h != nullptr && d != nullptr;
+    if (!ok) bad << (bad.tellp() > 0 ? ", " : "") << r;
+    if (!first && bool(reach_[size_t(r)]) != ok)
+      throw std::runtime_error("comet.symm (CUDA): rank " + std::to_string(r) +
+                               " changed reachability when the data segment grew");
+    reach_[size_t(r)] = ok;
+    // Null for another node: a stray pointer access faults instead of touching the wrong memory.
+    t[r] = ok ? reinterpret_cast<int64_t>(h) : 0;
+    t[world_ + r] = ok ? reinterpret_cast<int64_t>(d) : 0;
   }
   if (bad.tellp() > 0)
     unreachable_ = "comet.symm (CUDA): rank " + std::to_string(rank_) +
                    " cannot reach the symmetric memory of rank(s) " + bad.str() +
-                   " by pointer (another node, or no peer-to-peer access between these GPUs); "
-                   "buffers spanning nodes need the multi-node backend, which is not available "
-                   "yet";
+                   " by pointer (other nodes, reached through NVSHMEM put-with-signal; or GPUs "
+                   "without peer-to-peer access)";
   cuda_check(cudaMemcpyAsync(tables_.data_ptr(), t, sizeof(int64_t) * 2 * world_,
                              cudaMemcpyHostToDevice, stream),
              "copying the peer tables");
@@ -142,8 +201,9 @@ char* const* CudaBuffer::datas_table() const {
 int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
                                    int32_t elem_bytes) const {
   auto fits = [&](int64_t t) {
-    return data_regions(op, t, int32_t(hidden), topk, num_experts, world_, elem_bytes, 4).total <=
-           capacity_;
+    return data_regions(op, t, int32_t(hidden), topk, num_experts, world_, elem_bytes, 4,
+                        mirrors())
+               .total <= capacity_;
   };
   if (!fits(0)) return -1;
   int64_t lo = 0, hi = int64_t(capacity_);  // every region grows with t
@@ -263,13 +323,32 @@ at::Tensor nvshmem_unique_id() {
   return t;
 }
 
+// NVSHMEM's initialisation through libnvshmem_device.a's nvshmemi_init_thread (what
+// nvshmemx_init_attr calls, minus its exit() on failure): besides the host library it sets up the
+// device state of this module, which the proxy kernel's NVSHMEM device calls read. The host-only
+// nvshmemx_hostlib_init_attr would leave that state empty.
+int init_with_device_state(unsigned flags, nvshmemx_init_attr_t* attr) {
+  int provided = 0;
+  const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                      NVSHMEM_VENDOR_PATCH_VERSION};
+  return nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, flags, attr, version);
+}
+
 // Returns false when NVSHMEM was already initialised (by an earlier call, torch's symmetric
-// memory or nvshmem4py) with the same rank and world.
+// memory or nvshmem4py) with the same rank and world; this module's device state is set up then
+// too (a repeated init only counts a reference and initialises the calling module's device code).
 bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64_t device) {
+  static bool device_state_ready = false;
   if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
     TORCH_CHECK(nvshmem_my_pe() == rank && nvshmem_n_pes() == world,
                 "comet.symm (CUDA): NVSHMEM is already initialised as PE ", nvshmem_my_pe(),
                 " of ", nvshmem_n_pes(), ", not as rank ", rank, " of ", world);
+    if (!device_state_ready) {
+      TORCH_CHECK(init_with_device_state(0, nullptr) == 0,
+                  "comet.symm (CUDA): setting up NVSHMEM's device state for comet's proxy kernel "
+                  "failed (NVSHMEM was initialised by another library)");
+      device_state_ready = true;
+    }
     return false;
   }
   TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
@@ -281,8 +360,9 @@ bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   TORCH_CHECK(nvshmemx_set_attr_uniqueid_args(int(rank), int(world), &id, &attr) == 0,
               "comet.symm (CUDA): nvshmemx_set_attr_uniqueid_args failed");
-  TORCH_CHECK(nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
+  TORCH_CHECK(init_with_device_state(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
               "comet.symm (CUDA): NVSHMEM initialisation failed (rank ", rank, " of ", world, ")");
+  device_state_ready = true;
   return true;
 }
 
@@ -296,6 +376,17 @@ int64_t buffer_create(int64_t rank, int64_t world, at::IntArrayRef pes, int64_t 
 bool buffer_is_subgroup(int64_t h) { return find_cuda_buffer(h)->subgroup(); }
 
 std::string buffer_unreachable(int64_t h) { return find_cuda_buffer(h)->unreachable(); }
+// This rank's row of the reachability matrix (1: by pointer), and the nodes comet/symm_cuda.py
+// infers from every rank's row (comet/node_shape.py).
+std::vector<int64_t> buffer_reach(int64_t h) {
+  const auto& r = find_cuda_buffer(h)->reach();
+  return std::vector<int64_t>(r.begin(), r.end());
+}
+void buffer_set_ranks_per_node(int64_t h, int64_t n) {
+  auto b = find_cuda_buffer(h);
+  b->set_ranks_per_node(int32_t(n));
+}
+int64_t buffer_ranks_per_node(int64_t h) { return find_cuda_buffer(h)->ranks_per_node(); }
 void buffer_release(int64_t h) { release_cuda_buffer(h); }
 void buffer_set_max_rows(int64_t h, int64_t r) { find_cuda_buffer(h)->set_max_rows(r); }
 int64_t buffer_max_rows(int64_t h) { return find_cuda_buffer(h)->max_rows(); }
@@ -328,10 +419,12 @@ double buffer_kernel_time(int64_t h) {
   return double(st.kernel_end - st.kernel_start) * 1e-9;
 }
 
+// mirrors: the buffer's nodes - 1 (a relay's mirror slots: comet/topology.h).
 int64_t region_bytes(int64_t op, int64_t tokens, int64_t hidden, int64_t topk, int64_t experts,
-                     int64_t world, int64_t elem_bytes) {
+                     int64_t world, int64_t elem_bytes, int64_t mirrors) {
   return int64_t(data_regions(OpKind(op), tokens, int32_t(hidden), int32_t(topk),
-                              int32_t(experts), int32_t(world), int32_t(elem_bytes), 4)
+                              int32_t(experts), int32_t(world), int32_t(elem_bytes), 4,
+                              int32_t(mirrors))
                      .total);
 }
 
@@ -365,6 +458,10 @@ TORCH_LIBRARY(comet_cuda, m) {
         &buffer_create);
   m.def("buffer_is_subgroup(int handle) -> bool", &buffer_is_subgroup);
   m.def("buffer_unreachable(int handle) -> str", &buffer_unreachable);
+  m.def("buffer_reach(int handle) -> int[]", &buffer_reach);
+  m.def("buffer_set_ranks_per_node(int handle, int ranks_per_node) -> ()",
+        &buffer_set_ranks_per_node);
+  m.def("buffer_ranks_per_node(int handle) -> int", &buffer_ranks_per_node);
   m.def("buffer_release(int handle) -> ()", &buffer_release);
   m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
   m.def("buffer_max_rows(int handle) -> int", &buffer_max_rows);
@@ -375,7 +472,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_check(int handle) -> str", &buffer_check);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
   m.def("region_bytes(int op, int tokens, int hidden, int topk, int experts, int world, "
-        "int elem_bytes) -> int",
+        "int elem_bytes, int mirrors=0) -> int",
         &region_bytes);
 }
 
