@@ -43,18 +43,6 @@ std::vector<const char*> source_bases(const SymmHeap& heap, const DataRegions& r
   return d;
 }
 
-// Waits for every rank's delivered puts before anything that the puts read goes away.
-struct QuietOnExit {
-  const SymmHeap& heap;
-  ~QuietOnExit() {
-    if (!heap.proxy()) return;
-    try {
-      heap.proxy()->quiet();
-    } catch (const std::exception&) {
-      // A failed delivery was reported by the call's own end_call or by the next call.
-    }
-  }
-};
 
 // m-tiles (and layer0's visit order when `order` is given) of a dispatch layout of M rows.
 std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
@@ -128,6 +116,14 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
     });
   }
   if (T > 0) std::memcpy(mine + reg.x, p.x, size_t(T * p.hidden * elem));
+  // Ranks of other nodes get our bucket offsets in their bucket box for us (symm_layout.h), as
+  // the GPU's begin kernel sends them, and size their dispatch layout from it.
+  const size_t box_row = size_t(E + 1) * 4;
+  for (int32_t r = 0; r < W; ++r)
+    if (!heap.reachable(r))
+      heap.proxy()->put_signal(r, mine + reg.bucket_box + size_t(d) * box_row,
+                               mine + reg.bucket_off, box_row,
+                               header_flag(heap.header(d), W, PeerFlag::Data, d), epoch);
   const NodePushArgs push{heap.topology(), d, E, El, k, T, p.hidden * elem, 0, epoch, reg, p.ids};
   exchange_sources(heap, l, epoch, [&](CpuContext& ctx, const PrologueScratch& ps) {
     layer0_push_program(ctx, ps.bar, push);
@@ -137,7 +133,13 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
   sources_ = source_bases(heap, reg);
   rows_ready_.resize(size_t(W));
   for (int32_t s = 0; s < W; ++s) rows_ready_[size_t(s)] = heap.rows_ready(s);
-  gather_recv_counts(sources_.data(), reg.bucket_off, d, W, El, recv_counts);
+  std::vector<const char*> counts_from(sources_);  // bases whose bucket_off region is s's offsets
+  for (int32_t s = 0; s < W; ++s)
+    if (!heap.reachable(s)) {
+      heap.wait(header_flag(heap.header(d), W, PeerFlag::Data, s), epoch, WaitSite::PeerData, s);
+      counts_from[size_t(s)] = mine + reg.bucket_box + size_t(s) * box_row - reg.bucket_off;
+    }
+  gather_recv_counts(counts_from.data(), reg.bucket_off, d, W, El, recv_counts);
   expert_off_.resize(size_t(El) + 1);
   seg_off_.resize(size_t(El) * (W + 1));
   rows_ = build_dispatch_layout(recv_counts, d, W, El, expert_off_.data(), seg_off_.data());
@@ -212,8 +214,6 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const DataRegions reg =
       regions_of(heap, OpKind::Layer1, tmax, H, k, E, elem, int32_t(sizeof(Acc)));
   heap.reserve(std::max<size_t>(reg.total, 1));
-  std::vector<std::max_align_t> stage;  // across nodes: staged partial rows (sources of puts)
-  const QuietOnExit quiet{heap};        // declared after `stage`: runs before it is freed
 
   // Publish this rank's routing, bucket positions, weights and pair lists for the destinations.
   char* mine = heap.data(d);
@@ -275,15 +275,14 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const int64_t per_item = std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm)));
   Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
                          flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out, p.kind};
-  // Across nodes: partial rows for remote homes are staged (16-byte aligned) and put whole.
+  // Across nodes: partial rows for remote homes are staged in the symmetric segment (reg.stage)
+  // and put whole.
   if (heap.topology().nodes() > 1) {
-    const size_t bytes = size_t(std::max<int64_t>(entries, 1)) * size_t(H) * size_t(elem);
-    stage.resize(ceil_div(int64_t(bytes), int64_t(sizeof(std::max_align_t))));
     auto& chunk_counts = heap.chunk_counts();
     const size_t chunks = size_t(ceil_div(entries, per_item));
     if (chunk_counts.size() < chunks) chunk_counts.resize(chunks, 0);
     la.ranks_per_node = heap.topology().ranks_per_node;
-    la.stage = reinterpret_cast<char*>(stage.data());
+    la.stage = heap.data(d) + reg.stage;
     la.chunk_done = chunk_counts.data();
   }
   const GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(),

@@ -116,6 +116,10 @@ struct CallParams {
   uint32_t* ntile_count;  // [num_ntiles] self-resetting counters (layer1)
   CallMeta* metas;        // [W] every rank's metadata of this call
   PlanSource<float>* plan_sources;  // [W] layer1: the peers' published routing
+  // Across nodes (topology.h; set by the publish kernel, unused on one node):
+  const char** sources;   // [W] where each source's published region is read (segment / mirror)
+  uint64_t** rows_ready;  // [W] layer0: a remote source's MirrorRows flag on the relay, or null
+  uint32_t* chunk_done;   // [4 * n_comm] layer1: n-tiles reduced per chunk (zeroed per call)
   ReducePlan<float> plan; // layer1: arrays of plan_cap (entries set on the device)
 
   // multi-block prologue kernels (prologue.h): grid sizes and their scratch

@@ -184,9 +184,16 @@ class CommContext {
   }
 
  private:
+  // A source on this node: its own data flag; on another node: the MirrorMeta flag its push set
+  // on this node's relay (its rows have their own flag, Layer0CommArgs.rows_ready).
   __device__ void acquire_source(int32_t r) {
     if (r < 64 && (ready_ >> r & 1u)) return;
-    wait(headers_[r]->data_epoch, epoch_, WaitSite::PeerData, r);
+    uint64_t* flag =
+        topo_.same_node(rank_, r)
+            ? headers_[r]->data_epoch
+            : header_flag(headers_[topo_.relay(r, topo_.node(rank_))], topo_.world,
+                          PeerFlag::MirrorMeta, r);
+    wait(flag, epoch_, WaitSite::PeerData, r);
     if (r < 64) ready_ |= uint64_t(1) << r;
   }
 

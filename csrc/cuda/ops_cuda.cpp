@@ -109,20 +109,13 @@ bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
                      ", " + std::to_string(tile_n) + ")");
 }
 
-// Calls on a buffer whose group spans nodes: the transport (put ring + proxy kernel), the mailbox
-// protocol of the prologue (begin's metadata and the end of call across nodes) and the node sizes
-// of the data segment are in place. Not wired yet, so such calls are refused on every rank alike
-// (a local input error, exchanged through the mailboxes like any other):
-//  - layer0's dispatch layout for sources on other nodes: the begin kernel reads every source's
-//    bucket offsets, but a remote source's arrive in the mirror only with its push (publish
-//    kernel, after the read-back), at an offset that depends on the agreed token capacity;
-//  - the publish kernel running layer0_push_program / layer1_push_program (node_push.h), then
-//    waiting per source on source_ready (same node: its data flag; else the relay's MirrorMeta)
-//    and building Layer0CommArgs.sources / rows_ready and layer1's plan sources from source_base;
-//  - layer1's staging rows (Layer1CommArgs.stage) must be symmetric (or registered) memory, the
-//    source of a put over IB: a region of the data segment (ring_push refuses other sources).
-// tests/gpu/test_multinode.py runs the data paths once this is true.
-constexpr bool kNodeFirstWired = false;
+// Calls on a buffer whose group spans nodes (compiled and statically checked; no GPU has run
+// them): the transport (put ring + proxy kernel), the mailbox protocol of the prologue (begin's
+// metadata, bucket offsets into the peers' bucket boxes, the end of call across nodes), the
+// node-first pushes in the publish kernel (node_push.h) with the per-source bases and row flags
+// the comm programs read, and layer1's partial rows staged in the data segment (regions.stage)
+// and put whole. tests/gpu/test_multinode.py runs them on 2+ nodes.
+constexpr bool kNodeFirstWired = true;
 
 bool check_nodes(Checker& c, const CudaBuffer& b) {
   return c.value(kNodeFirstWired || !b.multi_node(),
@@ -480,6 +473,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   pre.take(p.expert_off, int64_t(El) + 1);
   pre.take(p.seg_off, int64_t(El) * (W + 1));
   pre.take(p.metas, W);
+  pre.take(p.sources, W);     // across nodes: begin's bucket-offset bases, then publish's bases
+  pre.take(p.rows_ready, W);
   pre.take(p.order_bucket, int64_t(W) + 1);
   pre.take(p.small, int64_t(std::max(El, W)) + 1);
   p.source_blocks = prologue_blocks(T * k, dev);
@@ -613,6 +608,9 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.seg_off, int64_t(El) * (W + 1));
   ws.take(p.metas, W);
   ws.take(p.plan_sources, W);
+  ws.take(p.sources, W);  // across nodes (publish kernel)
+  ws.take(p.rows_ready, W);
+  const size_t chunks_at = ws.take(p.chunk_done, 4 * std::max<int64_t>(n_comm, 1));
   ws.take(p.pair_off, int64_t(W) + 1);
   ws.take(p.pair_slot, T * k);
   ws.take(p.item_keys, T * k);
@@ -636,6 +634,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + flags_at, 0,
                              flags_end - flags_at, stream),
              "clearing column flags");
+  // layer1_comm_args splits the entries into at most 4 * n_comm chunks (comm_blocks.cuh).
+  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + chunks_at, 0,
+                             size_t(4 * std::max<int64_t>(n_comm, 1)) * sizeof(uint32_t), stream),
+             "clearing chunk counters");
 
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");

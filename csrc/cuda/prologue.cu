@@ -25,7 +25,9 @@
 #include "call_params.h"
 #include "comet/flags.h"
 #include "comet/layout.h"
+#include "comet/node_push.h"
 #include "comet/prologue.h"
+#include "comet/topology.h"
 #include "gpu_context.cuh"
 #include "launch.h"
 
@@ -129,6 +131,19 @@ __device__ uint64_t* announced(const CallParams& p, int32_t s, uint64_t (RankHea
   return header_flag(p.headers[p.rank], p.world, kind, s);
 }
 
+// Rank s's bucket offsets in this rank's bucket box (layer0 across nodes; symm_layout.h).
+__device__ char* bucket_box_of(const CallParams& p, int32_t s) {
+  return p.datas[p.rank] + p.regions.bucket_box + size_t(s) * size_t(p.num_experts + 1) * 4;
+}
+
+// The flag saying source s's published data of this call is readable here: its own data flag on
+// this node, the MirrorMeta flag its push set on this node's relay across nodes.
+__device__ uint64_t* source_ready(const CallParams& p, int32_t s) {
+  if (p.topo.same_node(p.rank, s)) return p.headers[s]->data_epoch;
+  return header_flag(p.headers[p.topo.relay(s, p.topo.node(p.rank))], p.world,
+                     PeerFlag::MirrorMeta, s);
+}
+
 __device__ PrologueScratch prologue_scratch(const CallParams& p) {
   return PrologueScratch{GridBarrier{&p.state->grid_arrived, &p.state->grid_generation},
                          SortScratch{p.sort_counts, ScanScratch{p.block_sum, p.scan_total}},
@@ -206,6 +221,11 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     // dispatch layout during this exchange.
     int32_t* pub = reinterpret_cast<int32_t*>(p.datas[p.rank] + p.regions.bucket_off);
     for (int32_t i = 0; i <= p.num_experts; ++i) pub[i] = p.bucket[i];
+    // Ranks of other nodes get them in their bucket box for us (capacity-independent too),
+    // before our metadata: the metadata's signal follows them on the link (FIFO per target).
+    for (int32_t r = 0; r < p.world; ++r)
+      if (!p.topo.same_node(p.rank, r))
+        put_signal(p, r, bucket_box_of(p, p.rank), pub, size_t(p.num_experts + 1) * 4, nullptr, 0);
   }
 
   // Metadata exchange: same-node peers read our header's meta; every peer on another node gets a
@@ -238,7 +258,14 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
 
   if (status == int32_t(CallStatus::Ok) && layer0) {
     const int32_t El = p.experts_local, d = p.rank;
-    gather_recv_counts(p.datas, p.regions.bucket_off, d, p.world, El, p.recv_counts);
+    // Each source's bucket offsets: by pointer on this node, from our bucket box across nodes
+    // (p.sources as scratch here: bases whose bucket_off region is the offsets to read; the
+    // publish kernel sets the real source bases).
+    for (int32_t s = 0; s < p.world; ++s)
+      p.sources[s] = p.topo.same_node(d, s)
+                         ? p.datas[s]
+                         : bucket_box_of(p, s) - p.regions.bucket_off;
+    gather_recv_counts(p.sources, p.regions.bucket_off, d, p.world, El, p.recv_counts);
     const int64_t rows = build_dispatch_layout(p.recv_counts, d, p.world, El, p.expert_off,
                                                p.seg_off);
     st->rows = rows;
@@ -274,17 +301,37 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   // Our source data (x and the send plan / the routing and pair lists) is in our data segment:
   // peers may read.
   if (grid_rank(ctx) == 0) flag_release(p.headers[p.rank]->data_epoch, e);
-  if (status != int32_t(CallStatus::Ok)) return;
-
   const int32_t El = p.experts_local, W = p.world, d = p.rank;
   const bool layer1 = p.op == int32_t(OpKind::Layer1);
+  if (p.topo.nodes() > 1) {
+    // Node-first pushes to the other nodes' mirrors (node_push.h), whatever this rank's own
+    // status (a local row overflow must not starve the peers), then where each source is read.
+    const NodePushArgs na{p.topo, d, p.num_experts, El, p.topk, p.tokens,
+                          p.hidden * p.elem_bytes, 4, e, p.regions, p.ids};
+    if (layer1)
+      layer1_push_program(ctx, na);
+    else
+      layer0_push_program(ctx, s.bar, na);
+    if (grid_rank(ctx) == 0)
+      for (int32_t src = 0; src < W; ++src) {
+        p.sources[src] = source_base(p.topo, p.datas, d, src, p.regions.mirror,
+                                     p.regions.source_bytes);
+        p.rows_ready[src] =
+            p.topo.same_node(d, src)
+                ? nullptr
+                : header_flag(p.headers[p.topo.relay(src, p.topo.node(d))], W,
+                              PeerFlag::MirrorRows, src);
+      }
+  }
+  if (status != int32_t(CallStatus::Ok)) return;
+
   if (layer1) {
-    for (int32_t src = 0; src < W; ++src)
-      ctx.wait(p.headers[src]->data_epoch, e, WaitSite::PeerData, src);
+    for (int32_t src = 0; src < W; ++src) ctx.wait(source_ready(p, src), e, WaitSite::PeerData, src);
     if (grid_rank(ctx) == 0) {
       build_dispatch_layout(p.recv_counts, d, W, El, p.expert_off, p.seg_off);
       for (int32_t src = 0; src < W; ++src)
-        p.plan_sources[src] = plan_source<float>(p.datas[src], p.regions);
+        p.plan_sources[src] = plan_source<float>(
+            p.topo.nodes() > 1 ? p.sources[src] : p.datas[src], p.regions);
     }
     grid_sync(ctx, s.bar);
   }

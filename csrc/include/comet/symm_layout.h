@@ -84,6 +84,11 @@ COMET_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 struct DataRegions {
   // layer0, written by the source rank: its send plan and its tokens
   size_t bucket_off;  // int32 [E+1]
+  // layer0 across nodes, written by the ranks of other nodes (mirrors > 0): each one's bucket
+  // offsets, [W][E+1], at an offset that does not depend on the token capacity (like
+  // bucket_off), so the GPU's begin kernel can size the dispatch layout before the data
+  // segment is settled
+  size_t bucket_box;
   size_t send_slot;   // int32 [tmax*k]
   size_t x;           // elem  [tmax, H]
   // layer1, written by the source rank: its routing and weights
@@ -95,6 +100,10 @@ struct DataRegions {
   // layer1, written by peers: partial sums of this rank's tokens, one slice per partial slot,
   // in the activation dtype (comm_layer1.h says why)
   size_t recv;        // elem  [partials, tmax, H]
+  // layer1 across nodes: this rank's partial rows for homes on other nodes, staged as the source
+  // of their puts (symmetric memory: a put's source over IB must be registered), one row per
+  // reduce-plan entry (entries <= W * tmax: one per (source, token))
+  size_t stage;       // elem  [W * tmax, H] when mirrors > 0
   // Node-first routing (comet/topology.h): the regions above up to source_bytes are what a source
   // publishes; a relay holds `mirrors` (nodes - 1) copies of that part for remote sources, from
   // `mirror` on, source_bytes apart.
@@ -119,6 +128,7 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
   size_t slots = size_t(tmax) * topk;
   if (op == OpKind::Layer0) {
     r.bucket_off = take(size_t(num_experts + 1) * 4);
+    r.bucket_box = take(mirrors > 0 ? size_t(world) * size_t(num_experts + 1) * 4 : 0);
     r.send_slot = take(slots * 4);
     r.x = take(size_t(tmax) * hidden * elem_bytes);
     r.source_bytes = off;
@@ -131,6 +141,7 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.pair_slot = take(slots * 4);
     r.source_bytes = off;
     r.recv = take(size_t(partials) * tmax * hidden * elem_bytes);
+    r.stage = take(mirrors > 0 ? size_t(world) * tmax * hidden * elem_bytes : 0);
   }
   r.mirror = take(size_t(mirrors) * r.source_bytes);
   r.total = off;
