@@ -94,11 +94,26 @@ std::string describe_error(const ErrorRecord& e) {
 namespace {
 
 // A CUDA call's checker: tensors on this buffer's GPU, values not read on the host (the begin
-// kernel checks them), and a failure the device recorded in an earlier capturable call first.
-Checker cuda_checker(const char* op, int dev, const std::string& pending) {
-  Checker c(op, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)), /*read_values=*/false);
-  if (!pending.empty()) c.value(false, pending);
-  return c;
+// kernel checks them).
+Checker cuda_checker(const char* op, int dev) {
+  return Checker(op, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(dev)),
+                 /*read_values=*/false);
+}
+
+// A failure the device recorded in an earlier call without host synchronisation (`pending`, from
+// buffer_or_throw) is reported by this rank once its current call is done, not by failing the
+// current call: a failed call would be recorded in turn by the peers that run without host
+// synchronisation, whose next call would fail the same way, and so on (the ranks would take turns
+// failing). So a call that is fine runs everywhere, and this rank raises afterwards...
+void raise_pending(const std::string& pending) {
+  TORCH_CHECK_VALUE(pending.empty(), pending,
+                    " (reported now; this call itself ran on every rank, its results are "
+                    "discarded on this rank)");
+}
+// ... and a call that fails anyway carries the earlier failure in its message.
+CheckResult with_pending(CheckResult r, const std::string& pending) {
+  if (!pending.empty()) r.message += "; also, " + pending;
+  return r;
 }
 
 // The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
@@ -205,11 +220,11 @@ std::string verdict_message(const std::vector<CallMeta>& metas, int32_t rank, co
   TORCH_CHECK_VALUE(false, r.message);
 }
 
-// The call's buffer. `pending` receives what the device recorded in earlier calls that nobody
-// read back (calls without host synchronisation): the caller turns it into this call's local
-// input error, so it is reported through the exchange and every rank raises together (raising
-// here would skip the exchange and leave the peers waiting). A timed-out wait is different: the
-// GPU trapped, the buffer is unusable, and so are the peers'.
+// The call's buffer. `pending` receives (and the device record drops) what the device recorded in
+// earlier calls that nobody read back (calls without host synchronisation): the op reports it
+// after its call (raise_pending / with_pending; raising here would skip the exchange and leave
+// the peers waiting). A timed-out wait is different: the GPU trapped, the buffer is unusable, and
+// so are the peers'.
 std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending) {
   std::shared_ptr<CudaBuffer> b;
   try {
@@ -371,7 +386,10 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
   if (s.state.status == int32_t(CallStatus::Rejected)) {
     launch_finish(p, stream);
     std::string v = verdict_message(s.metas, b.rank(), op_name, s.state.bad_rank);
-    if (!local.ok()) v = local.message;
+    if (!local.ok())
+      v = local.message;
+    else
+      v += local.message;  // empty, or an earlier call's failure (with_pending)
     if (local.code == 2) TORCH_CHECK_TYPE(false, v);
     TORCH_CHECK_VALUE(false, v);
   }
@@ -435,7 +453,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
 
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
-  Checker c = cuda_checker("comet.moe_layer0", dev, pending);
+  Checker c = cuda_checker("comet.moe_layer0", dev);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows}, W,
                {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n) && check_nodes(c, b);
@@ -490,11 +508,11 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
     launch_finish(p, stream);
-    raise(check);
+    raise(with_pending(check, pending));
   }
   int64_t rows_cap = max_rows;
   if (max_rows < 0) {
-    const CallSummary s = settle(b, p, check, "comet.moe_layer0", stream, proxy);
+    const CallSummary s = settle(b, p, with_pending(check, pending), "comet.moe_layer0", stream, proxy);
     rows_cap = s.state.rows;
     tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
     p.tcap = tcap;
@@ -546,6 +564,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   }
   launch_fused(0, kind, p, run, stream);
   proxy.end();
+  raise_pending(pending);
   return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
 }
 
@@ -565,7 +584,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
 
   // Expert ids and the layout's row count are checked on the device by the begin kernel.
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
-  Checker c = cuda_checker("comet.moe_layer1", dev, pending);
+  Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows},
                W, {n_comm, n_gemm, tile_m, tile_n}) &&
@@ -646,10 +665,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_cuda(cudaGetLastError(), "launching the begin kernel");
   if (!ok) {
     launch_finish(p, stream);
-    raise(check);
+    raise(with_pending(check, pending));
   }
   if (max_rows < 0) {
-    settle(b, p, check, "comet.moe_layer1", stream, proxy);
+    settle(b, p, with_pending(check, pending), "comet.moe_layer1", stream, proxy);
     tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
     p.tcap = tcap;
     p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4,
@@ -681,6 +700,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   launch_combine(p, run.grid, stream);
   check_cuda(cudaGetLastError(), "launching the combine kernel");
   proxy.end();
+  raise_pending(pending);
   return out;
 }
 
@@ -706,7 +726,8 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   launch_finish(p, stream);
   proxy.end();
   return verdict_message(s.metas, b.rank(), op == 0 ? "comet.moe_layer0" : "comet.moe_layer1",
-                         s.state.bad_rank);
+                         s.state.bad_rank) +
+         with_pending(CheckResult{}, pending).message;
 }
 
 }  // namespace

@@ -355,3 +355,35 @@ def test_autograd_bf16_matches_reference(world, case, opts):
                                    msg=lambda m, name=name: f"{case} {name}: {m}")
     ids = inputs[3][rank]
     assert torch.all(grads[3][ids < 0] == 0), "dropped slots must get zero weight gradient"
+
+
+def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
+    """A call with max_rows (no host synchronisation) that one rank's bad input rejects: the ranks
+    that could not know raise after their NEXT call, which itself runs (so the peers are not
+    rejected in turn and the ranks do not take turns failing); the call after that is clean."""
+    rank, w = world
+    if w < 2:
+        pytest.skip("needs a peer")
+    case = cases_for(w)[0]
+    inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
+    run_layers(case, rank, inputs, biases, bias=False, transposed=False)  # eager: sizes the buffer
+    x, w0, _w1, tid, _tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
+    bound = bound_for(case)
+    bad = x.to(torch.float32) if rank == 1 else x  # rank 1's host check rejects its own call
+    if rank == 1:
+        with pytest.raises(TypeError):
+            comet.moe_layer0(bad, w0, tid, num_experts=case.experts, max_rows=bound)
+    else:
+        comet.moe_layer0(bad, w0, tid, num_experts=case.experts, max_rows=bound)  # no read-back
+    # next call: valid everywhere; the ranks other than 1 report the rejected call after it
+    if rank == 1:
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts, max_rows=bound)
+    else:
+        with pytest.raises(ValueError, match="earlier call"):
+            comet.moe_layer0(x, w0, tid, num_experts=case.experts, max_rows=bound)
+    # and the one after runs clean on every rank, with correct results
+    y0, layout, h, out = run_layers(case, rank, inputs, biases, bias=False, transposed=False,
+                                    max_rows=bound)
+    _buffer().check()
+    check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False,
+                    rows=int(layout.recv_counts.sum()))
