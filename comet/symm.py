@@ -45,12 +45,17 @@ class Buffer:
     put-with-signal through a proxy thread per rank, delivering each put `link_latency_us` after
     it was issued (default $COMET_CPU_LINK_LATENCY_US or 10) at `link_gbps` GB/s (default
     $COMET_CPU_LINK_GBPS or 0: memcpy speed). Must be the same on every rank.
+    `node_reduce` (default $COMET_NODE_REDUCE, else False): layer1 sums the partials of each
+    sending node on the home's relay there and sends one row per (token, node) across the link
+    instead of one per (token, sending rank): fewer inter-node bytes, one more rounding of the
+    node's sum to the activation dtype (results match the reference at the dtype's tolerance,
+    not a single node's bits). Only matters when the group spans nodes; the same on every rank.
     """
 
     def __init__(self, group=None, *, timeout: float | None = None,
                  threads_per_block: int | None = None, ranks_per_node: int | None = None,
                  link_latency_us: float | None = None, link_gbps: float | None = None,
-                 _simulated=None):
+                 node_reduce: bool | None = None, _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
@@ -71,12 +76,17 @@ class Buffer:
             if _distributed(group):
                 _check_same_across_ranks(link[0], "ranks_per_node", group, self.world)
             self.ranks_per_node = link[0]
+            reduce = node_reduce_setting(node_reduce)
+            if _distributed(group):
+                _check_same_across_ranks(reduce, "node_reduce", group, self.world)
             self.handle = _C.heap_create(self.rank, self.world, job, _group_hash(members), timeout,
                                          *link)
+            _C.heap_set_node_reduce(self.handle, reduce)
             self._barrier()
             _C.heap_connect(self.handle)
             self._barrier()
             _C.heap_unlink_own(self.handle)
+        self.node_reduce = _C.heap_node_reduce(self.handle)
         _WORLD_OF_HANDLE[self.handle] = self.world
         self._finalizer = weakref.finalize(self, _release, self.handle)
         if threads_per_block is not None:
@@ -86,7 +96,8 @@ class Buffer:
     def simulated_world(cls, world: int, *, timeout: float | None = None,
                         threads_per_block: int | None = None, ranks_per_node: int | None = None,
                         link_latency_us: float | None = None,
-                        link_gbps: float | None = None) -> list["Buffer"]:
+                        link_gbps: float | None = None,
+                        node_reduce: bool | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -94,6 +105,9 @@ class Buffer:
         gh = _group_hash(list(range(world)))
         link = _link_settings(world, ranks_per_node, link_latency_us, link_gbps)
         handles = [_C.heap_create(r, world, job, gh, timeout, *link) for r in range(world)]
+        reduce = node_reduce_setting(node_reduce)
+        for h in handles:
+            _C.heap_set_node_reduce(h, reduce)
         for h in handles:
             _C.heap_connect(h)
         for h in handles:
@@ -128,7 +142,8 @@ class Buffer:
 
     def __repr__(self):
         return (f"comet.Buffer(rank={self.rank}, world={self.world}, "
-                f"ranks_per_node={self.ranks_per_node}, handle={self.handle})")
+                f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
+                f"handle={self.handle})")
 
 
 def _env_number(name: str, default, kind=float):
@@ -153,6 +168,18 @@ def _link_settings(world, ranks_per_node, latency_us, gbps) -> tuple[int, float,
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
             raise ValueError(f"comet: {name} must be a number >= 0, got {v!r}")
     return int(rpn), float(lat), float(bw)
+
+
+def node_reduce_setting(value) -> bool:
+    """The node_reduce argument, else $COMET_NODE_REDUCE (0/1), else False."""
+    if value is None:
+        raw = os.environ.get("COMET_NODE_REDUCE", "")
+        if raw not in ("", "0", "1"):
+            raise ValueError(f"comet: $COMET_NODE_REDUCE must be 0 or 1, got {raw!r}")
+        return raw == "1"
+    if not isinstance(value, bool):
+        raise ValueError(f"comet: node_reduce must be a bool, got {value!r}")
+    return value
 
 
 def _check_same_across_ranks(value, name, group, world):

@@ -54,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("heap_ranks_per_node",
         [](int64_t h) { return find_heap(h)->topology().ranks_per_node; });
+  m.def("heap_set_node_reduce", [](int64_t h, bool on) { find_heap(h)->set_node_reduce(on); });
+  m.def("heap_node_reduce", [](int64_t h) { return find_heap(h)->topology().node_reduce != 0; });
   m.def("heap_connect", [](int64_t h) { find_heap(h)->connect(); });
   m.def("heap_unlink_own", [](int64_t h) { find_heap(h)->unlink_own(); });
   m.def("heap_release", &comet::cpu::release_heap);

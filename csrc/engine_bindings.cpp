@@ -111,8 +111,11 @@ int32_t mtile_ring_distance(const I64& expert_off, const I64& seg_off, int32_t w
   return comet::mtile_ring_distance(mt.at(size_t(mtile)), seg_off.data(), world);
 }
 
-py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank) {
-  auto p = comet::partial_slot(token_ids.data(), int32_t(token_ids.size()), el, rank);
+// reduce_rpn > 0: node-reduced partials of a token homed at `home` (layout.h: slot_groups).
+py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank, int32_t reduce_rpn,
+                       int32_t home) {
+  auto p = comet::partial_slot(token_ids.data(), int32_t(token_ids.size()), el, rank,
+                               comet::slot_groups(reduce_rpn, home, rank));
   return py::make_tuple(p.count, p.ordinal);
 }
 
@@ -137,7 +140,8 @@ void bind_engine(py::module_& m) {
         py::arg("world"), py::arg("tile_m"), py::arg("num_ntiles"), py::arg("blocks") = 1,
         py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
-  e.def("partial_slot", &partial_slot);
+  e.def("partial_slot", &partial_slot, py::arg("token_ids"), py::arg("el"), py::arg("rank"),
+        py::arg("reduce_rpn") = 0, py::arg("home") = 0);
   // comet/topology.h: (relay rank, mirror slot) of source s's data for node b.
   e.def("node_route", [](int32_t world, int32_t ranks_per_node, int32_t s, int32_t b) {
     const comet::NodeTopology t{world, ranks_per_node};

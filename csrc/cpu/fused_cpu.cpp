@@ -32,8 +32,8 @@ void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch
 // The call's regions, with room for the mirrors of remote sources when the group spans nodes.
 DataRegions regions_of(const SymmHeap& heap, OpKind op, int64_t tmax, int64_t hidden, int32_t k,
                        int32_t experts, int64_t elem, int32_t acc_bytes = 4) {
-  return data_regions(op, tmax, int32_t(hidden), k, experts, heap.world(), int32_t(elem), acc_bytes,
-                      heap.topology().nodes() - 1);
+  return call_regions(heap.topology(), op, tmax, int32_t(hidden), k, experts, int32_t(elem),
+                      acc_bytes);
 }
 
 // Where each source's published region is read (its segment, or its mirror on this node).
@@ -253,7 +253,10 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   int64_t slots = 0, entries = 0;
   {
     GridScratch scratch(l.n_comm + l.n_gemm, l.threads, W, 0, std::max(El, W));
-    const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots};
+    const int32_t reduce_rpn =
+        heap.topology().reduces_nodes() ? heap.topology().ranks_per_node : 0;
+    const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots,
+                                 reduce_rpn};
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
       const int64_t n = reduce_plan_program(ctx, ps, ra);
       if (grid_rank(ctx) == 0) entries = n;
@@ -276,8 +279,10 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
                          flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out, p.kind};
   // Across nodes: partial rows for remote homes are staged in the symmetric segment (reg.stage)
-  // and put whole.
+  // and put whole, or (node-reduced) written into their relay's node_stage.
   if (heap.topology().nodes() > 1) {
+    la.node_reduce = heap.topology().node_reduce;
+    la.metas = heap.metas().data();
     auto& chunk_counts = heap.chunk_counts();
     const size_t chunks = size_t(ceil_div(entries, per_item));
     if (chunk_counts.size() < chunks) chunk_counts.resize(chunks, 0);

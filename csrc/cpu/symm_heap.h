@@ -59,6 +59,9 @@ class SymmHeap {
   RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
   char* data(int32_t r) const { return data_[r]; }
   const NodeTopology& topology() const { return topo_; }
+  // layer1's partials summed per sending node (comet/topology.h); set before the first call, the
+  // same on every rank (comet/symm.py checks).
+  void set_node_reduce(bool on) { topo_.node_reduce = on ? 1 : 0; }
   bool reachable(int32_t r) const { return topo_.same_node(rank_, r); }
   // The link to other nodes; null on one node.
   LinkProxy* proxy() const { return proxy_.get(); }

@@ -7,7 +7,9 @@
 //  2. combine (a follow-on step on every block: all SMs, not just the comm blocks): once every
 //     rank's partials for this rank have arrived, sum each local token's at most min(k, W)
 //     partials in fp32 in ascending partial slot (= ascending sending rank) and store the result
-//     in the output dtype.
+//     in the output dtype. Across nodes with node-reduced partials (comet/topology.h), each rank
+//     first sums and sends, as its home's relay, the rows its node's ranks staged for one home on
+//     every other node (layer1_node_relay), so a home adds one partial per other node.
 // Acc is the accumulator: float (fp32) everywhere, double only for float64 on the CPU backend.
 // Every step has a fixed order, so results are bitwise reproducible whatever the block counts,
 // thread counts and timing.
@@ -31,6 +33,7 @@
 #include "comet/numeric.h"
 #include "comet/reduce_plan.h"
 #include "comet/symm_layout.h"
+#include "comet/topology.h"
 
 namespace comet {
 
@@ -60,6 +63,11 @@ struct Layer1CommArgs {
   int32_t ranks_per_node = 0;
   char* stage = nullptr;
   uint32_t* chunk_done = nullptr;
+  // Node-reduced partials (NodeTopology::node_reduce, comet/topology.h): rows for a home on
+  // another node go by pointer into the node_stage of the home's relay on this node instead, and
+  // the relays sum and send them in the combine step (layer1_node_relay).
+  int32_t node_reduce = 0;
+  const CallMeta* metas = nullptr;  // [W] every rank's call: the relayed homes' token counts
 };
 
 template <class Acc>
@@ -70,6 +78,20 @@ COMET_HD bool several_nodes(const Layer1CommArgs<Acc>& a) {
 template <class Acc>
 COMET_HD bool other_node(const Layer1CommArgs<Acc>& a, int32_t s) {
   return several_nodes(a) && s / a.ranks_per_node != a.rank / a.ranks_per_node;
+}
+
+template <class Acc>
+COMET_HD bool node_reduced(const Layer1CommArgs<Acc>& a) {
+  return several_nodes(a) && a.node_reduce != 0;
+}
+template <class Acc>
+COMET_HD NodeTopology topology_of(const Layer1CommArgs<Acc>& a) {  // several nodes only
+  return NodeTopology{a.world, a.ranks_per_node, a.node_reduce};
+}
+// The home's partial order for a token homed at `home` sent by `sender` (layout.h: slot_groups).
+template <class Acc>
+COMET_HD SlotGroups groups_of(const Layer1CommArgs<Acc>& a, int32_t home, int32_t sender) {
+  return slot_groups(node_reduced(a) ? a.ranks_per_node : 0, home, sender);
 }
 
 constexpr int32_t kColGroup = 8;
@@ -180,12 +202,21 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
       const int32_t col = col0 + int32_t(q % groups) * (vec ? kColGroup : 1);
       const int64_t s0 = a.plan.entry_begin[e], s1 = a.plan.entry_begin[e + 1];
       const int32_t home = a.plan.entry_source[e];
-      // The home's receive slot, or (home on another node) this entry's staging row.
-      const bool staged = other_node(a, home);
-      char* part = staged ? a.stage : ctx.data(home) + a.regions.recv;
-      const int64_t at = staged ? e * a.hidden + col
-                                : int64_t(a.plan.entry_partial[e]) * pstride +
-                                      int64_t(a.plan.entry_token[e]) * a.hidden + col;
+      // The home's receive slot; for a home on another node this entry's staging row, or
+      // (node-reduced) its row in the node_stage of the home's relay on this node.
+      char* part = ctx.data(home) + a.regions.recv;
+      int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
+                   int64_t(a.plan.entry_token[e]) * a.hidden + col;
+      if (other_node(a, home) && node_reduced(a)) {
+        const NodeTopology t = topology_of(a);
+        const int32_t mine = t.node(a.rank);
+        part = ctx.data(t.relay(home, mine)) + a.regions.node_stage;
+        at = ((int64_t(t.mirror_slot(home, mine)) * t.node_stage_rows(a.topk) +
+               a.plan.entry_partial[e]) * a.tmax + a.plan.entry_token[e]) * a.hidden + col;
+      } else if (other_node(a, home)) {
+        part = a.stage;
+        at = e * a.hidden + col;
+      }
       if (vec) {
         float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t s = s0; s < s1; ++s) {
@@ -202,7 +233,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
         store_as<Acc>(part, at, a.out_kind, acc);
       }
     }
-    if (several_nodes(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
+    if (several_nodes(a) && !node_reduced(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
     ctx.delay();
   }
   // Publish "all my partials for you are written" to every rank (also those that got none, so a
@@ -213,23 +244,111 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     uint32_t before = count_ref(*a.blocks_done).fetch_add(1u, mo::memory_order_acq_rel);
     if (before + 1u == uint32_t(ctx.blocks())) {
       count_ref(*a.blocks_done).store(0u, mo::memory_order_relaxed);
+      // Node-reduced: the relays tell the homes on other nodes (layer1_node_relay); the flag to a
+      // same-node rank also says "my rows in your node_stage are written".
       for (int32_t s = 0; s < a.world; ++s) {
-        if (other_node(a, s))  // after this rank's partial puts to s: the link is FIFO per target
+        if (!other_node(a, s))
+          flag_release(header_arrive(ctx.header(s), a.rank), a.epoch);
+        else if (!node_reduced(a))  // after this rank's partial puts to s: FIFO per target
           ctx.put_signal(s, nullptr, nullptr, 0, header_arrive(ctx.header(a.rank), a.rank),
                          a.epoch);
-        else
-          flag_release(header_arrive(ctx.header(s), a.rank), a.epoch);
       }
     }
   }
 }
 
+// Node-reduced partials, the relay's part (first in the combine step, on every block): this
+// rank relays, for each other node B, the home h = B's rank with this rank's local index (whose
+// routing it mirrors). Once this node's ranks have written their rows for h's tokens into
+// node_stage (their Arrive flags), each token with c >= 1 rows is summed in fp32 in ascending
+// slot (= ascending sending rank) into its first row, rounded to the partials' dtype, and that
+// row is put into h's receive buffer at the node's slot in h's order: one row per (token, node)
+// crosses the link. Tokens split over blocks, (token, column group) pairs over threads, then the
+// block's threads put its tokens' rows; the last block to finish signals every h (after its puts:
+// the link is FIFO per target).
+template <class Ctx, class Acc>
+COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
+  const NodeTopology t = topology_of(a);
+  const int32_t mine = t.node(a.rank), rpn = t.ranks_per_node;
+  for (int32_t r = mine * rpn; r < (mine + 1) * rpn; ++r)
+    ctx.wait(header_arrive(ctx.header(a.rank), r), a.epoch, WaitSite::Partials, r);
+  const bool vec = layer1_vectorised(ctx, a);
+  const int64_t eb = scalar_bytes(a.out_kind), rows = t.node_stage_rows(a.topk);
+  const int64_t pstride = a.tmax * a.hidden;
+  char* stage = ctx.data(a.rank) + a.regions.node_stage;
+  const uint32_t groups = uint32_t(vec ? a.hidden / kColGroup : a.hidden);
+  const SlotGroups within{rpn, 0, mine};
+  for (int32_t b = 0; b < t.nodes(); ++b) {
+    if (b == mine) continue;
+    const int32_t h = b * rpn + a.rank % rpn;
+    const int32_t ms = t.mirror_slot(h, mine);
+    const int32_t* ids = reinterpret_cast<const int32_t*>(
+        ctx.data(a.rank) + a.regions.mirror + size_t(ms) * a.regions.source_bytes + a.regions.ids);
+    const int64_t tokens = a.metas[h].tokens;
+    const int64_t per_block = ceil_div(tokens, ctx.blocks());
+    const int64_t t0 = per_block * ctx.block();
+    const int64_t t1 = t0 + per_block < tokens ? t0 + per_block : tokens;
+    const int64_t base = int64_t(ms) * rows * a.tmax;  // first node_stage row of h's slot 0
+    const uint32_t pairs = t1 > t0 ? uint32_t(t1 - t0) * groups : 0u;
+    for (uint32_t q = uint32_t(ctx.thread()); q < pairs; q += uint32_t(ctx.threads())) {
+      const int64_t tok = t0 + q / groups;
+      const int64_t col = int64_t(q % groups) * (vec ? kColGroup : 1);
+      const int32_t c = partial_slot(ids + tok * a.topk, a.topk, a.experts_local, a.rank, within).count;
+      if (c < 2) continue;  // 0: nothing to send; 1: the row is the sum already
+      if (vec) {
+        float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int32_t j = 0; j < c; ++j) {
+          float v[kColGroup];
+          load_group_as(stage + ((base + j * a.tmax + tok) * a.hidden + col) * eb, a.out_kind, v);
+#pragma unroll
+          for (int i = 0; i < kColGroup; ++i) acc[i] += v[i];
+        }
+        store_group(stage + ((base + tok) * a.hidden + col) * eb, a.out_kind, acc);
+      } else {
+        Acc acc = 0;
+        for (int32_t j = 0; j < c; ++j)
+          acc += load_as<Acc>(stage, (base + j * a.tmax + tok) * a.hidden + col, a.out_kind);
+        store_as<Acc>(stage, (base + tok) * a.hidden + col, a.out_kind, acc);
+      }
+    }
+    ctx.work(int64_t(pairs) * a.topk);
+    ctx.fence_peers();  // the sums are in memory before the transport reads them
+    ctx.sync();
+    const size_t row = size_t(a.hidden) * size_t(eb);
+    for (int64_t tok = t0 + ctx.thread(); tok < t1; tok += ctx.threads()) {
+      const int32_t* tid = ids + tok * a.topk;
+      if (partial_slot(tid, a.topk, a.experts_local, a.rank, within).count == 0) continue;
+      const int32_t slot = partial_slot(tid, a.topk, a.experts_local, a.rank,
+                                        SlotGroups{rpn, h, -1}).ordinal;
+      ctx.put_signal(h, ctx.data(a.rank) + a.regions.recv + (slot * pstride + tok * a.hidden) * eb,
+                     stage + (base + tok) * int64_t(row), row, nullptr, 0);
+    }
+    ctx.sync();
+  }
+  ctx.fence_peers();
+  ctx.sync();
+  if (ctx.thread() == 0) {
+    const uint32_t before = count_ref(*a.blocks_done).fetch_add(1u, mo::memory_order_acq_rel);
+    if (before + 1u == uint32_t(ctx.blocks())) {
+      count_ref(*a.blocks_done).store(0u, mo::memory_order_relaxed);
+      for (int32_t b = 0; b < t.nodes(); ++b)
+        if (b != mine)
+          ctx.put_signal(b * rpn + a.rank % rpn, nullptr, nullptr, 0,
+                         header_arrive(ctx.header(a.rank), a.rank), a.epoch);
+    }
+  }
+}
+
 // The follow-on step, on every block of a grid: tokens split over blocks, (token, column group)
-// pairs over the threads of a block.
+// pairs over the threads of a block. Node-reduced, this rank first relays (layer1_node_relay),
+// then waits for its own node's ranks and for its relay on every other node.
 template <class Ctx, class Acc>
 COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
+  const bool reduced = node_reduced(a);
+  if (reduced) layer1_node_relay(ctx, a);
   for (int32_t s = 0; s < a.world; ++s)
-    ctx.wait(header_arrive(ctx.header(a.rank), s), a.epoch, WaitSite::Partials, s);
+    if (!reduced || !other_node(a, s) || s % a.ranks_per_node == a.rank % a.ranks_per_node)
+      ctx.wait(header_arrive(ctx.header(a.rank), s), a.epoch, WaitSite::Partials, s);
   const bool vec = layer1_vectorised(ctx, a);
   const char* recv = ctx.data(a.rank) + a.regions.recv;
   const int64_t pstride = a.tmax * a.hidden;
@@ -243,7 +362,9 @@ COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   for (uint32_t q = uint32_t(ctx.thread()); q < pairs; q += uint32_t(ctx.threads())) {
     const int64_t t = t0 + q / groups;
     const int64_t col = int64_t(q % groups) * (vec ? kColGroup : 1);
-    const int32_t parts = partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank).count;
+    const int32_t parts =
+        partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank, groups_of(a, a.rank, a.rank))
+            .count;
     if (vec) {
       float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int32_t p = 0; p < parts; ++p) {

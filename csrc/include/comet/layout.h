@@ -62,26 +62,58 @@ COMET_HD RowOrigin row_origin(const int64_t* seg_off, int32_t world, int32_t el,
   return RowOrigin{p, int32_t(row - seg[p])};
 }
 
-// Number of distinct ranks among a token's valid slots that hold an expert, and the ordinal of
-// `rank` among them in ascending rank order: that ordinal is the token's partial-sum slot in the
-// home rank's receive buffer, which fixes the order of the final reduction.
+// A token's partial sums and the order the home rank adds them in.
+// Flat: the contributors are the distinct ranks among the token's valid slots, in ascending rank
+// order; a sender's ordinal is the token's partial-sum slot in the home rank's receive buffer,
+// which fixes the order of the final reduction.
+// Node-reduced (SlotGroups::ranks_per_node > 0, layer1's combine across nodes, comm_layer1.h): the
+// ranks of each node other than the home's count as ONE contributor (their partials are summed on
+// that node first), keyed by the node's first rank, so the order stays ascending in rank.
+// Within a node (SlotGroups::only_node >= 0): only that node's ranks count, each on its own (the
+// order in which a relay adds its node's partials).
 struct PartialSlot {
-  int32_t count;    // distinct destination ranks of the token
-  int32_t ordinal;  // index of `rank` among them (valid when rank is one of them)
+  int32_t count;    // distinct contributors of the token
+  int32_t ordinal;  // index of `rank`'s contributor among them (valid when it is one of them)
 };
 
+struct SlotGroups {
+  int32_t ranks_per_node = 0;  // 0: flat (every rank on its own)
+  int32_t home = 0;            // the token's home rank (node-reduced)
+  int32_t only_node = -1;      // >= 0: count only this node's ranks, each on its own
+
+  // The contributor key of rank d (ordered like the ranks), or -1 when d does not count.
+  COMET_HD int32_t key(int32_t d) const {
+    if (ranks_per_node <= 0) return d;
+    const int32_t n = d / ranks_per_node;
+    if (only_node >= 0) return n == only_node ? d : -1;
+    return n == home / ranks_per_node ? d : n * ranks_per_node;
+  }
+};
+
+// The groups a sender's ordinal is taken in for a token homed at `home`. reduce_rpn: ranks per
+// node when partials are node-reduced, else 0 (flat). A sender on another node than the home
+// takes its ordinal within its node (its row's slot in the relay's node_stage); one on the home's
+// node, and the home adding its partials, use the node-reduced order.
+COMET_HD SlotGroups slot_groups(int32_t reduce_rpn, int32_t home, int32_t sender) {
+  if (reduce_rpn <= 0) return SlotGroups{};
+  if (sender / reduce_rpn != home / reduce_rpn) return SlotGroups{reduce_rpn, 0, sender / reduce_rpn};
+  return SlotGroups{reduce_rpn, home, -1};
+}
+
 COMET_HD PartialSlot partial_slot(const int32_t* token_ids, int32_t k, int32_t experts_local,
-                                  int32_t rank) {
+                                  int32_t rank, SlotGroups g = SlotGroups{}) {
   PartialSlot r{0, 0};
+  const int32_t mine = g.key(rank);
   for (int32_t j = 0; j < k; ++j) {
     if (token_ids[j] < 0) continue;
-    int32_t dj = token_ids[j] / experts_local;
+    const int32_t kj = g.key(token_ids[j] / experts_local);
+    if (kj < 0) continue;
     bool seen = false;
     for (int32_t i = 0; i < j; ++i)
-      if (token_ids[i] >= 0 && token_ids[i] / experts_local == dj) seen = true;
+      if (token_ids[i] >= 0 && g.key(token_ids[i] / experts_local) == kj) seen = true;
     if (seen) continue;
     ++r.count;
-    if (dj < rank) ++r.ordinal;
+    if (kj < mine) ++r.ordinal;
   }
   return r;
 }

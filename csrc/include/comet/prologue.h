@@ -179,6 +179,7 @@ struct ReducePlanArgs {
   int64_t cap;                 // room for entries and for slots in plan
   ReducePlan<Acc> plan;        // out (plan.entries is set by the caller from the return value)
   int64_t* slots_out;          // out: number of slots
+  int32_t reduce_rpn = 0;      // ranks per node when layer1's partials are node-reduced, else 0
 };
 
 // layer1's reduce plan on this rank, parallel over entries: entry bases per source (one thread,
@@ -209,7 +210,7 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
     const int32_t* ids = p.ids + int64_t(t) * k;
     a.plan.entry_source[e] = src;
     a.plan.entry_token[e] = t;
-    a.plan.entry_partial[e] = partial_slot(ids, k, el, d).ordinal;
+    a.plan.entry_partial[e] = partial_slot(ids, k, el, d, slot_groups(a.reduce_rpn, src, d)).ordinal;
     int64_t n = 0;
     for (int32_t j = 0; j < k; ++j) n += ids[j] >= 0 && ids[j] / el == d;
     a.plan.entry_begin[e] = n;

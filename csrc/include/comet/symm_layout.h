@@ -6,6 +6,7 @@
 #pragma once
 
 #include "comet/config.h"
+#include "comet/topology.h"
 
 namespace comet {
 
@@ -103,7 +104,11 @@ struct DataRegions {
   // layer1 across nodes: this rank's partial rows for homes on other nodes, staged as the source
   // of their puts (symmetric memory: a put's source over IB must be registered), one row per
   // reduce-plan entry (entries <= W * tmax: one per (source, token))
-  size_t stage;       // elem  [W * tmax, H] when mirrors > 0
+  size_t stage;       // elem  [W * tmax, H] when mirrors > 0 and partials go per rank
+  // layer1 node-reduced (comet/topology.h): written by this node's ranks, the partial rows of the
+  // tokens of the homes this rank relays (one per remote node), before this rank sums and sends
+  // them: [mirrors][min(k, ranks_per_node)][tmax, H], slot = the sender's ordinal in its node
+  size_t node_stage;  // elem
   // Node-first routing (comet/topology.h): the regions above up to source_bytes are what a source
   // publishes; a relay holds `mirrors` (nodes - 1) copies of that part for remote sources, from
   // `mirror` on, source_bytes apart.
@@ -113,10 +118,12 @@ struct DataRegions {
 };
 
 // partials = min(k, W): a token's slots reach at most that many distinct ranks. acc_bytes is the
-// accumulator size of the weights (4: fp32; 8: fp64 on the CPU backend).
+// accumulator size of the weights (4: fp32; 8: fp64 on the CPU backend). node_stage_rows:
+// NodeTopology::node_stage_rows(k) when layer1's partials are node-reduced, else 0.
 COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
                                   int32_t num_experts, int32_t world, int32_t elem_bytes,
-                                  int32_t acc_bytes = 4, int32_t mirrors = 0) {
+                                  int32_t acc_bytes = 4, int32_t mirrors = 0,
+                                  int32_t node_stage_rows = 0) {
   const size_t A = 256;  // every region starts on a 256-byte boundary (16-byte vector copies)
   DataRegions r{};
   size_t off = 0;
@@ -141,11 +148,23 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.pair_slot = take(slots * 4);
     r.source_bytes = off;
     r.recv = take(size_t(partials) * tmax * hidden * elem_bytes);
-    r.stage = take(mirrors > 0 ? size_t(world) * tmax * hidden * elem_bytes : 0);
+    // node_stage_rows > 0: node-reduced partials (no per-rank staging for puts)
+    r.stage = take(mirrors > 0 && node_stage_rows == 0 ? size_t(world) * tmax * hidden * elem_bytes
+                                                       : 0);
+    r.node_stage = take(size_t(mirrors) * size_t(node_stage_rows) * tmax * hidden * elem_bytes);
   }
   r.mirror = take(size_t(mirrors) * r.source_bytes);
   r.total = off;
   return r;
+}
+
+// The regions of a call on a group of topology t: room for the mirrors of the other nodes'
+// sources and, with node-reduced partials, for the relay's node_stage.
+COMET_HD DataRegions call_regions(const NodeTopology& t, OpKind op, int64_t tmax, int32_t hidden,
+                                  int32_t topk, int32_t num_experts, int32_t elem_bytes,
+                                  int32_t acc_bytes = 4) {
+  return data_regions(op, tmax, hidden, topk, num_experts, t.world, elem_bytes, acc_bytes,
+                      t.nodes() - 1, t.reduces_nodes() ? t.node_stage_rows(topk) : 0);
 }
 
 }  // namespace comet

@@ -14,9 +14,16 @@
 // same DataRegions offsets), so a destination reads a source through one base pointer, mirror or
 // not, and the comm programs are unchanged; only the parts node B reads are ever written.
 //
-// layer1's partial sums for a token homed on another node travel with put-with-signal, one row per
-// (token, sending rank), into the home's receive buffer; they are not pre-reduced per node, which
-// would change the fixed fp32 summation order (results stay bitwise equal to one node).
+// layer1's partial sums for a token homed on another node, two policies (NodeTopology::node_reduce):
+//  - per rank (default): one row per (token, sending rank) crosses the link with put-with-signal,
+//    into the home's receive buffer; the home adds them in ascending rank as on one node, so the
+//    results are bitwise equal to one node's;
+//  - node-reduced (combine mirrors dispatch): the ranks of the sending node write their rows by
+//    pointer into the node_stage of the home's relay on that node (the rank with the home's local
+//    index, which also holds the home's mirrored routing); the relay adds them in ascending rank
+//    and sends ONE row per (token, node). Fewer bytes on the link (a token with slots on several
+//    ranks of a node crosses once), one more rounding of the node's sum to the activation dtype:
+//    the results match the reference at the dtype's tolerance, not one node's bits.
 #pragma once
 
 #include "comet/config.h"
@@ -26,6 +33,7 @@ namespace comet {
 struct NodeTopology {
   int32_t world = 1;
   int32_t ranks_per_node = 1;  // divides world; == world: one node
+  int32_t node_reduce = 0;     // layer1: partials summed per sending node (see above); 0: per rank
 
   COMET_HD int32_t nodes() const { return world / ranks_per_node; }
   COMET_HD int32_t node(int32_t r) const { return r / ranks_per_node; }
@@ -39,6 +47,12 @@ struct NodeTopology {
   COMET_HD int32_t mirror_slot(int32_t s, int32_t node_b) const {
     const int32_t n = node(s);
     return n < node_b ? n : n - 1;
+  }
+  // Whether layer1 sums a node's partials on the home's relay there (several nodes only).
+  COMET_HD bool reduces_nodes() const { return node_reduce != 0 && nodes() > 1; }
+  // Rows a relay stages per (remote home, token): at most min(k, ranks_per_node) node-mates send.
+  COMET_HD int32_t node_stage_rows(int32_t topk) const {
+    return topk < ranks_per_node ? topk : ranks_per_node;
   }
   // Experts [first, last) hosted by node_b (experts are laid out rank-major).
   COMET_HD int32_t first_expert(int32_t node_b, int32_t experts_local) const {
