@@ -44,9 +44,15 @@ involve other nodes:
 * layer0, flat (``node_first=False``, MoNTA's plain all-to-all): ``F`` slot rows over the NIC,
   fetched by the destination like a same-node pull (two index round trips over the NIC per
   m-tile), landing in place (no fan-out).
-* layer1: ``F`` partial rows over the NIC either way: one row per (token, sending rank) to a
-  home on another node, not pre-reduced per node (that would change the fixed fp32 summation
-  order), so the hierarchy does not reduce layer1's inter-node bytes.
+* layer1 per rank (``node_reduce=False``, the default): ``F`` partial rows over the NIC, one per
+  (token, sending rank) to a home on another node, put by the comm blocks as they reduce (inside
+  the fused kernel); results bitwise equal to one node.
+* layer1 node-reduced (``node_reduce=True``, ``Buffer(node_reduce=True)``): the ``F`` rows go
+  over NVLink (``F (P - 1) / P``) or into this rank's own stage (``F / P``) to the home's relay on
+  this node; the relay sums them and puts one row per (token, node): ``T (n - 1) q`` NIC rows (as
+  node-first layer0), at most ``F``.  The relay runs in the combine kernel after the fused
+  kernel, on every SM, so its NIC time (at the full NIC rate) and the read of its staged rows
+  (HBM) are added to the tail: fewer NIC bytes, but not overlapped with the GEMM.
 * With one node (``P = W``, the default) nothing crosses a NIC and every formula below is the
   single-node one, bit for bit (tests/data/perfmodel_one_node.json holds its predictions).
 * A measured ``remote_rows`` is split in the same proportions.
@@ -536,7 +542,8 @@ class MoEShape:
     ``node_first`` (only used with several nodes) selects node-first dispatch: a token's row
     crosses to a remote node once, to the relay, and fans out inside that node
     (csrc/include/comet/topology.h); false models the flat all-to-all, every (token, slot) row
-    over the NIC on its own.
+    over the NIC on its own.  ``node_reduce`` (only used with several nodes) models layer1's
+    node-reduced combine (module doc).
     """
 
     W: int
@@ -551,6 +558,7 @@ class MoEShape:
     partial_bytes: Optional[int] = None
     ranks_per_node: Optional[int] = None
     node_first: bool = True
+    node_reduce: bool = False
 
     def __post_init__(self):
         for f in ("W", "E", "k", "H", "N"):
@@ -567,6 +575,7 @@ class MoEShape:
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide W={self.W}")
         object.__setattr__(self, "ranks_per_node", rpn)
         object.__setattr__(self, "node_first", bool(self.node_first))
+        object.__setattr__(self, "node_reduce", bool(self.node_reduce))
         if self.expert_rows is not None:
             object.__setattr__(self, "expert_rows", tuple(self.expert_rows))
             if len(self.expert_rows) != self.E_local:
@@ -642,7 +651,8 @@ class NodeTraffic(NamedTuple):
     one per (token, slot) without; by symmetry also what arrives; layer1: partial rows to homes on
     other nodes).  ``fanout_nvlink`` / ``fanout_local``: layer0 with node-first dispatch, the
     slot rows of other nodes' tokens this rank reads from the mirror of a same-node relay (over
-    NVLink) or from its own mirror (it is the relay).
+    NVLink) or from its own mirror (it is the relay); layer1 node-reduced, the partial rows for
+    homes on other nodes this rank stores into a same-node relay's stage or its own.
     """
 
     local: float
@@ -667,7 +677,8 @@ def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
     C(E, k)`` (a token's probability of a slot on a given node), i.e. ``F`` times
     ``(n - 1) q / (k (W - P) / W)`` (<= 1, < 1 for k >= 2 with several experts per node); the
     ``F`` slot rows are then read from mirrors, ``1 / P`` of them from this rank's own.  layer1:
-    ``F`` partial rows over the NIC either way (one per (token, sending rank), not pre-reduced).
+    ``F`` partial rows over the NIC (one per (token, sending rank)); node-reduced, ``T (n - 1) q``
+    (one per (token, node), sent by the relays) after ``F`` rows into the relays' stages.
     One node: ``same_node = R``, nothing else moves -- the single-node model unchanged.
     """
     _check_layer(layer)
@@ -678,11 +689,19 @@ def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
         return NodeTraffic(loc, R, 0.0)
     same = R * (P - 1) / (W - 1)
     far = R * (W - P) / (W - 1)
-    if layer == 1 or not shape.node_first:
-        return NodeTraffic(loc, same, far)
     n = shape.nodes
-    slots_far = shape.k * (W - P) / W  # expected remote-node slots per token
     tokens_far = (n - 1) * hit_probability(n, shape.E, shape.k)  # expected remote nodes per token
+    if layer == 1:
+        if not shape.node_reduce:
+            return NodeTraffic(loc, same, far)
+        # F = T (W - P) p_hit expected (token, remote rank) entries; the relays send one row
+        # per (token, node) of the homes they relay: T (n - 1) q per rank.
+        entries_far = (W - P) * hit_probability(W, shape.E, shape.k)
+        nic = far * tokens_far / entries_far if entries_far > 0 else 0.0
+        return NodeTraffic(loc, same, nic, far * (P - 1) / P, far / P)
+    if not shape.node_first:
+        return NodeTraffic(loc, same, far)
+    slots_far = shape.k * (W - P) / W  # expected remote-node slots per token
     return NodeTraffic(loc, same, far * tokens_far / slots_far, far * (P - 1) / P, far / P)
 
 
@@ -743,8 +762,10 @@ class _Parts(NamedTuple):
     tail: float  # after the kernel: layer1's combine
     nic_alpha: float = 0.0  # NIC latency, 0 when nothing crosses nodes
     nic_s: float = 0.0  # rows over the NIC
-    fan_s: float = 0.0  # layer0 node-first: mirror reads (NVLink) and own-mirror copies (HBM)
+    fan_s: float = 0.0  # layer0 node-first: mirror reads (NVLink) and own-mirror copies (HBM);
+                        # layer1 node-reduced: stores into the relays' stages (NVLink / HBM)
     far_sources: int = 0  # ranks on other nodes (the chunks of the NIC stream)
+    relay_s: float = 0.0  # layer1 node-reduced: the relays' NIC puts, in the tail
 
 
 def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Parts:
@@ -774,13 +795,24 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Par
         alpha = spec.alpha if r_bytes > 0 else 0.0
         return _Parts(alpha, local_s, remote_s, tail)
     nic_bytes = tr.nic * shape.H * eb
-    fan_nvl = tr.fanout_nvlink * shape.row_bytes
-    fan_loc = 2.0 * tr.fanout_local * shape.row_bytes  # own mirror -> shared tensor: read + write
+    fan_nvl = tr.fanout_nvlink * shape.H * eb
+    # layer0: own mirror -> shared tensor (read + write); layer1: store into the own stage
+    fan_loc = (2.0 if layer == 0 else 1.0) * tr.fanout_local * shape.H * eb
     nic_bw = min(n_comm * block_nic_rate(shape, spec, layer), spec.nic_bw)
     nic_s = nic_bytes / nic_bw if nic_bytes > 0 else 0.0
     fan_s = (fan_nvl / link_bw if fan_nvl > 0 else 0.0) + (fan_loc / hbm_bw if fan_loc > 0 else 0.0)
     alpha = spec.alpha if r_bytes > 0 or fan_nvl > 0 else 0.0
     nic_alpha = spec.nic_alpha if nic_bytes > 0 else 0.0
+    if layer == 1 and shape.node_reduce:
+        # The relay step runs in the combine kernel on every SM (full NIC rate): read the staged
+        # rows (as many as this rank's node stages for it, F by symmetry), put the sums.
+        staged = (tr.fanout_nvlink + tr.fanout_local) * shape.H * eb
+        relay = (nic_alpha + (nic_bytes / spec.nic_bw if nic_bytes > 0 else 0.0)
+                 + staged / spec.hbm_bw)
+        # the stores into the stages join this rank's NVLink and HBM streams
+        return _Parts(alpha, local_s + (fan_loc / hbm_bw if fan_loc > 0 else 0.0),
+                      remote_s + (fan_nvl / link_bw if fan_nvl > 0 else 0.0), tail + relay,
+                      far_sources=shape.W - shape.ranks_per_node, relay_s=relay)
     return _Parts(alpha, local_s, remote_s, tail, nic_alpha, nic_s, fan_s,
                   shape.W - shape.ranks_per_node)
 
@@ -876,7 +908,7 @@ def comm_split(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> Dict[
     link_bw = min(n_comm * block_link_rate(shape, spec, layer), spec.link_bw)
     nvl_bytes = tr.nvlink * shape.H * eb
     intra = (p.alpha + nvl_bytes / link_bw) if nvl_bytes > 0 else 0.0
-    inter = p.nic_alpha + p.nic_s
+    inter = p.nic_alpha + p.nic_s + p.relay_s
     return {"intra": intra, "inter": inter, "intra_rows": tr.nvlink, "inter_rows": tr.nic}
 
 
@@ -1104,7 +1136,8 @@ def predict(
         "comm": comm,
         "gemm": gemm,
         "prologue": prologue,
-        "combine": combine_time(shape, spec) if layer == 1 else 0.0,
+        # layer1's tail after the fused kernel: the combine (and, node-reduced, the relays' step)
+        "combine": _comm_parts(shape, spec, n_comm, 1).tail if layer == 1 else 0.0,
         "kernel": fused,
         "fused": fused + prologue,
         "sequential": comm + gemm,

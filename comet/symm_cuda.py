@@ -115,10 +115,13 @@ class Buffer:
 
     `ranks_per_node` / `nodes`: how the group splits into nodes (consecutive group ranks that
     reach each other's memory by pointer; `ranks_per_node == world` on one node).
+    `node_reduce` (default $COMET_NODE_REDUCE, else False): across nodes, layer1 sums each
+    sending node's partials on the home's relay there and sends one row per (token, node)
+    (comet.Buffer says more); the same on every rank.
     """
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
-                 capacity_bytes: int | None = None):
+                 capacity_bytes: int | None = None, node_reduce: bool | None = None):
         self.device = _device(device)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -149,6 +152,10 @@ class Buffer:
             # Every rank sees the same matrix, so every rank accepts or raises alike.
             self.ranks_per_node = node_shape.ranks_per_node(reach)
             ops.buffer_set_ranks_per_node(self.handle, self.ranks_per_node)
+            self.node_reduce = symm.node_reduce_setting(node_reduce)
+            if _distributed():
+                symm._check_same_across_ranks(self.node_reduce, "node_reduce", group, self.world)
+            ops.buffer_set_node_reduce(self.handle, self.node_reduce)
         except (ValueError, RuntimeError):
             ops.buffer_release(self.handle)  # collective, like the creation
             raise
@@ -222,8 +229,9 @@ class Buffer:
                 dtype=torch.bfloat16) -> None:
         """Room for calls of both layers with up to `tokens` tokens per rank (collective)."""
         elem = torch.empty((), dtype=dtype).element_size()
+        stage_rows = min(topk, self.ranks_per_node) if self.node_reduce and self.nodes > 1 else 0
         need = max(int(_ops().region_bytes(op, tokens, hidden, topk, num_experts, self.world,
-                                           elem, self.nodes - 1)) for op in (0, 1))
+                                           elem, self.nodes - 1, stage_rows)) for op in (0, 1))
         self.reserve_bytes(need)
 
     def close(self) -> None:
@@ -256,7 +264,8 @@ class Buffer:
 
     def __repr__(self):
         return (f"comet.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "
-                f"ranks_per_node={self.ranks_per_node}, device={self.device}, "
+                f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
+                f"device={self.device}, "
                 f"handle={self.handle})")
 
 

@@ -1,7 +1,7 @@
 """Command line front end of the autotuner.
 
     python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
-    python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat]
+    python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat] [--node-reduce]
 
 It always prints, for both fused layers, the cost model's split and predicted times (clearly
 labelled: model, not measured), with the communication split into its NVLink (intra-node) and
@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat", action="store_true",
                    help="model the flat all-to-all across nodes (every (token, slot) row over the "
                         "NIC) instead of node-first dispatch")
+    p.add_argument("--node-reduce", action="store_true",
+                   help="model layer1's node-reduced combine (Buffer(node_reduce=True)): one "
+                        "partial row per (token, node) over the NIC, sent by the relays after the "
+                        "fused kernel")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--gpu", default=None,
@@ -137,7 +141,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
                 max_blocks: Optional[int], tile, tuner: Optional[tn.Tuner] = None,
-                ranks_per_node: Optional[int] = None, node_first: bool = True) -> str:
+                ranks_per_node: Optional[int] = None, node_first: bool = True,
+                node_reduce: bool = False) -> str:
     """The cost model's choice and predicted times for both layers, as printable text."""
     n0, n1 = layer_dims(model)
     nbytes = pm.DTYPE_BYTES[dtype]
@@ -147,7 +152,7 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
     notes: List[str] = []
     for layer, N in ((0, n0), (1, n1)):
         shape = pm.MoEShape(W=world, E=E, k=k, H=H, N=N, T=tokens, dtype_bytes=nbytes,
-                            ranks_per_node=rpn, node_first=node_first)
+                            ranks_per_node=rpn, node_first=node_first, node_reduce=node_reduce)
         n = pm.choose_n_comm(shape, spec, layer, max_blocks=max_blocks, tile=tile)
         p = pm.predict(shape, spec, n, layer, tile, n_blocks=max_blocks)
         m = sum(pm.expert_rows(shape))
@@ -181,6 +186,7 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
         dn = pm.expected_distinct_nodes(world, E, k, rpn)
         head += (f"\n{nodes} nodes x {rpn} ranks; "
                  f"{'node-first dispatch' if node_first else 'flat all-to-all (no node-first)'}; "
+                 f"layer1 partials {'node-reduced' if node_reduce else 'per rank'}; "
                  f"expected distinct nodes per token {dn:.2f}")
     headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "NVLink rows", "NIC rows",
                "NVLink ms", "NIC ms", "comm ms", "gemm ms", "prologue ms", "combine ms",
@@ -284,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print()
         print(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
                           args.tile, tuner, ranks_per_node=args.ranks_per_node,
-                          node_first=not args.flat))
+                          node_first=not args.flat, node_reduce=args.node_reduce))
 
     # Profile by default on a GPU; on the CPU backend only when asked (--profile).
     profile = args.profile if args.profile is not None else has_gpu

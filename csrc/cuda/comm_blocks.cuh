@@ -62,7 +62,9 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
                                // across nodes: staged partial rows for homes on other nodes
                                p.topo.nodes() > 1 ? p.topo.ranks_per_node : 0,
                                p.topo.nodes() > 1 ? p.datas[p.rank] + p.regions.stage : nullptr,
-                               p.chunk_done};
+                               p.chunk_done,
+                               // node-reduced: rows into the relays' node_stage, summed there
+                               p.topo.node_reduce,  p.metas};
 }
 
 // layer1's comm blocks only reduce and send; the combine and the "done" handshake follow in the

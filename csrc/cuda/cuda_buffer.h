@@ -60,7 +60,10 @@ class CudaBuffer {
   // With more than one node it allocates the put ring and the PE table the proxy uses.
   void set_ranks_per_node(int32_t n);
   int32_t ranks_per_node() const { return ranks_per_node_; }
-  NodeTopology topology() const { return NodeTopology{world_, ranks_per_node_}; }
+  NodeTopology topology() const { return NodeTopology{world_, ranks_per_node_, node_reduce_}; }
+  // layer1's partials summed per sending node (comet/topology.h); set once before the first call,
+  // the same on every rank (comet/symm_cuda.py checks).
+  void set_node_reduce(bool on) { node_reduce_ = on ? 1 : 0; }
   bool multi_node() const { return ranks_per_node_ < world_; }
   // Mirror slots a relay holds (DataRegions.mirror): one per other node.
   int32_t mirrors() const { return world_ / ranks_per_node_ - 1; }
@@ -127,6 +130,7 @@ class CudaBuffer {
   std::string unreachable_;
   std::vector<uint8_t> reach_;
   int32_t ranks_per_node_;
+  int32_t node_reduce_ = 0;
   void* ring_mem_ = nullptr;     // device: RingControl, then kPutRingSlots PutRequests
   int32_t* pes_dev_ = nullptr;   // device: pes_
   std::string broken_;

@@ -361,15 +361,15 @@ void check_fits(Checker& c, int64_t max_rows, int64_t tokens, int64_t tcap) {
 
 void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, bool ok,
                     int64_t tokens, int64_t hidden, int64_t cols, int64_t tcap, int64_t k,
-                    int32_t num_experts, int32_t world, int32_t mirrors) {
+                    int32_t num_experts, const NodeTopology& topo) {
   p.kind = int32_t(kind);
   p.elem_bytes = elem;
   p.tokens = ok ? tokens : 0;
   p.hidden = hidden;
   p.cols = cols;
   p.tcap = tcap;
-  p.regions = data_regions(op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
-                           num_experts, world, elem, 4, mirrors);
+  p.regions = call_regions(topo, op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
+                           num_experts, elem);
 }
 
 // The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
@@ -393,8 +393,8 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     if (local.code == 2) TORCH_CHECK_TYPE(false, v);
     TORCH_CHECK_VALUE(false, v);
   }
-  const size_t need = data_regions(OpKind(p.op), s.state.max_tokens, int32_t(p.hidden), p.topk,
-                                   p.num_experts, p.world, p.elem_bytes, 4, b.mirrors())
+  const size_t need = call_regions(b.topology(), OpKind(p.op), s.state.max_tokens,
+                                   int32_t(p.hidden), p.topk, p.num_experts, p.elem_bytes)
                           .total;
   if (need > b.capacity()) {
     if (b.subgroup()) {  // growing would need every process of the NVSHMEM world
@@ -476,7 +476,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok));
-  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, W, b.mirrors());
+  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology());
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
@@ -516,8 +516,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     rows_cap = s.state.rows;
     tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
     p.tcap = tcap;
-    p.regions = data_regions(OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, W, elem, 4,
-                             b.mirrors());
+    p.regions = call_regions(b.topology(), OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, elem);
   }
   p.rows_cap = rows_cap;
   p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
@@ -611,7 +610,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
-  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, W, b.mirrors());
+  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology());
   p.h_rows = h_rows;
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
@@ -671,8 +670,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
     settle(b, p, with_pending(check, pending), "comet.moe_layer1", stream, proxy);
     tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
     p.tcap = tcap;
-    p.regions = data_regions(OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, W, elem, 4,
-                             b.mirrors());
+    p.regions = call_regions(b.topology(), OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, elem);
   }
 
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused

@@ -201,8 +201,7 @@ char* const* CudaBuffer::datas_table() const {
 int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
                                    int32_t elem_bytes) const {
   auto fits = [&](int64_t t) {
-    return data_regions(op, t, int32_t(hidden), topk, num_experts, world_, elem_bytes, 4,
-                        mirrors())
+    return call_regions(topology(), op, t, int32_t(hidden), topk, num_experts, elem_bytes)
                .total <= capacity_;
   };
   if (!fits(0)) return -1;
@@ -387,6 +386,7 @@ void buffer_set_ranks_per_node(int64_t h, int64_t n) {
   b->set_ranks_per_node(int32_t(n));
 }
 int64_t buffer_ranks_per_node(int64_t h) { return find_cuda_buffer(h)->ranks_per_node(); }
+void buffer_set_node_reduce(int64_t h, bool on) { find_cuda_buffer(h)->set_node_reduce(on); }
 void buffer_release(int64_t h) { release_cuda_buffer(h); }
 void buffer_set_max_rows(int64_t h, int64_t r) { find_cuda_buffer(h)->set_max_rows(r); }
 int64_t buffer_max_rows(int64_t h) { return find_cuda_buffer(h)->max_rows(); }
@@ -419,12 +419,13 @@ double buffer_kernel_time(int64_t h) {
   return double(st.kernel_end - st.kernel_start) * 1e-9;
 }
 
-// mirrors: the buffer's nodes - 1 (a relay's mirror slots: comet/topology.h).
+// mirrors: the buffer's nodes - 1 (a relay's mirror slots: comet/topology.h); node_stage_rows:
+// min(k, ranks_per_node) with node-reduced partials, else 0.
 int64_t region_bytes(int64_t op, int64_t tokens, int64_t hidden, int64_t topk, int64_t experts,
-                     int64_t world, int64_t elem_bytes, int64_t mirrors) {
+                     int64_t world, int64_t elem_bytes, int64_t mirrors, int64_t node_stage_rows) {
   return int64_t(data_regions(OpKind(op), tokens, int32_t(hidden), int32_t(topk),
                               int32_t(experts), int32_t(world), int32_t(elem_bytes), 4,
-                              int32_t(mirrors))
+                              int32_t(mirrors), int32_t(node_stage_rows))
                      .total);
 }
 
@@ -462,6 +463,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_set_ranks_per_node(int handle, int ranks_per_node) -> ()",
         &buffer_set_ranks_per_node);
   m.def("buffer_ranks_per_node(int handle) -> int", &buffer_ranks_per_node);
+  m.def("buffer_set_node_reduce(int handle, bool on) -> ()", &buffer_set_node_reduce);
   m.def("buffer_release(int handle) -> ()", &buffer_release);
   m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
   m.def("buffer_max_rows(int handle) -> int", &buffer_max_rows);
@@ -472,7 +474,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_check(int handle) -> str", &buffer_check);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
   m.def("region_bytes(int op, int tokens, int hidden, int topk, int experts, int world, "
-        "int elem_bytes, int mirrors=0) -> int",
+        "int elem_bytes, int mirrors=0, int node_stage_rows=0) -> int",
         &region_bytes);
 }
 

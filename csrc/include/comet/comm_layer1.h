@@ -311,7 +311,6 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
         store_as<Acc>(stage, (base + tok) * a.hidden + col, a.out_kind, acc);
       }
     }
-    ctx.work(int64_t(pairs) * a.topk);
     ctx.fence_peers();  // the sums are in memory before the transport reads them
     ctx.sync();
     const size_t row = size_t(a.hidden) * size_t(eb);
