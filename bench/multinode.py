@@ -4,7 +4,8 @@ the other node reached only through the per-rank link proxy, comet/topology.h):
     .venv/bin/python -m bench.multinode            # 4 ranks: 1 x 4 vs 2 x 2, two model shapes
     .venv/bin/python -m bench.multinode --smoke    # CI-sized
 
-Per model shape and topology: median time of moe_layer0 and moe_layer1 (slowest rank per call),
+Per model shape and topology (1 node, 2 nodes, 2 nodes with layer1's node-reduced combine,
+Buffer(node_reduce=True)): median time of moe_layer0 and moe_layer1 (slowest rank per call),
 and per rank and call the bytes the link delivered, next to what a flat dispatch (one row per
 (token, slot) bound to the other node, no node-first dedup) would have sent for the same routing.
 The link's latency and bandwidth are settings (--latency-us, --gbps), not a NIC's: on this CPU
@@ -26,14 +27,15 @@ from bench.common import CPU_LABEL, environment, launch, measure, ms, progress, 
 MODELS = ["mixtral", "qwen2"]
 
 
-def _body(rank, world, shape, tokens, rpn, latency_us, gbps, warmup, iters):
+def _body(rank, world, shape, tokens, rpn, reduce, latency_us, gbps, warmup, iters):
     import torch.distributed as dist
 
     import comet
 
     torch.manual_seed(1234 + rank)
     torch.set_num_threads(1)
-    buf = comet.Buffer(ranks_per_node=rpn, link_latency_us=latency_us, link_gbps=gbps)
+    buf = comet.Buffer(ranks_per_node=rpn, link_latency_us=latency_us, link_gbps=gbps,
+                       node_reduce=reduce)
     E, k, H = shape["E"], shape["k"], shape["H"]
     el = E // world
     x = torch.randn(tokens, H, dtype=torch.bfloat16)
@@ -51,7 +53,8 @@ def _body(rank, world, shape, tokens, rpn, latency_us, gbps, warmup, iters):
         return comet.moe_layer1(h, w1, wts, layout, buffer=buf)
 
     times = measure({"layer0": layer0, "layer1": layer1}, torch.device("cpu"), warmup, iters,
-                    label=f"{shape['model']} {world // rpn} node(s)")
+                    label=f"{shape['model']} {world // rpn} node(s)"
+                          f"{' node-reduced' if reduce else ''}")
     before = buf.link_stats()[1]
     layer0()
     link0 = buf.link_stats()[1] - before
@@ -69,16 +72,18 @@ def _body(rank, world, shape, tokens, rpn, latency_us, gbps, warmup, iters):
 def run(models, world, tokens, scale, latency_us, gbps, warmup, iters):
     rows = []
     start = time.time()
-    configs = [(m, rpn) for m in models for rpn in (world, world // 2)]
-    for i, (m, rpn) in enumerate(configs):
+    configs = [(m, rpn, red) for m in models
+               for rpn, red in ((world, False), (world // 2, False), (world // 2, True))]
+    for i, (m, rpn, red) in enumerate(configs):
         shape = shape_of(m, scale)
-        progress(f"[{i + 1}/{len(configs)}] {shape['title']} on {world // rpn} node(s) "
-                 f"({time.time() - start:.0f} s)")
-        res = launch(_body, world, shape, tokens, rpn, latency_us, gbps, warmup, iters,
+        progress(f"[{i + 1}/{len(configs)}] {shape['title']} on {world // rpn} node(s)"
+                 f"{', node-reduced' if red else ''} ({time.time() - start:.0f} s)")
+        res = launch(_body, world, shape, tokens, rpn, red, latency_us, gbps, warmup, iters,
                      timeout=600)
         t = res[0]["times"]
         rows.append(dict(model=m, title=shape["title"], H=shape["H"], E=shape["E"], k=shape["k"],
-                         world=world, nodes=world // rpn, ranks_per_node=rpn, tokens=tokens,
+                         world=world, nodes=world // rpn, ranks_per_node=rpn, node_reduce=red,
+                         tokens=tokens,
                          layer0_s=t["layer0"]["median"], layer1_s=t["layer1"]["median"],
                          link_bytes_layer0=sum(r["link0"] for r in res) / world,
                          link_bytes_layer1=sum(r["link1"] for r in res) / world,
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
         rows = run(MODELS, a.world, 512, None, a.latency_us, a.gbps, 2, 8)
     headers = ["model (scaled)", "nodes x ranks", "layer0 ms", "layer1 ms", "link KB/call L0",
                "flat L0 rows KB", "link KB/call L1"]
-    body = [[r["title"], f"{r['nodes']} x {r['ranks_per_node']}", ms(r["layer0_s"]),
+    body = [[r["title"], f"{r['nodes']} x {r['ranks_per_node']}"
+             f"{' node-reduced' if r['node_reduce'] else ''}", ms(r["layer0_s"]),
              ms(r["layer1_s"]), f"{r['link_bytes_layer0'] / 1e3:.1f}",
              f"{r['flat_row_bytes_layer0'] / 1e3:.1f}" if r["nodes"] > 1 else "-",
              f"{r['link_bytes_layer1'] / 1e3:.1f}"] for r in rows]
@@ -112,7 +118,8 @@ def main(argv=None) -> int:
     print(f"comet fused layer, 1 node vs 2 nodes: {label}")
     print(table(headers, body))
     print("link KB/call: bytes this rank's link delivered per call (rows, send plan, routing, "
-          "metadata); flat L0 rows: the rows a flat dispatch would send for the same routing")
+          "metadata); flat L0 rows: the rows a flat dispatch would send for the same routing; "
+          "node-reduced: layer1 sends one partial row per (token, node)")
     path = write_json("multinode_smoke" if a.smoke else "multinode",
                       dict(environment=environment("cpu"), label=label, smoke=a.smoke,
                            latency_us=a.latency_us, gbps=a.gbps, rows=rows),

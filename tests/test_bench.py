@@ -270,14 +270,17 @@ def test_comm_copy_bench_smoke(tmp_path, capsys):
 
 def test_multinode_bench_smoke(tmp_path, capsys):
     """bench.multinode --smoke: one node moves nothing over the link, two nodes move data through
-    it, and the table and JSON come out."""
+    it (node-reduced: layer0's bytes unchanged, layer1's no more), and the table and JSON come
+    out."""
     from bench import multinode
 
     assert multinode.main(["--smoke", "--out", str(tmp_path)]) == 0
     assert "1 node vs 2 nodes" in capsys.readouterr().out
     rows = json.loads((tmp_path / "multinode_smoke.json").read_text())["rows"]
-    assert [r["nodes"] for r in rows] == [1, 2]
-    one, two = rows
+    assert [(r["nodes"], r["node_reduce"]) for r in rows] == [(1, False), (2, False), (2, True)]
+    one, two, red = rows
     assert one["link_bytes_layer0"] == 0 and one["link_bytes_layer1"] == 0
     assert two["link_bytes_layer0"] > 0 and two["link_bytes_layer1"] > 0
+    assert red["link_bytes_layer0"] == two["link_bytes_layer0"]
+    assert 0 < red["link_bytes_layer1"] <= two["link_bytes_layer1"]
     assert all(r["layer0_s"] > 0 and r["layer1_s"] > 0 for r in rows)

@@ -200,7 +200,7 @@ int main() {
     }
   }
   // Several nodes (the CPU analog: other nodes only through the link proxy), with teams and
-  // delays, bitwise equal to one node: 2 nodes x 2 ranks, 3 nodes x 1 rank.
+  // delays, bitwise equal to one node: 2 nodes x 2 ranks, 3 nodes x 1 rank; node-reduced too.
   const std::pair<int32_t, int32_t> topologies[] = {{4, 2}, {3, 1}};
   for (const auto& [W, rpn] : topologies) {
     auto world = [&](int32_t per_node, const std::string& tag) {
@@ -213,7 +213,10 @@ int main() {
       for (auto& h : heaps) h->unlink_own();
       return heaps;
     };
-    auto one = world(W, "one"), nodes = world(rpn, "nodes");
+    auto one = world(W, "one"), nodes = world(rpn, "nodes"), reduced = world(rpn, "reduced");
+    // Node-reduced combine (the relays sum their node's partials): the oracle's values, and the
+    // same bits whatever the teams and delays.
+    for (auto& h : reduced) h->set_node_reduce(true);
     for (int iter = 0; iter < 2; ++iter) {
       const Problem p = make_problem(rng, W);
       const std::vector<Result> base = run_world(one, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 0});
@@ -224,6 +227,11 @@ int main() {
         CHECK(got[size_t(r)].out == base[size_t(r)].out);
         CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);
       }
+      const std::vector<Result> red = run_world(reduced, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 0});
+      check_oracle(p, red);
+      const std::vector<Result> red2 =
+          run_world(reduced, p, cpu::CpuLaunch{1, 3, 3, 8, 4, 41 + uint64_t(iter)});
+      for (int32_t r = 0; r < W; ++r) CHECK(red2[size_t(r)].out == red[size_t(r)].out);
     }
   }
   TEST_MAIN_END

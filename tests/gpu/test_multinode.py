@@ -155,3 +155,30 @@ def test_bad_expert_id_on_another_node_raises_everywhere(world):
         run_layers(case, torch.bfloat16, rank, inputs=(xs, w0s, w1s, ids, wts))
     y0, layout, h, out, inputs = run_layers(case, torch.bfloat16, rank)
     check_against_reference(case, torch.bfloat16, rank, w, y0, layout, h, out, inputs)
+
+
+@needs_wiring
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_node_reduced_combine_matches_reference(world, dtype):
+    """Buffer(node_reduce=True): a node's partials summed on the home's relay there (in the combine
+    kernel) and one row per (token, node) put across; every awkward case against the reference
+    at the dtype's tolerance, back to back on one buffer."""
+    from comet import symm_cuda
+
+    rank, w = world
+    buf = symm_cuda.Buffer(device=_device(), node_reduce=True)
+    assert buf.node_reduce and "node_reduce=True" in repr(buf)
+    for case in cases_for(w):
+        xs, w0s, w1s, ids, wts = inputs = make_inputs(case, dtype)
+        dev = _device()
+        y0, layout = comet.moe_layer0(xs[rank].to(dev), w0s[rank].to(dev), ids[rank].to(dev),
+                                      num_experts=case.experts, n_comm=2, buffer=buf)
+        from tests.cases import h_from_y0
+
+        h = h_from_y0(y0, case.n1)
+        out = comet.moe_layer1(h, w1s[rank].to(dev), wts[rank].to(dev), layout, n_comm=2,
+                               buffer=buf)
+        torch.cuda.synchronize()
+        check_against_reference(case, dtype, rank, w, y0, layout, h, out, inputs)
+    buf.check()
+    buf.close()
