@@ -103,7 +103,7 @@ def test_full_op_suite_across_processes_on_two_nodes(world, rpn):
     assert all(len(r) == 2 * len(cases) for r in results)
 
 
-def _killed_on_other_node(rank, world, port, q):
+def _killed_on_other_node(rank, world, port, q, node_reduce):
     import datetime
 
     import torch.distributed as dist
@@ -112,7 +112,7 @@ def _killed_on_other_node(rank, world, port, q):
     os.environ["COMET_STRESS"] = "5"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    buf = comet.Buffer(timeout=30, ranks_per_node=2, link_latency_us=100)
+    buf = comet.Buffer(timeout=30, ranks_per_node=2, link_latency_us=100, node_reduce=node_reduce)
     E, H = 8, 64
     x, w0 = torch.randn(150, H), torch.randn(E // world, 64, H)
     ids = torch.randint(0, E, (150, 2))
@@ -133,12 +133,15 @@ def _killed_on_other_node(rank, world, port, q):
     os._exit(0)
 
 
-def test_rank_dying_on_the_other_node_fails_survivors_not_hangs():
+@pytest.mark.parametrize("node_reduce", [False, True], ids=["per-rank", "node-reduced"])
+def test_rank_dying_on_the_other_node_fails_survivors_not_hangs(node_reduce):
+    """Node-reduced too: the dead rank is the relay of the other node's homes."""
     world = 4
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_killed_on_other_node, args=(r, world, port, q), daemon=True)
+    procs = [ctx.Process(target=_killed_on_other_node, args=(r, world, port, q, node_reduce),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
