@@ -155,7 +155,7 @@ def _static_int(v) -> int:
 @torch.compiler.assume_constant_result
 def launch_choice(device_type: str, device_index, layer: int, world: int, num_experts: int,
                   topk: int, hidden: int, n: int, token_bucket: int, dtype: str,
-                  n_comm=None, tile=None, ranks_per_node=None):
+                  n_comm=None, tile=None, ranks_per_node=None, node_reduce=False):
     """(n_comm, n_gemm, tile_m, tile_n, source) that launch_config returns; source is the tuner's
     ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were given,
     or "fallback" when the shape is not one the tuner handles (the op's checks then report it)."""
@@ -186,14 +186,14 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
     default_tile = CPU_TILE if cpu else CUDA_TILE
     tuner = tn.default_tuner()
     raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
-           tile, ranks_per_node)
+           tile, ranks_per_node, node_reduce)
     hit = _launch_memo.get(raw)
     # Valid while the tuner still memoises the same answer (tune/store/clear drop its memo).
     if hit is not None and hit[1] is tuner and hit[2] in getattr(tuner, "_memo", ()):
         return hit[0]
     try:
         key = tn.TuneKey(arch, blocks, dtype, world, num_experts, topk, hidden, n, token_bucket,
-                         layer, ranks_per_node=ranks_per_node)
+                         layer, ranks_per_node=ranks_per_node, node_reduce=node_reduce)
         cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
     except Exception:  # noqa: BLE001 - never fail here: bad inputs are reported by the op itself
         nc = 1 if cpu else max(1, round(0.2 * blocks))
@@ -209,7 +209,8 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 
 def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
                   layer: int, world: int, num_experts: int, x, w, topk_ids,
-                  w_transposed: bool = False, ranks_per_node: int | None = None):
+                  w_transposed: bool = False, ranks_per_node: int | None = None,
+                  node_reduce: bool = False):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
 
@@ -235,7 +236,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
                          str(x.dtype).replace("torch.", ""),
                          None if n_comm is None else int(n_comm),
                          None if tile is None else (int(tile[0]), int(tile[1])),
-                         ranks_per_node)[:4]
+                         ranks_per_node, bool(node_reduce))[:4]
 
 
 def _buffer_for(buffer, group, t):
@@ -304,6 +305,7 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
                                    "topk_ids": layout.topk_ids, "b1": b1})
     cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
+                        node_reduce=getattr(buf, "node_reduce", False),
                         num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
                         w_transposed=w1_transposed)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,

@@ -167,7 +167,8 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
             f"{p['baseline'] / p['fused']:.2f}x" if p["fused"] > 0 else "-",
         ])
         if tuner is not None:
-            key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer, rpn)
+            key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer, rpn,
+                             node_reduce=node_reduce and layer == 1)
             cached = tuner.cache.get(key)
             if cached is not None:
                 cfg, k2 = cached
@@ -239,7 +240,8 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     for layer, N in ((0, n0), (1, n1)):
         key = tn.TuneKey(arch, sm_count, args.dtype, args.world, int(model["E"]), int(model["k"]),
-                         int(model["H"]), N, args.tokens, layer, args.ranks_per_node)
+                         int(model["H"]), N, args.tokens, layer, args.ranks_per_node,
+                         node_reduce=args.node_reduce and layer == 1)
         shape = key.shape(args.tokens)
         cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
                          warmup=args.warmup, iters=args.iters)

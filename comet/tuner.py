@@ -151,7 +151,8 @@ class TuneKey:
     ``N`` is the per-expert GEMM size other than ``H`` (layer0: ``N0`` output columns, layer1:
     ``N1`` reduction size); ``layer`` is part of the key because the two ops differ even when
     ``N0 == N1``.  ``ranks_per_node`` (default ``W``: one node) groups the ranks into nodes; it
-    changes the traffic over the inter-node link and hence the best split.
+    changes the traffic over the inter-node link and hence the best split; ``node_reduce``
+    (layer1's node-reduced combine, only meaningful with several nodes) does too.
     """
 
     arch: str
@@ -165,6 +166,7 @@ class TuneKey:
     tokens: int
     layer: int = 0
     ranks_per_node: Optional[int] = None
+    node_reduce: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arch", _norm_arch(self.arch))
@@ -180,6 +182,8 @@ class TuneKey:
         if rpn < 1 or self.W % rpn:
             raise ValueError(f"TuneKey: ranks_per_node={self.ranks_per_node} must divide W={self.W}")
         object.__setattr__(self, "ranks_per_node", rpn)
+        # one node: nothing to reduce per node, the same key as without
+        object.__setattr__(self, "node_reduce", bool(self.node_reduce) and rpn < self.W)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -191,25 +195,27 @@ class TuneKey:
     def id(self) -> str:
         """Canonical string, used as the JSON key."""
         nodes = "" if self.ranks_per_node == self.W else f"|P{self.ranks_per_node}"
+        if self.node_reduce:
+            nodes += "|R"
         return (f"{self.arch}|sm{self.sm_count}|{self.dtype}|L{self.layer}|W{self.W}{nodes}"
                 f"|E{self.E}|k{self.k}|H{self.H}|N{self.N}|T{self.tokens}")
 
     def family(self) -> Tuple:
         """Every field but the token bucket (the fields nearest-bucket lookup must match)."""
         return (self.arch, self.sm_count, self.dtype, self.layer, self.W, self.ranks_per_node,
-                self.E, self.k, self.H, self.N)
+                self.node_reduce, self.E, self.k, self.H, self.N)
 
     def shape(self, tokens: Optional[int] = None) -> pm.MoEShape:
         """The perfmodel shape for this key (``tokens`` defaults to the bucket)."""
         return pm.MoEShape(W=self.W, E=self.E, k=self.k, H=self.H, N=self.N,
                            T=self.tokens if tokens is None else int(tokens),
                            dtype_bytes=pm.DTYPE_BYTES[self.dtype],
-                           ranks_per_node=self.ranks_per_node)
+                           ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce)
 
     @classmethod
     def from_shape(cls, arch: str, sm_count: int, dtype, shape: pm.MoEShape, layer: int) -> "TuneKey":
         return cls(arch, sm_count, dtype, shape.W, shape.E, shape.k, shape.H, shape.N, shape.T, layer,
-                   shape.ranks_per_node)
+                   shape.ranks_per_node, shape.node_reduce)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -119,6 +119,26 @@ def test_key_has_ranks_per_node(tmp_path):
     assert cfg.n_comm == pm.choose_n_comm(two.shape(), pm.GPUS["h800"], 0)
 
 
+def test_key_has_node_reduce(tmp_path):
+    """layer1's node-reduced combine is its own key across nodes (the model picks another split),
+    and no key at all on one node."""
+    per_rank = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1, 4)
+    red = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1, 4, node_reduce=True)
+    assert red != per_rank and red.id() == per_rank.id().replace("|P4|", "|P4|R|")
+    assert red.family() != per_rank.family()
+    assert red.shape().node_reduce and not per_rank.shape().node_reduce
+    assert tn.TuneKey.from_dict(json.loads(json.dumps(red.to_dict()))) == red
+    assert tn.TuneKey.from_dict({k: v for k, v in per_rank.to_dict().items()
+                                 if k != "node_reduce"}) == per_rank  # older caches
+    one = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1, node_reduce=True)
+    assert not one.node_reduce and one == tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336,
+                                                     4096, 1)
+    tuner = tn.Tuner(tmp_path / "c")
+    tuner.store(per_rank, tn.Config(8))
+    cfg, src = tuner.choose(red, explain=True)
+    assert src == "model" and cfg.n_comm == pm.choose_n_comm(red.shape(), pm.GPUS["h800"], 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
