@@ -615,19 +615,34 @@ def test_multi_node_fused_beats_unfused_for_the_paper_shapes():
 
 
 def test_readme_table_across_nodes_is_the_models():
-    """README's "What the cost model predicts across nodes" rows are this model's output."""
+    """README's "What the cost model predicts across nodes" rows (both tables) are this model's
+    output."""
     import pathlib
 
     text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = text.split("### What the cost model predicts across nodes", 1)[1].split("\n## ", 1)[0]
     titles = {"Mixtral-8x7B": "mixtral", "Qwen2-MoE": "qwen2", "Phi-3.5-MoE": "phi3.5"}
     spec = pm.GPUS["h800"]
-    seen = 0
+    seen = reduced = 0
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not cells or cells[0] not in titles:
             continue
         nodes, rpn = (int(x) for x in cells[1].split(" x "))
+        if not cells[2].startswith("layer"):  # the node-reduced table (layer1)
+            r = {}
+            for red in (False, True):
+                s = pm.MoEShape(**{**preset_shape(titles[cells[0]], 1, W=nodes * rpn).__dict__,
+                                   "ranks_per_node": rpn, "node_reduce": red})
+                r[red] = pm.predict(s, spec, pm.choose_n_comm(s, spec, 1), 1)
+            ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
+            pair = lambda key, f: f"{f(r[False][key])} / {f(r[True][key])}"  # noqa: E731
+            assert cells[2] == pair("inter_rows", lambda x: f"{x:.0f}")
+            assert cells[3] == pair("n_comm", str)
+            assert cells[4] == pair("combine", ms)
+            assert cells[5] == pair("fused", ms) and cells[6] == pair("baseline", ms)
+            reduced += 1
+            continue
         layer = int(cells[2][-1])
         r = {}
         for nf in (False, True):
@@ -643,4 +658,4 @@ def test_readme_table_across_nodes_is_the_models():
         assert cells[8] == pair("fused", ms) and cells[9] == pair("baseline", ms)
         assert cells[10] == f"{r[True]['baseline'] / r[True]['fused']:.2f}x"
         seen += 1
-    assert seen == 6
+    assert seen == 6 and reduced == 3
