@@ -104,8 +104,8 @@ class Buffer:
         job = f"{os.getpid():x}{secrets.token_hex(4)}"
         gh = _group_hash(list(range(world)))
         link = _link_settings(world, ranks_per_node, link_latency_us, link_gbps)
+        reduce = node_reduce_setting(node_reduce)  # every setting checked before any segment exists
         handles = [_C.heap_create(r, world, job, gh, timeout, *link) for r in range(world)]
-        reduce = node_reduce_setting(node_reduce)
         for h in handles:
             _C.heap_set_node_reduce(h, reduce)
         for h in handles:

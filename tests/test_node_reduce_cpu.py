@@ -115,11 +115,19 @@ def test_process_suite_node_reduced_on_two_nodes(world, rpn):
 
 
 def test_bad_node_reduce_values_are_refused(monkeypatch):
+    """Refused before any shared memory exists (nothing left in /dev/shm)."""
+    import os
+
+    def segments():
+        return {f for f in os.listdir("/dev/shm") if f.startswith("comet-")}
+
+    before = segments()
     with pytest.raises(ValueError, match="node_reduce must be a bool, got 'yes'"):
         comet.Buffer.simulated_world(2, node_reduce="yes")
     monkeypatch.setenv("COMET_NODE_REDUCE", "2")
     with pytest.raises(ValueError, match=r"COMET_NODE_REDUCE must be 0 or 1, got '2'"):
         comet.Buffer.simulated_world(2)
+    assert segments() <= before
 
 
 @settings(max_examples=200, deadline=None)
