@@ -240,3 +240,78 @@ def run_ranks(
         results_q.close()
         results_q.join_thread()
     return [results[r] for r in range(world)]
+
+
+# ----------------------------------------------------------------------------------------------
+# A rank killed while the group runs comet's ops
+# ----------------------------------------------------------------------------------------------
+
+
+def comet_segments() -> set:
+    """comet's shared-memory segments that exist now (names in /dev/shm)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("comet-")}
+
+
+def _ops_until_killed(rank, world, port, q, experts, tokens, stress, buffer_kwargs):
+    """Run moe_layer0/1 in a loop; the last rank SIGKILLs itself after 0.5 s. Reports (rank,
+    error text or "no error", seconds) through q."""
+    import signal
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["COMET_STRESS"] = str(stress)  # random delays keep every rank inside its calls
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    import comet
+
+    buf = comet.Buffer(timeout=30, **buffer_kwargs)
+    E, H = experts, 64
+    x, w0 = torch.randn(tokens, H), torch.randn(E // world, 64, H)
+    ids = torch.randint(0, E, (tokens, 2))
+    if rank == world - 1:  # die at a random point inside the op loop below
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(100000):
+            y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf)
+            comet.moe_layer1(y0.contiguous(), torch.randn(E // world, H, 64),
+                             torch.rand(tokens, 2), layout, buffer=buf)
+        q.put((rank, "no error", time.monotonic() - t0))
+    except RuntimeError as e:
+        q.put((rank, str(e), time.monotonic() - t0))
+    q.close()
+    q.join_thread()  # flush the report before skipping the normal exit path
+    os._exit(0)  # skip destroy_process_group: a peer is gone
+
+
+def check_last_rank_killed(world: int, *, experts: int, tokens: int, stress: int,
+                           timeout: float, **buffer_kwargs) -> None:
+    """The last of `world` ranks is SIGKILLed mid-call: every survivor must raise ("has exited"
+    or "gave up") within 30 s, and no shared-memory segment may be left behind."""
+    import signal
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_ops_until_killed, daemon=True,
+                         args=(r, world, port, q, experts, tokens, stress, buffer_kwargs))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=timeout) for _ in range(world - 1)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert procs[-1].exitcode == -signal.SIGKILL
+    for rank, msg, took in got:
+        assert rank != world - 1
+        assert "has exited" in msg or "gave up" in msg, msg
+        assert took < 30, f"rank {rank} needed {took:.1f} s to notice"  # dead pid seen at once
+    leftovers = comet_segments()
+    assert not leftovers, f"shared-memory segments left behind: {sorted(leftovers)}"

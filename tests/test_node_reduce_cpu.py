@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import comet
 from tests.cases import cases_for, make_inputs
-from tests.dist_utils import run_ranks
+from tests.dist_utils import comet_segments, run_ranks
 from tests.sim_world import run_threads
 from tests.test_ops_dist import _compare_all_cases
 from tests.test_ops_sim import check_against_reference, run_layers
@@ -116,18 +116,13 @@ def test_process_suite_node_reduced_on_two_nodes(world, rpn):
 
 def test_bad_node_reduce_values_are_refused(monkeypatch):
     """Refused before any shared memory exists (nothing left in /dev/shm)."""
-    import os
-
-    def segments():
-        return {f for f in os.listdir("/dev/shm") if f.startswith("comet-")}
-
-    before = segments()
+    before = comet_segments()
     with pytest.raises(ValueError, match="node_reduce must be a bool, got 'yes'"):
         comet.Buffer.simulated_world(2, node_reduce="yes")
     monkeypatch.setenv("COMET_NODE_REDUCE", "2")
     with pytest.raises(ValueError, match=r"COMET_NODE_REDUCE must be 0 or 1, got '2'"):
         comet.Buffer.simulated_world(2)
-    assert segments() <= before
+    assert comet_segments() <= before
 
 
 @settings(max_examples=200, deadline=None)

@@ -22,15 +22,17 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def run_layers(case, dtype, rank, n_comm=None, inputs=None):
-    """layer0 -> h_from_y0 -> layer1 on this rank; returns (y0, layout, h, out, inputs)."""
+def run_layers(case, dtype, rank, n_comm=None, inputs=None, buffer=None):
+    """layer0 -> h_from_y0 -> layer1 on this rank (on `buffer`, default: the group's); returns
+    (y0, layout, h, out, inputs)."""
     inputs = inputs or make_inputs(case, dtype)
     xs, w0s, w1s, ids, wts = inputs
     dev = _device()
     y0, layout = comet.moe_layer0(xs[rank].to(dev), w0s[rank].to(dev), ids[rank].to(dev),
-                                  num_experts=case.experts, n_comm=n_comm)
+                                  num_experts=case.experts, n_comm=n_comm, buffer=buffer)
     h = h_from_y0(y0, case.n1)
-    out = comet.moe_layer1(h, w1s[rank].to(dev), wts[rank].to(dev), layout, n_comm=n_comm)
+    out = comet.moe_layer1(h, w1s[rank].to(dev), wts[rank].to(dev), layout, n_comm=n_comm,
+                           buffer=buffer)
     torch.cuda.synchronize()
     return y0, layout, h, out, inputs
 
@@ -89,14 +91,13 @@ def test_back_to_back_calls_changing_routing(world):
         check_against_reference(case, dtype, rank, w, y0, layout, h, out, inputs)
 
 
-def test_cuda_graph_capture_with_max_rows(world):
-    """Inside Buffer.capturable(max_rows) the ops never synchronise with the host: captured in a
-    CUDA graph, replayed, results equal the reference (rows past M unspecified)."""
+def run_captured(case, dtype, rank):
+    """layer0 -> h_from_y0 -> layer1 on this rank's default buffer, captured in a CUDA graph
+    inside Buffer.capturable(max_rows = every slot of every rank) after an eager call (which
+    sizes the buffer) and a warm-up on a side stream, then replayed 3 times.
+    Returns (y0, layout, h, out, inputs, max_rows)."""
     from comet import symm_cuda
 
-    rank, w = world
-    case = dataclasses.replace(cases_for(w)[0], hidden=64, n0=48, n1=32, seed=11)
-    dtype = torch.bfloat16
     xs, w0s, w1s, ids, wts = inputs = make_inputs(case, dtype)
     dev = _device()
     x, w0, w1 = xs[rank].to(dev), w0s[rank].to(dev), w1s[rank].to(dev)
@@ -124,6 +125,16 @@ def test_cuda_graph_capture_with_max_rows(world):
         graph.replay()
     torch.cuda.synchronize()
     buf.check()
+    return y0, layout, h, out, inputs, max_rows
+
+
+def test_cuda_graph_capture_with_max_rows(world):
+    """Inside Buffer.capturable(max_rows) the ops never synchronise with the host: captured in a
+    CUDA graph, replayed, results equal the reference (rows past M unspecified)."""
+    rank, w = world
+    case = dataclasses.replace(cases_for(w)[0], hidden=64, n0=48, n1=32, seed=11)
+    dtype = torch.bfloat16
+    y0, layout, h, out, inputs, max_rows = run_captured(case, dtype, rank)
     assert y0.shape[0] == max_rows
     m = int(layout.recv_counts.sum())
     check_against_reference(case, dtype, rank, w, y0, layout, h, out, inputs, rows=m)
