@@ -1004,6 +1004,27 @@ def _flow_shop(first: Sequence[float], second: Sequence[float],
 _MAX_CHUNKS = 512
 
 
+def _pipeline_chunks(shape, tile, sources, gemm: float, total_rows: float):
+    """layer0's pipeline chunks, in source order, as (comm seconds, GEMM seconds, release times)
+    for :func:`_flow_shop`. sources: (rows, pull seconds, latency on the first piece, delivery
+    window start, end) each; a source is cut into pieces of about one M-tile per local expert
+    (at most _MAX_CHUNKS / W), its pull seconds and its share of the GEMM split evenly, piece q
+    released at the window's (q + 1) / n point (0 for rows that are there from the start)."""
+    tm, _ = _tile(tile)
+    piece = max(1.0, float(tm * shape.E_local))
+    cap = max(1, _MAX_CHUNKS // shape.W)
+    c_times, g_times, rel = [], [], []
+    for rows, secs, lat, r0, r1 in sources:
+        if rows <= 0:
+            continue
+        n = min(cap, max(1, math.ceil(rows / piece - 1e-9)))
+        for q in range(n):
+            c_times.append(secs / n + (lat if q == 0 else 0.0))
+            g_times.append(gemm * rows / total_rows / n)
+            rel.append(r0 + (r1 - r0) * (q + 1) / n)
+    return c_times, g_times, rel
+
+
 def _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     if shape.nodes > 1:
         return _fused_layer0_nodes(shape, spec, n_comm, n_gemm, tile, comm, gemm)
@@ -1014,22 +1035,12 @@ def _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     total_rows = loc + rem
     if total_rows <= 0 or gemm <= 0:
         return comm + gemm
-    tm, _ = _tile(tile)
-    piece = max(1.0, float(tm * shape.E_local))  # about one M-tile per local expert
-    cap = max(1, _MAX_CHUNKS // W)
-    c_times, g_times = [], []
-    # ring order: the local rank first, then d+1, d+2, ...
-    sources = [(loc, local_s, 0.0)]
+    # ring order: the local rank first, then d+1, d+2, ...; every row is here from the start
+    sources = [(loc, local_s, 0.0, 0.0, 0.0)]
     if W > 1:
-        sources += [(rem / (W - 1), remote_s / (W - 1), alpha if s == 0 else 0.0) for s in range(W - 1)]
-    for rows, secs, lat in sources:
-        if rows <= 0:
-            continue
-        n = min(cap, max(1, math.ceil(rows / piece - 1e-9)))
-        for q in range(n):
-            c_times.append(secs / n + (lat if q == 0 else 0.0))
-            g_times.append(gemm * rows / total_rows / n)
-    fused = _flow_shop(c_times, g_times) + tail
+        sources += [(rem / (W - 1), remote_s / (W - 1), alpha if s == 0 else 0.0, 0.0, 0.0)
+                    for s in range(W - 1)]
+    fused = _flow_shop(*_pipeline_chunks(shape, tile, sources, gemm, total_rows)) + tail
     # after the last row has landed at least one tile still has to run
     fused = max(fused, comm + min(gemm, _tile_seconds(shape, spec, 0, tile)))
     return fused
@@ -1048,26 +1059,13 @@ def _fused_layer0_nodes(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     total_rows = tr.local + tr.same_node + far_slots
     if total_rows <= 0 or gemm <= 0:
         return comm + gemm
-    tm, _ = _tile(tile)
-    piece = max(1.0, float(tm * shape.E_local))
-    cap = max(1, _MAX_CHUNKS // shape.W)
-    # (rows, pull seconds, latency on the first piece, NIC delivery window start, end)
     sources = [(tr.local, p.local_s, 0.0, 0.0, 0.0)]
     if P > 1:
         sources += [(tr.same_node / (P - 1), p.remote_s / (P - 1), p.alpha if s == 0 else 0.0,
                      0.0, 0.0) for s in range(P - 1)]
     sources += [(far_slots / R, p.fan_s / R, 0.0, p.nic_alpha + p.nic_s * i / R,
                  p.nic_alpha + p.nic_s * (i + 1) / R) for i in range(R)]
-    c_times, g_times, rel = [], [], []
-    for rows, secs, lat, r0, r1 in sources:
-        if rows <= 0:
-            continue
-        n = min(cap, max(1, math.ceil(rows / piece - 1e-9)))
-        for q in range(n):
-            c_times.append(secs / n + (lat if q == 0 else 0.0))
-            g_times.append(gemm * rows / total_rows / n)
-            rel.append(r0 + (r1 - r0) * (q + 1) / n)
-    fused = _flow_shop(c_times, g_times, rel) + p.tail
+    fused = _flow_shop(*_pipeline_chunks(shape, tile, sources, gemm, total_rows)) + p.tail
     return max(fused, comm + min(gemm, _tile_seconds(shape, spec, 0, tile)))
 
 

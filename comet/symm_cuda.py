@@ -229,9 +229,9 @@ class Buffer:
                 dtype=torch.bfloat16) -> None:
         """Room for calls of both layers with up to `tokens` tokens per rank (collective)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        stage_rows = min(topk, self.ranks_per_node) if self.node_reduce and self.nodes > 1 else 0
         need = max(int(_ops().region_bytes(op, tokens, hidden, topk, num_experts, self.world,
-                                           elem, self.nodes - 1, stage_rows)) for op in (0, 1))
+                                           elem, self.ranks_per_node, self.node_reduce))
+                   for op in (0, 1))
         self.reserve_bytes(need)
 
     def close(self) -> None:

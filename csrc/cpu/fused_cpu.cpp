@@ -253,10 +253,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   int64_t slots = 0, entries = 0;
   {
     GridScratch scratch(l.n_comm + l.n_gemm, l.threads, W, 0, std::max(El, W));
-    const int32_t reduce_rpn =
-        heap.topology().reduces_nodes() ? heap.topology().ranks_per_node : 0;
     const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots,
-                                 reduce_rpn};
+                                 heap.topology().reduce_rpn()};
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
       const int64_t n = reduce_plan_program(ctx, ps, ra);
       if (grid_rank(ctx) == 0) entries = n;

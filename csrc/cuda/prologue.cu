@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   if (layer1) {
     const ReducePlanArgs<float> ra{p.plan_sources, d, W, p.topk, El, p.seg_off, p.plan_cap,
                                    p.plan, &st->plan_slots,
-                                   p.topo.reduces_nodes() ? p.topo.ranks_per_node : 0};
+                                   p.topo.reduce_rpn()};
     entries = reduce_plan_program(ctx, s, ra);
     if (entries < 0) {
       // The peers' routing does not match this rank's layout (recv_counts): refuse rather than

@@ -419,13 +419,14 @@ double buffer_kernel_time(int64_t h) {
   return double(st.kernel_end - st.kernel_start) * 1e-9;
 }
 
-// mirrors: the buffer's nodes - 1 (a relay's mirror slots: comet/topology.h); node_stage_rows:
-// min(k, ranks_per_node) with node-reduced partials, else 0.
+// A call's data segment bytes on a group of `world` ranks in nodes of `ranks_per_node` (0: one
+// node) with node-reduced partials or not (comet/topology.h).
 int64_t region_bytes(int64_t op, int64_t tokens, int64_t hidden, int64_t topk, int64_t experts,
-                     int64_t world, int64_t elem_bytes, int64_t mirrors, int64_t node_stage_rows) {
-  return int64_t(data_regions(OpKind(op), tokens, int32_t(hidden), int32_t(topk),
-                              int32_t(experts), int32_t(world), int32_t(elem_bytes), 4,
-                              int32_t(mirrors), int32_t(node_stage_rows))
+                     int64_t world, int64_t elem_bytes, int64_t ranks_per_node, bool node_reduce) {
+  const NodeTopology t{int32_t(world), ranks_per_node > 0 ? int32_t(ranks_per_node) : int32_t(world),
+                       node_reduce ? 1 : 0};
+  return int64_t(call_regions(t, OpKind(op), tokens, int32_t(hidden), int32_t(topk),
+                              int32_t(experts), int32_t(elem_bytes))
                      .total);
 }
 
@@ -474,7 +475,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_check(int handle) -> str", &buffer_check);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
   m.def("region_bytes(int op, int tokens, int hidden, int topk, int experts, int world, "
-        "int elem_bytes, int mirrors=0, int node_stage_rows=0) -> int",
+        "int elem_bytes, int ranks_per_node=0, bool node_reduce=False) -> int",
         &region_bytes);
 }
 

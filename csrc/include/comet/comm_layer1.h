@@ -280,7 +280,7 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const SlotGroups within{rpn, 0, mine};
   for (int32_t b = 0; b < t.nodes(); ++b) {
     if (b == mine) continue;
-    const int32_t h = b * rpn + a.rank % rpn;
+    const int32_t h = t.relay(a.rank, b);  // node b's rank with this rank's local index
     const int32_t ms = t.mirror_slot(h, mine);
     const int32_t* ids = reinterpret_cast<const int32_t*>(
         ctx.data(a.rank) + a.regions.mirror + size_t(ms) * a.regions.source_bytes + a.regions.ids);
@@ -332,7 +332,7 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
       count_ref(*a.blocks_done).store(0u, mo::memory_order_relaxed);
       for (int32_t b = 0; b < t.nodes(); ++b)
         if (b != mine)
-          ctx.put_signal(b * rpn + a.rank % rpn, nullptr, nullptr, 0,
+          ctx.put_signal(t.relay(a.rank, b), nullptr, nullptr, 0,
                          header_arrive(ctx.header(a.rank), a.rank), a.epoch);
     }
   }
@@ -346,7 +346,8 @@ COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const bool reduced = node_reduced(a);
   if (reduced) layer1_node_relay(ctx, a);
   for (int32_t s = 0; s < a.world; ++s)
-    if (!reduced || !other_node(a, s) || s % a.ranks_per_node == a.rank % a.ranks_per_node)
+    if (!reduced || !other_node(a, s) ||
+        s == topology_of(a).relay(a.rank, topology_of(a).node(s)))
       ctx.wait(header_arrive(ctx.header(a.rank), s), a.epoch, WaitSite::Partials, s);
   const bool vec = layer1_vectorised(ctx, a);
   const char* recv = ctx.data(a.rank) + a.regions.recv;

@@ -50,6 +50,9 @@ struct NodeTopology {
   }
   // Whether layer1 sums a node's partials on the home's relay there (several nodes only).
   COMET_HD bool reduces_nodes() const { return node_reduce != 0 && nodes() > 1; }
+  // What the partial-slot order takes (layout.h: slot_groups): ranks per node when node-reduced,
+  // else 0 (flat).
+  COMET_HD int32_t reduce_rpn() const { return reduces_nodes() ? ranks_per_node : 0; }
   // Rows a relay stages per (remote home, token): at most min(k, ranks_per_node) node-mates send.
   COMET_HD int32_t node_stage_rows(int32_t topk) const {
     return topk < ranks_per_node ? topk : ranks_per_node;
