@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log", help="parse this ptxas -v log instead of compiling")
     ap.add_argument("--no-smem-probe", action="store_true",
                     help="skip the host probe that reports dynamic shared memory")
+    ap.add_argument("--only", default="",
+                    help="comma-separated substrings: compile only the csrc/cuda/*.cu whose path "
+                         "contains one (e.g. --only prologue,combine); default every source")
     args = ap.parse_args(argv)
     os.environ["COMET_CUDA_ARCHS"] = args.archs
     archs = comet_build.archs()
@@ -190,6 +193,9 @@ def main(argv=None) -> int:
             print("check_ptxas: nvcc not found", file=sys.stderr)
             return 2
         sources = comet_build.cuda_sources(ROOT)
+        if args.only:
+            keys = [k for k in args.only.split(",") if k]
+            sources = [s for s in sources if any(k in s for k in keys)]
         if not sources:
             print("check_ptxas: no csrc/cuda/*.cu", file=sys.stderr)
             return 2
