@@ -92,10 +92,108 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # The weight-gradient GEMM: one opaque op, so traced graphs need no data-dependent splits.
 # --------------------------------------------------------------------------------------------------
+#
+# dW[e] = grad_e^T @ inp_e over the rows of local expert e is a grouped GEMM whose reduction
+# dimension (the rows M) is split per expert: torch's grouped mm in its "2d x 2d -> 3d" form,
+# grad^T [P, M] x inp [M, Q] with `offs` = the experts' cumulative row ends (int32, computed on the
+# device from recv_counts: no host sync). On CUDA with bf16 operands on sm90/sm100 that is one
+# CUTLASS kernel on the tensor cores, fp32 accumulation, the output rounded once to the operand
+# dtype, and no read of the offsets on the host (torch 2.14: fp16, other GPUs and fp32 operands take
+# torch's own per-expert fallback, which does read them). torch 2.14 writes the operand dtype only
+# (out_dtype must match the operands), so an fp32 out_dtype with 16-bit operands is probed once
+# and, while torch refuses it, served by the fixed-order loop below with fp32 output. The autograd
+# paths never ask for it on a GPU: the ops take weights in the activation dtype.
+#
+# Operands: the GEMM runs in the activation dtype. A mix of a 16-bit and an fp32 operand (layer1's
+# dW1 takes the fp32 product w * dout against bf16 h) rounds the fp32 one to the 16-bit dtype once,
+# as a whole tensor; float64 anywhere (the CPU gradient checks) runs everything in float64.
+#
+# Order: every expert's rows are reduced by one GEMM of its own (grouped: one problem of the kernel;
+# looped: one mm, experts in index order), with no atomics and nothing that depends on timing, so
+# the result is bitwise reproducible run to run on the same device and path (the grouped kernel and
+# the loop are not bitwise equal to each other). The CPU backend runs the loop (its offsets are
+# host memory already) with the operands widened once to the fp32 accumulator: products of 16-bit
+# values are exact in fp32, so it sums the same products as the tensor cores, in its own order.
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ALIGN_BYTES = 16          # torch's grouped mm: 16-byte aligned data and row strides
+_wide_grouped_out = None   # whether torch's grouped mm writes fp32 from 16-bit operands (probed)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _operand_dtype(grad: torch.Tensor, inp: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the weight-gradient GEMM reads its operands in (see above)."""
+    if torch.float64 in (grad.dtype, inp.dtype, out_dtype):
+        return torch.float64
+    if grad.dtype == inp.dtype:
+        return grad.dtype
+    low = [d for d in (grad.dtype, inp.dtype) if d in _LOW_PRECISION]
+    if len(low) != 1:
+        raise TypeError(f"comet::expert_weight_grad: operands {grad.dtype} and {inp.dtype} "
+                        "do not share a GEMM dtype")
+    return low[0]
+
+
+def _expert_row_ends(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Cumulative row end of each local expert in the dispatch layout: int32 [E_local], computed
+    where recv_counts lives (on a GPU: no host sync)."""
+    return recv_counts.sum(0).cumsum(0).to(torch.int32)
+
+
+def _grouped_mm_fits(grad: torch.Tensor, inp: torch.Tensor) -> bool:
+    """torch's grouped mm takes grad^T and inp as they are: 16-byte aligned data and rows (a
+    storage's base is aligned further by torch's allocators, so the offset decides)."""
+    size = grad.element_size()
+    return (hasattr(torch, "_grouped_mm") and grad.is_contiguous() and inp.is_contiguous()
+            and all((n * size) % _ALIGN_BYTES == 0 for n in (
+                grad.shape[1], inp.shape[1], grad.storage_offset(), inp.storage_offset())))
+
+
+def _grouped_weight_grad(grad, inp, ends, out_dtype):
+    """One grouped GEMM over the local experts, or None where torch refuses out_dtype."""
+    global _wide_grouped_out
+    wide = out_dtype != grad.dtype
+    if wide and _wide_grouped_out is False:
+        return None
+    try:
+        out = torch._grouped_mm(grad.t(), inp, offs=ends, out_dtype=out_dtype)
+    except RuntimeError:
+        if not wide:
+            raise
+        _wide_grouped_out = False
+        return None
+    if wide:
+        _wide_grouped_out = True
+    # An expert without rows is a group with an empty reduction: torch does not document what the
+    # kernel writes there, so it is set to the exact zero the contract promises.
+    rows = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.where((rows > 0).view(-1, 1, 1), out, out.new_zeros(()))
+
+
+def _looped_weight_grad(grad, inp, ends, out_dtype):
+    """The fixed-order fallback: one mm per expert, in index order, into an fp32 (fp64)
+    accumulator; the operands are widened once each (on a GPU, 16-bit operands go to the tensor
+    cores as they are with an fp32 output)."""
+    acc = _acc_dtype(grad.dtype)
+    out = torch.zeros(ends.shape[0], grad.shape[1], inp.shape[1], dtype=acc, device=grad.device)
+    ends = ends.tolist()  # the CPU backend's counts are host memory; on a GPU: this path syncs
+    rows = ends[-1] if ends else 0
+    on_tensor_cores = grad.is_cuda and grad.dtype in _LOW_PRECISION
+    g, x = grad[:rows], inp[:rows]
+    if not on_tensor_cores:
+        g, x = g.to(acc), x.to(acc)
+    begin = 0
+    for el, end in enumerate(ends):
+        if end > begin:
+            if on_tensor_cores:
+                out[el] = torch.mm(g[begin:end].t(), x[begin:end], out_dtype=acc)
+            else:
+                torch.mm(g[begin:end].t(), x[begin:end], out=out[el])
+        begin = end
+    return out.to(out_dtype)
 
 
 @torch.library.custom_op("comet::expert_weight_grad", mutates_args=())
@@ -103,18 +201,23 @@ def expert_weight_grad(grad: torch.Tensor, inp: torch.Tensor, recv_counts: torch
                        out_dtype: torch.dtype) -> torch.Tensor:
     """Per local expert el: ``grad_el^T @ inp_el`` over the expert's rows of the dispatch layout.
 
-    grad [M, P], inp [M, Q] (rows grouped by local expert, ``recv_counts.sum(0)`` rows each),
-    recv_counts [W, E_local]. Returns [E_local, P, Q] in out_dtype, accumulated in fp32 (fp64 for
-    float64). An expert without rows gets zeros."""
-    acc = torch.float64 if torch.float64 in (grad.dtype, inp.dtype, out_dtype) else torch.float32
-    counts = recv_counts.sum(0).tolist()
-    out = torch.zeros(len(counts), grad.shape[1], inp.shape[1], dtype=acc, device=grad.device)
-    begin = 0
-    for el, n in enumerate(counts):
-        if n:
-            torch.mm(grad[begin:begin + n].t().to(acc), inp[begin:begin + n].to(acc), out=out[el])
-        begin += n
-    return out.to(out_dtype)
+    grad [M, P], inp [M, Q] (rows grouped by local expert, ``recv_counts.sum(0)`` rows each, rows
+    past their total ignored: a max_rows bound's padding), recv_counts [W, E_local]. Returns
+    [E_local, P, Q] in out_dtype: one grouped GEMM in the operands' (activation) dtype with fp32
+    accumulation (fp64 for float64). An expert without rows gets zeros. See the notes above."""
+    return _weight_grad(grad, inp, recv_counts, out_dtype)
+
+
+def _weight_grad(grad, inp, recv_counts, out_dtype):
+    """expert_weight_grad's body (a plain function: tests run it on fake CUDA tensors)."""
+    dtype = _operand_dtype(grad, inp, out_dtype)
+    grad, inp = grad.to(dtype).contiguous(), inp.to(dtype).contiguous()
+    ends = _expert_row_ends(recv_counts)
+    if grad.is_cuda and dtype in _LOW_PRECISION and _grouped_mm_fits(grad, inp):
+        out = _grouped_weight_grad(grad, inp, ends, out_dtype)
+        if out is not None:
+            return out
+    return _looped_weight_grad(grad, inp, ends, out_dtype)
 
 
 @expert_weight_grad.register_fake
@@ -364,9 +467,15 @@ def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, c
 
 
 def _expert_bias_grad(grad, recv_counts, out_dtype):
-    """Per local expert, the sum of grad's rows [M, P] of that expert: [E_local, P]."""
-    ones = grad.new_ones(grad.shape[0], 1)
-    return expert_weight_grad(grad, ones, recv_counts, out_dtype).squeeze(-1)
+    """Per local expert, the sum of grad's rows [M, P] of that expert: [E_local, P].
+
+    The same grouped GEMM against a column of ones, in the bias's dtype where that is 16-bit (so
+    layer1's fp32 w * dout is read in the activation dtype, as for dW1), widened to 16 bytes of
+    ones so that torch's grouped kernel takes it (a few columns more of a GEMM whose reduction is
+    already the whole of grad)."""
+    dtype = out_dtype if out_dtype in _LOW_PRECISION else grad.dtype
+    ones = grad.new_ones(grad.shape[0], _ALIGN_BYTES // dtype.itemsize, dtype=dtype)
+    return expert_weight_grad(grad, ones, recv_counts, out_dtype)[:, :, 0].contiguous()
 
 
 def _row_experts(recv_counts, rows):

@@ -31,6 +31,12 @@ torch.distributed group experts [r*E/W, (r+1)*E/W) (every experts parameter is s
 the experts run comet with that group: each rank feeds its own tokens, comet sends every token to
 the ranks of its experts and the results back. See its docstring for the gradient semantics.
 
+Sync-free path: transformers' routers drop nothing, so no bound is implied; ``set_max_rows(model,
+rows)`` gives every experts module one (an int bound on the rows any rank receives per call, or
+comet.nn.WORST_CASE: W * T * min(k, E/W) for the call's T tokens per rank, a true bound when every
+rank feeds the same T), and the ops then run with static shapes and no host synchronisation on
+CUDA. A call receiving more rows than an int bound raises on every rank.
+
 Not supported (a clear error at the first forward): experts with a post-expert norm
 (``has_post_expert_norm``: it sits between the second GEMM and the weighted reduce that comet
 fuses), transformers' own expert parallelism (``_is_expert_parallel``: use ``shard_experts``),
@@ -46,10 +52,11 @@ import torch.distributed as dist
 from torch import nn
 
 import comet
+from comet import nn as comet_nn
 from comet import symm
 
 __all__ = ["NAME", "register", "experts_forward", "comet_weights", "shard_experts",
-           "is_experts_module"]
+           "is_experts_module", "set_max_rows"]
 
 NAME = "comet"
 
@@ -122,6 +129,36 @@ def _call_args(module, x: torch.Tensor) -> dict:
         return dict(group=None, buffer=_local["cpu"])
 
 
+def set_max_rows(model: nn.Module, max_rows) -> nn.Module:
+    """Give every transformers experts module of `model` the ops' row bound: an int >= 0,
+    comet.nn.WORST_CASE, or None / -1 for the dynamic path (the default). Returns the model."""
+    if not (max_rows is None or max_rows == comet_nn.WORST_CASE or
+            (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows >= -1)):
+        raise ValueError(f"comet.hf.set_max_rows: max_rows={max_rows!r} must be an int >= -1, "
+                         f"{comet_nn.WORST_CASE!r} or None")
+    modules = [m for m in model.modules() if is_experts_module(m)]
+    if not modules:
+        raise ValueError(f"comet.hf.set_max_rows: {type(model).__name__} has no transformers "
+                         "experts module (@use_experts_implementation)")
+    for m in modules:
+        m.comet_max_rows = None if max_rows == -1 else max_rows
+    return model
+
+
+def _row_bound(module, tokens: int, topk: int, num_experts: int, kw: dict):
+    """layer0's max_rows for this call (None: the dynamic path)."""
+    bound = getattr(module, "comet_max_rows", None)
+    if bound != comet_nn.WORST_CASE:
+        return bound
+    if kw["buffer"] is not None:
+        world = kw["buffer"].world
+    elif kw["group"] is not None or (dist.is_available() and dist.is_initialized()):
+        world = dist.get_world_size(kw["group"])
+    else:
+        world = 1
+    return comet_nn.worst_case_rows(tokens, topk, num_experts, world)
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward comet registers for transformers' experts modules (``self`` is the module):
@@ -149,8 +186,9 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     if weights.dtype not in (torch.float32, x.dtype):
         weights = weights.float()  # comet takes fp32 or the activations' dtype
     kw = _call_args(self, x)
+    bound = _row_bound(self, x.shape[0], top_k_index.shape[1], num_experts, kw)
     y0, layout = comet.moe_layer0(x, w["w0"], top_k_index, num_experts=num_experts, b0=b0,
-                                  w0_transposed=w["w0_transposed"], **kw)
+                                  w0_transposed=w["w0_transposed"], max_rows=bound, **kw)
     # The module's own activation on the dispatched rows (same column order as its weights).
     h = self._apply_gate(y0) if self.has_gate else self.act_fn(y0)
     out = comet.moe_layer1(h.contiguous(), w["w1"], weights.contiguous(), layout, b1=b1,

@@ -41,6 +41,13 @@ Deferred weight gradients: with ``delay_wgrad=True`` (default: config.delay_wgra
 expert weight gradients of a backward are recorded and applied by ``backward_dw()``, as Megatron's
 schedules expect (comet.autograd.defer_weight_grads).
 
+Sync-free path: with config.moe_expert_capacity_factor set, Megatron's router drops every slot
+beyond an expert's capacity C = get_capacity(T k, E, factor) on each rank, which bounds the rows a
+rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C) (static shapes, no
+host synchronisation on CUDA). As in Megatron, every rank of the expert-parallel group feeds the
+same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
+bound without dropping, or -1 for the dynamic path).
+
 Not supported (rejected at construction): expert tensor parallelism > 1, attention tensor
 parallelism > 1, MoE latent projections, padding expert inputs to capacity, router padding for
 quantization, FP8/FP4, biases in the experts, probs applied on the input.
@@ -53,10 +60,12 @@ import dataclasses
 import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 import comet
 from comet import autograd as cag
+from comet import nn as comet_nn
 from comet import sidestream
 
 __all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
@@ -106,10 +115,11 @@ class CometMoELayer(MoELayer):
     Extra keyword arguments: ``buffer`` (a comet.Buffer for the expert-parallel group; default:
     the ops' buffer of Megatron's expert-parallel group on the tokens' backend - the NVSHMEM one
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
-    overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw)."""
+    overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
+    ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 buffer=None, n_comm=None, tile=None, delay_wgrad=None):
+                 buffer=None, n_comm=None, tile=None, delay_wgrad=None, max_rows=None):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          pg_collection=pg_collection)
         self._check_supported()
@@ -118,6 +128,7 @@ class CometMoELayer(MoELayer):
         if delay_wgrad is None:
             delay_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
         self.wgrad_queue = cag.DeferredWeightGrads() if delay_wgrad else None
+        self.comet_max_rows = max_rows
         self._hidden_shape = None
         self._shared = None  # shared experts: (input, ready event), then their pending output
 
@@ -155,6 +166,21 @@ class CometMoELayer(MoELayer):
     def _expert_weights(self, dtype):
         w0, w1, t = expert_weights(self.experts, self.num_local_experts, self.config.hidden_size)
         return w0.to(dtype).contiguous(), w1.to(dtype).contiguous(), t
+
+    def _row_bound(self, tokens: int):
+        """layer0's max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
+        c, world = self.config, mcore_utils.get_pg_size(self.ep_group)
+        if self.comet_buffer is not None:
+            world = self.comet_buffer.world
+        k, e = c.moe_router_topk, c.num_moe_experts
+        if self.comet_max_rows == comet_nn.WORST_CASE:
+            return comet_nn.worst_case_rows(tokens, k, e, world)
+        if self.comet_max_rows is not None:
+            return None if self.comet_max_rows < 0 else int(self.comet_max_rows)
+        if c.moe_expert_capacity_factor is None:
+            return None
+        capacity = get_capacity(tokens * k, e, c.moe_expert_capacity_factor)
+        return comet_nn.worst_case_rows(tokens, k, e, world, capacity)
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -204,6 +230,7 @@ class CometMoELayer(MoELayer):
             y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
                                           num_experts=self.config.num_moe_experts,
                                           w0_transposed=transposed,
+                                          max_rows=self._row_bound(hidden_states.shape[0]),
                                           group=self.ep_group, buffer=self.comet_buffer,
                                           **self.comet_launch)
         return y0, (layout, topk_weights)

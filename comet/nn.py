@@ -31,6 +31,14 @@
   tokens, so data-parallel gradient averaging must skip them over the expert-parallel group.
 * Initialisation is deterministic from `seed` and independent of the group size: the router is
   identical on every rank, and global expert e is the same tensor whichever rank holds it.
+* Sync-free path: with a bound on the rows a rank can receive the ops take `max_rows` (static
+  shapes, no host synchronisation on CUDA, CUDA-graph capturable). `capacity_factor=c` drops the
+  slots beyond each expert's capacity C = ceil(T k / E * c) on every source rank (first come, first
+  served in token then slot order; the aux loss sees the routing before dropping, as Megatron's),
+  which bounds the rows: max_rows = worst_case_rows(T, k, E, W, C). `max_rows=R` gives a bound
+  directly ("worst_case": the bound without dropping, W * T * min(k, E/W)); `max_rows=-1` keeps
+  the dynamic path. Every rank must then feed the same number of tokens T per call (the bound is
+  computed from the local T); a rank receiving more than the bound raises on every rank.
 """
 from __future__ import annotations
 
@@ -44,7 +52,45 @@ from torch import nn
 import comet
 from comet import sidestream, symm
 
-__all__ = ["MoE", "allreduce_gradients", "load_balancing_loss", "swiglu"]
+__all__ = ["MoE", "WORST_CASE", "allreduce_gradients", "drop_over_capacity", "expert_capacity",
+           "load_balancing_loss", "swiglu", "worst_case_rows"]
+
+WORST_CASE = "worst_case"
+
+
+def expert_capacity(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots each expert takes from one source rank: ceil(T k / E * capacity_factor) (Megatron's
+    get_capacity of its token dropping)."""
+    return math.ceil((tokens * topk / num_experts) * capacity_factor)
+
+
+def worst_case_rows(tokens: int, topk: int, num_experts: int, world: int,
+                    capacity: int | None = None) -> int:
+    """A true bound on the rows M any rank receives when each of the `world` ranks sends `tokens`
+    tokens, each to `topk` distinct experts, and (with `capacity`) at most `capacity` slots to one
+    expert: a source sends one rank at most T * min(k, E_local) rows, and at most
+    E_local * min(C, T) with a capacity (a token reaches an expert once)."""
+    local = num_experts // world
+    per_source = tokens * min(topk, local)
+    if capacity is not None:
+        per_source = min(per_source, local * min(int(capacity), tokens))
+    return world * per_source
+
+
+def drop_over_capacity(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """topk_ids [T, k] with every slot past its expert's first `capacity` (in token, then slot
+    order) set to -1 (dropped). Slots already -1 stay dropped and take no capacity."""
+    flat = topk_ids.reshape(-1)
+    routed = flat >= 0
+    key = torch.where(routed, flat, torch.full_like(flat, num_experts))  # dropped: a last group
+    order = torch.sort(key, stable=True).indices  # by expert, token-then-slot order kept
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    starts = counts.cumsum(0) - counts
+    position = torch.empty_like(flat)  # each slot's place among its expert's slots
+    position[order] = torch.arange(flat.numel(), device=flat.device) - starts[key[order]]
+    keep = routed & (position < capacity)
+    return torch.where(keep, flat, torch.full_like(flat, -1)).reshape(topk_ids.shape)
+
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
@@ -101,6 +147,10 @@ class MoE(nn.Module):
         shared_ffn_hidden_size: S, hidden size of an optional shared expert (None: none).
         shared_expert_gate: scale the shared expert's output by a learned sigmoid gate per token.
         n_comm, tile: launch overrides passed to the ops (default: the tuner's choice).
+        capacity_factor: drop slots beyond each expert's capacity (see the module docstring) and
+            take the sync-free path with the bound that implies (None: no dropping).
+        max_rows: the ops' row bound: an int, WORST_CASE, -1 (dynamic even with a capacity), or
+            None (from capacity_factor when set, else dynamic).
         seed, init_std: deterministic initialisation (normal(0, init_std); w1 scaled by
             1/sqrt(2 * num_layers) as in GPT-2 when num_layers is given).
     """
@@ -112,7 +162,8 @@ class MoE(nn.Module):
                  aux_loss_coeff: float = 1e-2, dtype: torch.dtype | None = None,
                  device=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
                  seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
-                 shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False):
+                 shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
+                 capacity_factor: float | None = None, max_rows: int | str | None = None):
         super().__init__()
         if buffer is not None:
             rank, world = buffer.rank, buffer.world
@@ -131,6 +182,14 @@ class MoE(nn.Module):
                              "must be a positive int or None")
         if shared_expert_gate and shared_ffn_hidden_size is None:
             raise ValueError("comet.nn.MoE: shared_expert_gate=True needs shared_ffn_hidden_size")
+        if capacity_factor is not None and not float(capacity_factor) > 0:
+            raise ValueError(f"comet.nn.MoE: capacity_factor={capacity_factor!r} must be > 0")
+        if not (max_rows is None or max_rows == WORST_CASE or
+                (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows >= -1)):
+            raise ValueError(f"comet.nn.MoE: max_rows={max_rows!r} must be an int >= -1, "
+                             f"{WORST_CASE!r} or None")
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.max_rows = max_rows
         self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
@@ -205,6 +264,23 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids, probs
 
+    def capacity(self, tokens: int) -> int | None:
+        """Slots an expert takes from this rank in a call of `tokens` tokens (None: no limit)."""
+        if self.capacity_factor is None:
+            return None
+        return expert_capacity(tokens, self.topk, self.num_experts, self.capacity_factor)
+
+    def row_bound(self, tokens: int) -> int | None:
+        """The ops' max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
+        if self.max_rows == WORST_CASE:
+            return worst_case_rows(tokens, self.topk, self.num_experts, self.world)
+        if self.max_rows is not None:
+            return None if self.max_rows < 0 else self.max_rows
+        capacity = self.capacity(tokens)
+        if capacity is None:
+            return None
+        return worst_case_rows(tokens, self.topk, self.num_experts, self.world, capacity)
+
     def shared_expert(self, tokens: torch.Tensor) -> torch.Tensor:
         """The shared expert alone on tokens [T, H] (None without one): SwiGLU MLP, times
         sigmoid(tokens shared_gate^T) when gated."""
@@ -221,10 +297,14 @@ class MoE(nn.Module):
             raise ValueError(f"comet.nn.MoE: input has {shape[-1]} features, expected "
                              f"hidden_size={self.hidden_size}")
         tokens = x.reshape(-1, self.hidden_size).to(self.w0.dtype).contiguous()
-        weights, ids, probs = self.route(tokens)
+        weights, routed_ids, probs = self.route(tokens)
+        capacity = self.capacity(tokens.shape[0])
+        ids = routed_ids if capacity is None else \
+            drop_over_capacity(routed_ids, self.num_experts, capacity)
         kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
         ready = sidestream.mark_ready(tokens) if self.shared_w0 is not None else None
-        y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts, **kw)
+        y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts,
+                                      max_rows=self.row_bound(tokens.shape[0]), **kw)
         # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
         shared = sidestream.run_beside(self.shared_expert, tokens, ready)
         out = comet.moe_layer1(swiglu(y0), self.w1, weights, layout, **kw)
@@ -232,7 +312,7 @@ class MoE(nn.Module):
             out = out + sidestream.join(shared).to(out.dtype)
         self.aux_loss = None
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux = self.aux_loss_coeff * load_balancing_loss(probs, ids, self.num_experts)
+            aux = self.aux_loss_coeff * load_balancing_loss(probs, routed_ids, self.num_experts)
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux, float(self.aux_loss_scale))
         return out.reshape(shape).to(x.dtype)
@@ -244,7 +324,8 @@ class MoE(nn.Module):
                 f"{self.expert_offset + self.num_local_experts}), renormalize={self.renormalize}, "
                 f"aux_loss_coeff={self.aux_loss_coeff}, "
                 f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
-                f"shared_expert_gate={self.shared_gate is not None}")
+                f"shared_expert_gate={self.shared_gate is not None}, "
+                f"capacity_factor={self.capacity_factor}, max_rows={self.max_rows!r}")
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:
