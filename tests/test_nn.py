@@ -193,3 +193,90 @@ def test_shared_expert_runs_between_the_two_ops(monkeypatch):
     moe.shared_expert = lambda t: order.append("shared") or real_shared(t)
     moe(torch.randn(5, H))
     assert order == ["layer0", "shared", "layer1"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The sync-free path: capacity_factor / max_rows
+# --------------------------------------------------------------------------------------------------
+
+
+def test_drop_over_capacity_and_the_row_bound():
+    ids = torch.tensor([[0, 1], [0, 2], [1, 0], [-1, 0], [2, 1]])
+    kept = comet.nn.drop_over_capacity(ids, 3, 2)  # first come, first served, -1 takes nothing
+    assert kept.tolist() == [[0, 1], [0, 2], [1, -1], [-1, -1], [2, -1]]
+    assert comet.nn.expert_capacity(9, 2, 4, 0.6) == 3  # ceil(9 * 2 / 4 * 0.6)
+    g = torch.Generator().manual_seed(1)
+    for world, experts, k, tokens, capacity in [(2, 4, 2, 9, 3), (4, 8, 3, 6, None),
+                                                (2, 8, 2, 5, 1), (1, 4, 4, 7, 2)]:
+        bound = comet.nn.worst_case_rows(tokens, k, experts, world, capacity)
+        local = experts // world
+        rows = torch.zeros(world, dtype=torch.int64)
+        for _ in range(world):  # every source rank routes its own tokens
+            src = torch.rand(tokens, experts, generator=g).argsort(1)[:, :k]
+            if capacity is not None:
+                src = comet.nn.drop_over_capacity(src, experts, capacity)
+            src = src[src >= 0]
+            rows += torch.bincount(src // local, minlength=world)
+        assert int(rows.max()) <= bound
+    # every token to the experts of rank 0: the bound is reached
+    assert comet.nn.worst_case_rows(5, 2, 8, 2) == 2 * 5 * 2
+    assert comet.nn.worst_case_rows(5, 2, 8, 2, capacity=1) == 2 * 4 * 1
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bounded_moe_equals_the_dynamic_path(world, monkeypatch):
+    """capacity_factor (tokens dropped, bound derived) and max_rows=WORST_CASE take the sync-free
+    path: layer0 gets the bound and returns that many rows, and output and every gradient equal
+    the same layer on the dynamic path (max_rows=-1)."""
+    T, cf = 9, 0.6
+    seen = []
+    real0 = comet.moe_layer0
+
+    def spy(*args, **kwargs):
+        y0, layout = real0(*args, **kwargs)
+        seen.append((kwargs.get("max_rows"), y0.shape[0]))
+        return y0, layout
+
+    monkeypatch.setattr(comet, "moe_layer0", spy)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(T, H, generator=g) for _ in range(world)]
+    cases = [dict(capacity_factor=cf), dict(capacity_factor=cf, max_rows=-1),
+             dict(max_rows=comet.nn.WORST_CASE), dict()]
+    results = []
+    for case in cases:
+        bufs = comet.Buffer.simulated_world(world, timeout=20)
+
+        def rank(r, buf):
+            moe = comet.nn.MoE(H, F, E, K, buffer=buf, init_std=0.3, seed=5, n_comm=2,
+                               tile=(4, 8), **case)
+            x = xs[r].clone().requires_grad_()
+            out = moe(x)
+            out.square().sum().backward()
+            return out.detach(), x.grad, moe.w0.grad, moe.w1.grad, moe.router.weight.grad
+
+        results.append(run_threads(world, rank, buffers=bufs))
+    capacity = comet.nn.expert_capacity(T, K, E, cf)
+    bounds = [comet.nn.worst_case_rows(T, K, E, world, capacity), None,
+              comet.nn.worst_case_rows(T, K, E, world), None]
+    for i, bound in enumerate(bounds):
+        calls = seen[i * world:(i + 1) * world]
+        assert [b for b, _ in calls] == [bound] * world
+        if bound is not None:
+            assert all(rows == bound for _, rows in calls)
+    for bounded, dynamic in ((results[0], results[1]), (results[2], results[3])):
+        for got, want in zip(bounded, dynamic):
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # the capacity really dropped slots: its output differs from the undropped layer's
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(results[0], results[3]))
+
+
+def test_bound_arguments_are_checked():
+    buf = comet.Buffer.simulated_world(1)[0]
+    with pytest.raises(ValueError, match="capacity_factor=0 must be > 0"):
+        comet.nn.MoE(H, F, E, K, buffer=buf, capacity_factor=0)
+    with pytest.raises(ValueError, match="max_rows='huge' must be"):
+        comet.nn.MoE(H, F, E, K, buffer=buf, max_rows="huge")
+    moe = comet.nn.MoE(H, F, E, K, buffer=buf, max_rows=3)  # a user's bound that is too small
+    with pytest.raises(ValueError, match="receives 16 rows but max_rows is 3"):
+        moe(torch.randn(8, H))
