@@ -260,3 +260,42 @@ def test_ungated_biased_experts_module(monkeypatch):
     torch.testing.assert_close(dx_c, dx_e, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_c, g_e):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_max_rows_takes_the_sync_free_path(family, monkeypatch):
+    """set_max_rows: layer0 gets the bound (WORST_CASE: W * T * min(k, E/W) for the call's T,
+    or a user's int) and returns that many rows; logits and every gradient equal the eager
+    experts' and the dynamic comet path's."""
+    model = build(family)
+    embeds = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3))
+    ref = run(model, "eager", embeds)
+    dynamic = run(model, "comet", embeds)
+    seen = []
+    real0 = comet.moe_layer0
+
+    def spy(*args, **kwargs):
+        y0, layout = real0(*args, **kwargs)
+        seen.append((kwargs.get("max_rows"), y0.shape[0]))
+        return y0, layout
+
+    monkeypatch.setattr(comet, "moe_layer0", spy)
+    T = embeds.shape[0] * embeds.shape[1]
+    for bound, want_rows in ((comet.nn.WORST_CASE, T * K), (T * K + 3, T * K + 3)):
+        seen.clear()
+        comet.hf.set_max_rows(model, bound)
+        got = run(model, "comet", embeds)
+        assert seen == [(want_rows, want_rows)] * 2, seen  # both MoE layers
+        compare(family, ref, got, atol=1e-5, rtol=1e-5)
+        # the model's activation runs on the padded rows too: torch's vectorised and scalar
+        # sigmoid differ by an ulp, so a different row count may move a value by one
+        compare(family, dynamic, got, atol=1e-6, rtol=1e-6)
+    comet.hf.set_max_rows(model, -1)  # back to the dynamic path
+    seen.clear()
+    run(model, "comet", embeds)
+    assert [b for b, _ in seen] == [None, None]
+    comet.hf.set_max_rows(model, 5)  # a user's bound that is too small
+    with pytest.raises(ValueError, match="max_rows is 5"):
+        run(model, "comet", embeds)
+    with pytest.raises(ValueError, match="max_rows=2.5 must be"):
+        comet.hf.set_max_rows(model, 2.5)

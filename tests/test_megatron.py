@@ -115,7 +115,9 @@ def _one_rank_checks(rank, world):
     # bf16 parameters and activations, fp32 router (Megatron's moe_router_dtype)
     upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
                                      moe_router_dtype="fp32"))
-    diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), "bf16", atol=2e-2,
+    # atol 3e-2: dW1 rounds a different product to bf16 on each side (comet w * dout, the
+    # operand of its bf16 weight-gradient GEMM; Megatron probs * act), gradients up to ~16
+    diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), "bf16", atol=3e-2,
                              rtol=2e-2)
 
     upstream, ours = _layers(_config(), delay_wgrad=True)

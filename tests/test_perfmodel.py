@@ -659,3 +659,43 @@ def test_readme_table_across_nodes_is_the_models():
         assert cells[10] == f"{r[True]['baseline'] / r[True]['fused']:.2f}x"
         seen += 1
     assert seen == 6 and reduced == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: the weight-gradient grouped GEMM counted in the backward's time
+# --------------------------------------------------------------------------------------------------
+
+
+def test_weight_grad_time_is_the_forward_gemm_flops_at_the_tensor_core_rate():
+    spec = pm.get_spec("h100")
+    for layer, n in ((0, 4096), (1, 2048)):
+        s = pm.MoEShape(W=8, E=64, k=8, H=7168, N=n, T=4096)
+        m = s.W * s.T * s.k / s.W  # rows on this rank (uniform routing)
+        ideal = 2 * m * n * s.H / (spec.peak_flops(2) * spec.gemm_eff)
+        t = pm.weight_grad_time(s, spec, layer)
+        assert ideal <= t <= 1.05 * ideal  # compute bound: only tile rounding on top
+        s32 = pm.MoEShape(**{**s.__dict__, "dtype_bytes": 4})  # fp32 operands: no tensor cores
+        ratio = pm.weight_grad_time(s32, spec, layer) / t
+        assert ratio == pytest.approx(spec.bf16_tflops / spec.fp32_tflops, rel=0.05)
+    empty = pm.MoEShape(W=2, E=4, k=2, H=64, N=64, T=8, expert_rows=(0, 0))
+    assert pm.weight_grad_time(empty, spec, 0) == 0.0
+    # one expert with all rows: its tiles cannot spread over more SMs than it has tiles
+    skew = pm.MoEShape(W=2, E=4, k=2, H=128, N=128, T=4096, expert_rows=(8192, 0))
+    per_sm = spec.peak_flops(2) * spec.gemm_eff / spec.sm_count
+    assert pm.weight_grad_time(skew, spec, 0) >= 2 * 128 * 128 * 8192 / per_sm
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layer=st.sampled_from([0, 1]), W=st.sampled_from([1, 2, 8]), k=st.sampled_from([1, 2, 8]),
+       T=st.integers(0, 8192), H=st.sampled_from([512, 4096]), N=st.sampled_from([256, 2048]))
+def test_backward_overlap_lies_between_its_bounds(layer, W, k, T, H, N):
+    spec = pm.get_spec("h100")
+    s = pm.MoEShape(W=W, E=max(8, k), k=k, H=H, N=N, T=T)
+    r = pm.predict_backward(s, spec, layer)
+    assert r["weight_grad"] == pm.weight_grad_time(s, spec, layer)
+    assert r["sequential"] == pytest.approx(r["collective"] + r["weight_grad"])
+    assert max(r["collective"], r["weight_grad"]) <= r["overlapped"] * (1 + 1e-12)
+    assert r["overlapped"] <= r["sequential"] * (1 + 1e-12)
+    if layer == 0:  # dx is a moe_layer1-type call over the forward's rows
+        n = pm.choose_n_comm(s, spec, 1)
+        assert r["collective"] == pm.predict(s, spec, n, 1)["fused"]
