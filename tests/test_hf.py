@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import comet  # noqa: E402
 import comet.hf  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
+from tests.layer0_spy import spy_layer0  # noqa: E402
 
 H, F, E, K = 16, 12, 4, 2
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "gpt_oss"]
@@ -263,7 +264,7 @@ def test_ungated_biased_experts_module(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_max_rows_takes_the_sync_free_path(family, monkeypatch):
+def test_max_rows_takes_the_sync_free_path(family):
     """set_max_rows: layer0 gets the bound (WORST_CASE: W * T * min(k, E/W) for the call's T,
     or a user's int) and returns that many rows; logits and every gradient equal the eager
     experts' and the dynamic comet path's."""
@@ -271,29 +272,18 @@ def test_max_rows_takes_the_sync_free_path(family, monkeypatch):
     embeds = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3))
     ref = run(model, "eager", embeds)
     dynamic = run(model, "comet", embeds)
-    seen = []
-    real0 = comet.moe_layer0
-
-    def spy(*args, **kwargs):
-        y0, layout = real0(*args, **kwargs)
-        seen.append((kwargs.get("max_rows"), y0.shape[0]))
-        return y0, layout
-
-    monkeypatch.setattr(comet, "moe_layer0", spy)
     T = embeds.shape[0] * embeds.shape[1]
-    for bound, want_rows in ((comet.nn.WORST_CASE, T * K), (T * K + 3, T * K + 3)):
-        seen.clear()
-        comet.hf.set_max_rows(model, bound)
-        got = run(model, "comet", embeds)
-        assert seen == [(want_rows, want_rows)] * 2, seen  # both MoE layers
+    for bound, rows in ((comet.nn.WORST_CASE, T * K), (T * K + 3, T * K + 3), (-1, None)):
+        comet.hf.set_max_rows(model, bound)  # -1: back to the dynamic path
+        with spy_layer0() as seen:
+            got = run(model, "comet", embeds)
+        assert [b for b, _ in seen] == [rows] * 2, seen  # both MoE layers
+        if rows is not None:
+            assert [m for _, m in seen] == [rows] * 2, seen
         compare(family, ref, got, atol=1e-5, rtol=1e-5)
         # the model's activation runs on the padded rows too: torch's vectorised and scalar
         # sigmoid differ by an ulp, so a different row count may move a value by one
         compare(family, dynamic, got, atol=1e-6, rtol=1e-6)
-    comet.hf.set_max_rows(model, -1)  # back to the dynamic path
-    seen.clear()
-    run(model, "comet", embeds)
-    assert [b for b, _ in seen] == [None, None]
     comet.hf.set_max_rows(model, 5)  # a user's bound that is too small
     with pytest.raises(ValueError, match="max_rows is 5"):
         run(model, "comet", embeds)

@@ -289,32 +289,22 @@ def test_grouped_mlp_weights_are_read_in_place():
 def _capacity_bound_checks(rank, world):
     """moe_expert_capacity_factor bounds the rows: layer0 gets max_rows (and returns that many
     rows), and the layer equals upstream's and, bitwise, itself on the dynamic path."""
-    import comet
-    from comet.megatron import comet_nn
+    from comet import nn as comet_nn
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
+    from tests.layer0_spy import spy_layer0
+
     _setup(world)
-    seen = []
-    real0 = comet.moe_layer0
-
-    def spy(*args, **kwargs):
-        y0, layout = real0(*args, **kwargs)
-        seen.append((kwargs.get("max_rows"), y0.shape[0]))
-        return y0, layout
-
-    comet.moe_layer0 = spy
-    try:
-        g = torch.Generator().manual_seed(21 + rank)  # each rank its own tokens, as many
-        x = torch.randn(5, 2, H, generator=g)
-        v = torch.randn(5, 2, H, generator=g)
-        cfg = _config(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
+    g = torch.Generator().manual_seed(21 + rank)  # each rank its own tokens, as many
+    x = torch.randn(5, 2, H, generator=g)
+    v = torch.randn(5, 2, H, generator=g)
+    cfg = _config(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
+    with spy_layer0() as seen:
         upstream, ours = _layers(cfg)
         diff = _compare(upstream, ours, x, v, f"capacity bound rank {rank}")
         _, dynamic = _layers(cfg, max_rows=-1)
         ours.zero_grad(set_to_none=True)
         got, want = _run(ours, x, v), _run(dynamic, x, v)
-    finally:
-        comet.moe_layer0 = real0
     T = x.shape[0] * x.shape[1]
     bound = comet_nn.worst_case_rows(T, K, E, world, get_capacity(T * K, E, 0.5))
     assert bound < comet_nn.worst_case_rows(T, K, E, world)  # the capacity tightens it

@@ -10,6 +10,7 @@ import torch
 import comet
 import comet.nn
 from tests.dist_utils import run_ranks
+from tests.layer0_spy import spy_layer0
 from tests.sim_world import run_threads
 
 H, F, E, K = 12, 10, 4, 2
@@ -224,25 +225,16 @@ def test_drop_over_capacity_and_the_row_bound():
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_bounded_moe_equals_the_dynamic_path(world, monkeypatch):
+def test_bounded_moe_equals_the_dynamic_path(world):
     """capacity_factor (tokens dropped, bound derived) and max_rows=WORST_CASE take the sync-free
     path: layer0 gets the bound and returns that many rows, and output and every gradient equal
     the same layer on the dynamic path (max_rows=-1)."""
     T, cf = 9, 0.6
-    seen = []
-    real0 = comet.moe_layer0
-
-    def spy(*args, **kwargs):
-        y0, layout = real0(*args, **kwargs)
-        seen.append((kwargs.get("max_rows"), y0.shape[0]))
-        return y0, layout
-
-    monkeypatch.setattr(comet, "moe_layer0", spy)
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(T, H, generator=g) for _ in range(world)]
     cases = [dict(capacity_factor=cf), dict(capacity_factor=cf, max_rows=-1),
              dict(max_rows=comet.nn.WORST_CASE), dict()]
-    results = []
+    results, seen = [], []
     for case in cases:
         bufs = comet.Buffer.simulated_world(world, timeout=20)
 
@@ -254,7 +246,9 @@ def test_bounded_moe_equals_the_dynamic_path(world, monkeypatch):
             out.square().sum().backward()
             return out.detach(), x.grad, moe.w0.grad, moe.w1.grad, moe.router.weight.grad
 
-        results.append(run_threads(world, rank, buffers=bufs))
+        with spy_layer0() as calls:
+            results.append(run_threads(world, rank, buffers=bufs))
+        seen += calls
     capacity = comet.nn.expert_capacity(T, K, E, cf)
     bounds = [comet.nn.worst_case_rows(T, K, E, world, capacity), None,
               comet.nn.worst_case_rows(T, K, E, world), None]
