@@ -108,10 +108,11 @@ __all__ = [
 # dW1 takes the fp32 product w * dout against bf16 h) rounds the fp32 one to the 16-bit dtype once,
 # as a whole tensor; float64 anywhere (the CPU gradient checks) runs everything in float64.
 #
-# Order: every expert's rows are reduced by one GEMM of its own (grouped: one problem of the kernel;
-# looped: one mm, experts in index order), with no atomics and nothing that depends on timing, so
-# the result is bitwise reproducible run to run on the same device and path (the grouped kernel and
-# the loop are not bitwise equal to each other). The CPU backend runs the loop (its offsets are
+# Order: every expert's rows are reduced by one GEMM of its own (grouped: one problem of the kernel,
+# each output tile one block's reduction over all of the expert's rows, as CUTLASS's grouped tile
+# scheduler has no split-K; looped: one mm, experts in index order), with no atomics and nothing
+# that depends on timing, so the result is bitwise reproducible run to run on the same device and
+# path (the grouped kernel and the loop are not bitwise equal to each other). The CPU backend runs the loop (its offsets are
 # host memory already) with the operands widened once to the fp32 accumulator: products of 16-bit
 # values are exact in fp32, so it sums the same products as the tensor cores, in its own order.
 
