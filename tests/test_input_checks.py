@@ -183,7 +183,7 @@ BOUNDED_CHECKS = [
 
 
 @pytest.mark.parametrize("name,layer,bad,message", CHECKS + BOUNDED_CHECKS,
-                         ids=[c[0] for c in CHECKS + BOUNDED_CHECKS])
+                         ids=[c[0].replace(" ", "_") for c in CHECKS + BOUNDED_CHECKS])
 def test_check_raises_on_every_rank(name, layer, bad, message):
     l0_over = dict(max_rows=40) if (name, layer, bad, message) in BOUNDED_CHECKS else None
     (err0, ok0), (err1, ok1) = _run(layer, bad, l0_over)

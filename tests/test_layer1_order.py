@@ -21,7 +21,8 @@ LAUNCHES = [(1, 1, (8, 8), 1), (3, 2, (5, 7), 1), (2, 3, (4, 16), 2), (3, 1, (64
 
 
 def run_op(case, dtype, *, n_comm=1, n_gemm=1, tile=(8, 8), threads=1, ranks_per_node=None,
-           node_reduce=False, bias=False, w1_transposed=False, inputs=None):
+           node_reduce=False, bias=False, w1_transposed=False, inputs=None, layer1_kw=None):
+    """layer1_kw: more moe_layer1 arguments (e.g. a column band): they must not change a bit."""
     xs, w0s, w1s, ids, wts = inputs or make_inputs(case, dtype)
     b1s = make_biases(case, dtype)[1] if bias else None
     w1_arg = [w.transpose(1, 2).contiguous() for w in w1s] if w1_transposed else w1s
@@ -38,7 +39,7 @@ def run_op(case, dtype, *, n_comm=1, n_gemm=1, tile=(8, 8), threads=1, ranks_per
         h = h_from_y0(y0, case.n1)
         out = comet.moe_layer1(h, w1_arg[r], wts[r], layout, buffer=buf, n_comm=n_comm,
                                tile=tile, b1=None if b1s is None else b1s[r],
-                               w1_transposed=w1_transposed)
+                               w1_transposed=w1_transposed, **(layer1_kw or {}))
         return h, out
 
     got = run_threads(case.world, rank, buffers=bufs)

@@ -36,7 +36,7 @@ class Mutant:
     file: str
     original: str
     replacement: str
-    tests: tuple[str, ...]  # pytest node ids / files (with "::" or -k after a space)
+    tests: tuple[str, ...]  # pytest file [-k expr], or cpp:<CMake test target>
 
 
 MUTANTS = [
@@ -49,7 +49,7 @@ MUTANTS = [
            "        load_group_as(recv + (p * pstride",
            "      for (int32_t p = parts - 1; p >= 0; --p) {\n        float v[kColGroup];\n"
            "        load_group_as(recv + (p * pstride",
-           ("tests/test_layer1_order.py -k every_case",)),
+           ("tests/test_layer1_order.py -k every_case", "cpp:test_fused")),
     Mutant("swiglu gate and up swapped", "comet/nn.py",
            "gate, up = y.to(acc).chunk(2, dim=-1)", "up, gate = y.to(acc).chunk(2, dim=-1)",
            ("tests/test_nn.py -k dense_reference",)),
@@ -130,8 +130,25 @@ def rebuild_cpp(copy: Path, mutated: str) -> None:
                    capture_output=True)
 
 
+def run_cpp_test(copy: Path, target: str, timeout: float) -> tuple[bool, str]:
+    """A torch-free C++ test (CMakeLists.txt target) built in the copy and run."""
+    build = copy / "cbuild-mutant"
+    subprocess.run(["cmake", "-S", str(copy), "-B", str(build), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"),
+                    "--target", target], check=True, capture_output=True)
+    try:
+        r = subprocess.run([str(build / target)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, f"{target} (timed out: counts as killed)"
+    first = next((l for l in r.stderr.splitlines() if "CHECK failed" in l), "")
+    return r.returncode != 0, f"{target} ({first.split('/')[-1][:60]})"
+
+
 def run_tests(copy: Path, selection: str, timeout: float) -> tuple[bool, str]:
     """Whether the selection fails (the mutant is killed), and the first failing test."""
+    if selection.startswith("cpp:"):
+        return run_cpp_test(copy, selection[4:], timeout)
     parts = shlex.split(selection)
     args = [parts[0]] + (["-k", " ".join(parts[2:])] if len(parts) > 2 and parts[1] == "-k" else [])
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
@@ -144,7 +161,7 @@ def run_tests(copy: Path, selection: str, timeout: float) -> tuple[bool, str]:
         return True, f"{selection} (timed out: counts as killed)"
     failed = re.findall(r"^FAILED (\S+)", r.stdout, re.M)
     if r.returncode == 5:
-        raise SystemExit(f"no test selected by {selection!r}")
+        return False, f"NO TEST SELECTED by {selection!r}"
     return r.returncode != 0, failed[0] if failed else r.stdout.strip().splitlines()[-1:]
 
 
@@ -153,6 +170,8 @@ def main() -> int:
     ap.add_argument("--python-only", action="store_true", help="skip mutants that need a rebuild")
     ap.add_argument("--only", default="", help="mutants whose name contains this")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per test selection")
+    ap.add_argument("--every-test", action="store_true",
+                    help="run every selection of a mutant (default: stop at the first that fails)")
     a = ap.parse_args()
     chosen = [m for m in MUTANTS if a.only in m.name
               and not (a.python_only and not m.file.endswith(".py"))]
@@ -169,14 +188,15 @@ def main() -> int:
                 survived += 1
                 continue
             path.write_text(text.replace(m.original, m.replacement))
-            if not m.file.endswith(".py"):
+            if not m.file.endswith(".py") and any(not t.startswith("cpp:") for t in m.tests):
                 rebuild_cpp(copy, m.file)
             killers = []
             for sel in m.tests:  # the first selection that fails kills it: the rest are spared
                 killed, test = run_tests(copy, sel, a.timeout)
                 if killed:
                     killers.append(str(test))
-                    break
+                    if not a.every_test:
+                        break
             verdict = "killed by " + "; ".join(killers) if killers else "SURVIVED"
             survived += not killers
             rows.append((m.name, verdict, time.monotonic() - t0))
