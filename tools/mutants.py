@@ -4,9 +4,10 @@ the test suite must catch (`make mutants`).
 Every mutant is (file, the exact original text, its replacement, the tests that must fail). The
 copy holds the tracked and untracked-not-ignored files (no .venv, no build dirs). A Python mutant
 runs against this repository's built extension (copied in). A C++ mutant recompiles only the
-objects of this repository's CPU-only build (`COMET_CUDA=0 setup.py build_ext --inplace`) whose
-dependency files name the mutated source, with the compile lines of its build.ninja, and links
-them with the other objects: minutes, not a full build.
+objects of this repository's CPU-only build (`COMET_CUDA=0 setup.py build_ext --inplace`) that
+include the mutated source (ninja -t deps), with the compile lines of its build.ninja, and links
+them with the other objects: minutes, not a full build. A `cpp:<target>` selection builds that
+torch-free C++ test (CMakeLists.txt) in the copy and runs it.
 
     python tools/mutants.py                 # every mutant; table mutant -> killed by which test
     python tools/mutants.py --python-only   # no recompilation (what `make test` runs)
@@ -95,6 +96,9 @@ def build_dir() -> Path:
     return found[0].parent
 
 
+NINJA = shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))  # the venv's
+
+
 def rebuild_cpp(copy: Path, mutated: str) -> None:
     """Recompile the objects that depend on `mutated` from the copy's sources; relink _C."""
     bdir = build_dir()
@@ -108,8 +112,9 @@ def rebuild_cpp(copy: Path, mutated: str) -> None:
     new_objs = []
     target = str(ROOT / mutated)
     for obj, src in objs:
-        dep = Path(obj + ".d")
-        deps = dep.read_text() if dep.exists() else ""
+        # ninja keeps the headers each object includes in .ninja_deps (deps = gcc)
+        deps = subprocess.run([NINJA, "-C", str(bdir), "-t", "deps", obj], capture_output=True,
+                              text=True).stdout
         if target in deps or src == target:
             out = copy / "mutant_objs" / Path(obj).name
             out.parent.mkdir(exist_ok=True)
