@@ -15,7 +15,8 @@ export MAX_JOBS ?= 2
 DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
 
-.PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu bench clean
+.PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu \
+	test-mutants mutants bench clean
 
 # Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
 $(VENV)/.deps: Makefile
@@ -64,7 +65,18 @@ test-cuda-static: $(VENV)/.deps
 		$(PY) tools/check_ptxas.py --jobs $(MAX_JOBS); \
 	else echo "nvcc not found: CUDA static checks skipped"; fi
 
-test: test-cpp test-tsan test-cuda-static test-py test-py-nodes
+# Mutation check (tools/mutants.py): plausible one-line bugs applied to a copy of the repository,
+# each of which must make its tests fail. CI runs the Python mutants (no rebuild, a few minutes);
+# `make mutants` runs them all, the C++ ones relinking a CPU-only build (COMET_CUDA=0) with the
+# mutated objects recompiled.
+test-mutants: setup
+	$(PY) tools/mutants.py --python-only
+
+mutants: $(VENV)/.deps
+	COMET_CUDA=0 $(PY) setup.py build_ext --inplace -q
+	$(PY) tools/mutants.py
+
+test: test-cpp test-tsan test-cuda-static test-py test-py-nodes test-mutants
 
 # GPU tests: skip without a GPU; on a machine with N GPUs: make test-gpu NGPU=N
 NGPU ?= 1

@@ -134,13 +134,15 @@ def test_gpt_oss_clamps_and_biases_are_exercised():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_comet_experts_match_eager_bf16(family):
+def test_comet_experts_match_eager_bf16(family, monkeypatch):
     # One layer: with two, bf16 rounding differences before the second router could flip a
     # near-tie in its top-k and send a token to another expert (a different function).
     model = build(family, layers=1, dtype=torch.bfloat16)
     embeds = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = run(model, "eager", embeds)
+    calls = count_calls(monkeypatch)
     got = run(model, "comet", embeds)
+    assert calls == {"layer0": 1, "layer1": 1}, calls  # comet ran (one pair for the one layer)
     assert got[0].dtype == torch.bfloat16
     compare(family, ref, got, atol=2e-2, rtol=2e-2)
 

@@ -9,7 +9,7 @@ import torch
 import comet
 from tests.cases import E6_ON_3, cases_for, make_inputs
 from tests.dist_utils import check_last_rank_killed, run_ranks
-from tests.test_ops_dist import _compare_all_cases
+from tests.test_ops_dist import _compare_all_cases, check_suite_settings
 from tests.test_ops_sim import check_against_reference, run_layers
 
 # (world, ranks per node): 2 nodes x 2, 2 nodes x 3, 3 nodes x 2
@@ -95,7 +95,7 @@ def test_full_op_suite_across_processes_on_two_nodes(world, rpn):
     results = run_ranks(_compare_all_cases, world, cases, timeout=300,
                         env={"COMET_CPU_RANKS_PER_NODE": str(rpn),
                              "COMET_CPU_LINK_LATENCY_US": "50"})
-    assert all(len(r) == 2 * len(cases) for r in results)
+    check_suite_settings(results, cases, world, ranks_per_node=rpn)
 
 
 @pytest.mark.parametrize("node_reduce", [False, True], ids=["per-rank", "node-reduced"])

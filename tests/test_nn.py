@@ -9,6 +9,7 @@ import torch
 
 import comet
 import comet.nn
+from tests import oracles
 from tests.dist_utils import run_ranks
 from tests.layer0_spy import spy_layer0
 from tests.sim_world import run_threads
@@ -24,10 +25,10 @@ def dense_moe(x, router_w, w0, w1, k, renormalize, coeff):
         weights = weights / weights.sum(-1, keepdim=True)
     gates = torch.zeros_like(probs).scatter_add(1, ids, weights)  # [T, E]
     y = torch.einsum("th,enh->etn", x.float(), w0.float())
-    h = comet.nn.swiglu(y)
+    h = oracles.swiglu(y)
     per_expert = torch.einsum("etf,ehf->eth", h, w1.float())
     out = torch.einsum("te,eth->th", gates, per_expert)
-    aux = coeff * comet.nn.load_balancing_loss(probs, ids, w0.shape[0])
+    aux = coeff * oracles.switch_balance_loss(probs, ids, w0.shape[0])
     return out.to(x.dtype), aux
 
 
@@ -139,7 +140,7 @@ def test_shared_expert_equals_sequential_computation(world, gate):
         x = xs[r].clone().requires_grad_()
         routed = moe(x)
         extra = torch.nn.functional.linear(
-            comet.nn.swiglu(torch.nn.functional.linear(x, shared["shared_w0"])),
+            oracles.swiglu(torch.nn.functional.linear(x, shared["shared_w0"])),
             shared["shared_w1"])
         if gate:
             extra = extra * torch.sigmoid(torch.nn.functional.linear(x, shared["shared_gate"]))

@@ -13,7 +13,7 @@ import comet
 from tests.cases import cases_for, make_inputs
 from tests.dist_utils import comet_segments, run_ranks
 from tests.sim_world import run_threads
-from tests.test_ops_dist import _compare_all_cases
+from tests.test_ops_dist import _compare_all_cases, check_suite_settings
 from tests.test_ops_sim import check_against_reference, run_layers
 
 TOPOLOGIES = [(4, 2), (6, 3), (6, 2)]
@@ -111,7 +111,7 @@ def test_process_suite_node_reduced_on_two_nodes(world, rpn):
     results = run_ranks(_compare_all_cases, world, cases, timeout=300,
                         env={"COMET_CPU_RANKS_PER_NODE": str(rpn), "COMET_NODE_REDUCE": "1",
                              "COMET_CPU_LINK_LATENCY_US": "50"})
-    assert all(len(r) == 2 * len(cases) for r in results)
+    check_suite_settings(results, cases, world, ranks_per_node=rpn, node_reduce=True)
 
 
 def test_bad_node_reduce_values_are_refused(monkeypatch):

@@ -1,6 +1,7 @@
 """comet's ops across real processes (torch.distributed gloo on 127.0.0.1, shared-memory symmetric
 heap): results vs the reference on 1-4 ranks, bad input raising on every rank within seconds, and
 a rank killed mid-call ending in an error on the survivors instead of a hang."""
+import os
 import time
 
 import pytest
@@ -29,14 +30,32 @@ def _compare_all_cases(rank, world, cases):
             torch.testing.assert_close(out, out_ref, **TOL[dtype])
             errors[(case.name, str(dtype))] = float((out.float() - out_ref.float()).abs().max()) \
                 if out.numel() else 0.0
-    return errors
+    buf = comet.symm.buffer_for(None)  # the settings the calls ran with, as the buffer reports them
+    return {"errors": errors, "ranks_per_node": buf.ranks_per_node, "node_reduce": buf.node_reduce,
+            "link_puts": buf.link_stats()[0]}
+
+
+def check_suite_settings(results, cases, world, ranks_per_node=None, node_reduce=False):
+    """Every case ran on every rank, under the node settings the test (or the environment, for
+    make test-py-nodes) asked for, and with several nodes the link proxy carried puts: a buffer
+    that ignored the settings would pass the comparisons on one node."""
+
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("COMET_CPU_RANKS_PER_NODE", world))
+    for r, res in enumerate(results):
+        assert len(res["errors"]) == 2 * len(cases), r
+        assert res["ranks_per_node"] == ranks_per_node, (r, res["ranks_per_node"])
+        assert res["node_reduce"] == (node_reduce and ranks_per_node < world), (r, res)
+    if ranks_per_node < world:
+        assert sum(res["link_puts"] for res in results) > 0
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ops_match_reference_across_processes(world):
     cases = cases_for(world) + ([E6_ON_3] if world == 3 else [])
     results = run_ranks(_compare_all_cases, world, cases, timeout=240)
-    assert all(len(r) == 2 * len(cases) for r in results)
+    check_suite_settings(results, cases, world,
+                         node_reduce=os.environ.get("COMET_NODE_REDUCE", "0") == "1")
 
 
 def _bad_inputs(rank, world):

@@ -52,9 +52,19 @@ def test_matches_reference(case, dtype):
     check_against_reference(case, dtype, results, inputs)
 
 
+# Three cases of world 3 and three of world 4 (every routing kind once), and E=6 on 3 ranks.
+SPLIT_CASES = [cases_for(3)[i] for i in (0, 3, 5)] + [cases_for(4)[i] for i in (1, 2, 4)] + [E6_ON_3]
+
+
+def test_split_cases_cover_worlds_three_and_four():
+    assert {c.world for c in SPLIT_CASES} == {3, 4}
+    assert {c.routing for c in SPLIT_CASES} >= {"uniform", "dropped", "skewed", "one_expert",
+                                                "duplicates"}
+
+
 @pytest.mark.parametrize("n_comm,n_gemm,tile", [(1, 1, (4, 4)), (2, 3, (8, 16)), (3, 2, (5, 7)),
                                                 (3, 1, (64, 64))])
-@pytest.mark.parametrize("case", [c for c in CASES if c.world in (3, 4)][:6] + [E6_ON_3], ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_block_counts_and_tiles_bitwise_equal(case, n_comm, n_gemm, tile, dtype):
     """Any split and tile shape gives the same bits as the baseline (fixed reduction order)."""
@@ -129,3 +139,27 @@ def test_float64_on_cpu_accumulates_in_double():
     for r, res in enumerate(results):
         torch.testing.assert_close(res[0], y0_ref[r], atol=1e-12, rtol=1e-12)
         torch.testing.assert_close(res[3], out_ref[r], atol=1e-12, rtol=1e-12)
+
+
+def test_environment_settings_take_effect():
+    """The suites rerun under COMET_CPU_RANKS_PER_NODE / COMET_NODE_REDUCE (make test-py-nodes):
+    the buffers must report what the environment asks for, and with several nodes the calls must
+    cross the link proxy, or those runs would silently test one node."""
+    rpn_env = os.environ.get("COMET_CPU_RANKS_PER_NODE")
+    reduce_env = os.environ.get("COMET_NODE_REDUCE", "0") == "1"
+    case = cases_for(4)[0]
+    bufs = comet.Buffer.simulated_world(4, timeout=20)
+    rpn = int(rpn_env) if rpn_env else 4
+    assert [b.ranks_per_node for b in bufs] == [rpn] * 4
+    assert [b.node_reduce for b in bufs] == [reduce_env and rpn < 4] * 4
+    results, inputs = run_layers(case, torch.float32, buffers=bufs)
+    check_against_reference(case, torch.float32, results, inputs)
+    puts = sum(b.link_stats()[0] for b in bufs)
+    assert (puts > 0) == (rpn < 4), f"{puts} puts over the link with {rpn} ranks per node"
+
+
+@pytest.mark.parametrize("rpn,node_reduce", [(1, "0"), (2, "1"), (2, "0")])
+def test_environment_settings_are_read(monkeypatch, rpn, node_reduce):
+    monkeypatch.setenv("COMET_CPU_RANKS_PER_NODE", str(rpn))
+    monkeypatch.setenv("COMET_NODE_REDUCE", node_reduce)
+    test_environment_settings_take_effect()

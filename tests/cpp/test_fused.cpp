@@ -172,6 +172,62 @@ void check_oracle(const Problem& p, const std::vector<Result>& res) {
   }
 }
 
+// layer1's reduction order exactly as README states it ("The layer1 reduction order";
+// tests/layer1_order.py is the same statement in Python), in fp32, compared bit for bit: the
+// GEMM's dot product in 8 ascending lanes combined as a fixed tree; each sending rank's partial
+// over its slots in ascending slot; node-reduced (reduce_rpn > 0), a node's partials summed in
+// ascending rank; the home adding the partials in ascending rank (a reduced node at its first
+// rank). The other bitwise checks compare the op with itself and miss an order changed everywhere.
+float lane_dot(const float* a, const float* b, int64_t k) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < k; ++i) lane[i % 8] += a[i] * b[i];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+void check_exact_order(const Problem& p, const std::vector<Result>& res, int32_t reduce_rpn) {
+  auto row_of = [&](int32_t q, int32_t s, int64_t t, int32_t j) -> int64_t {
+    const Result& rq = res[size_t(q)];
+    for (size_t i = 0; i < rq.row_source.size(); ++i)
+      if (rq.row_source[i] == s && rq.row_token[i] == t && rq.row_slot[i] == j) return int64_t(i);
+    return -1;
+  };
+  for (int32_t s = 0; s < p.W; ++s) {
+    const Rank& rs = p.ranks[size_t(s)];
+    for (int64_t t = 0; t < rs.tokens; ++t) {
+      std::vector<std::pair<int32_t, std::vector<float>>> parts;  // (key, partial) by key
+      for (int32_t q = 0; q < p.W; ++q) {
+        std::vector<float> acc(size_t(p.H), 0.f);
+        bool any = false;
+        for (int32_t j = 0; j < p.k; ++j) {
+          const int32_t e = rs.ids[size_t(t * p.k + j)];
+          if (e < 0 || e / p.El != q) continue;
+          any = true;
+          const int64_t row = row_of(q, s, t, j);
+          CHECK(row >= 0);
+          if (row < 0) return;
+          for (int64_t h = 0; h < p.H; ++h)
+            acc[size_t(h)] += rs.weights[size_t(t * p.k + j)] *
+                              lane_dot(&res[size_t(q)].y0[size_t(row * p.N)],
+                                       &p.ranks[size_t(q)].w1[size_t(((e % p.El) * p.H + h) * p.N)],
+                                       p.N);
+        }
+        if (!any) continue;
+        const bool relayed = reduce_rpn > 0 && q / reduce_rpn != s / reduce_rpn;
+        const int32_t key = relayed ? q / reduce_rpn * reduce_rpn : q;
+        if (!parts.empty() && parts.back().first == key)
+          for (int64_t h = 0; h < p.H; ++h) parts.back().second[size_t(h)] += acc[size_t(h)];
+        else
+          parts.emplace_back(key, std::move(acc));
+      }
+      for (int64_t h = 0; h < p.H; ++h) {
+        float acc = 0.f;
+        for (const auto& kp : parts) acc += kp.second[size_t(h)];
+        CHECK(res[size_t(s)].out[size_t(t * p.H + h)] == acc);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -187,6 +243,7 @@ int main() {
       const Problem p = make_problem(rng, W);
       const std::vector<Result> base = run_world(heaps, p, cpu::CpuLaunch{1, 1, 4, 4, 1, 0});
       check_oracle(p, base);
+      check_exact_order(p, base, 0);
       const cpu::CpuLaunch others[] = {{2, 2, 5, 3, 2, 0}, {1, 3, 3, 8, 4, 0},
                                        {2, 1, 2, 2, 4, 17 + uint64_t(iter)}};
       for (const cpu::CpuLaunch& l : others) {
@@ -227,8 +284,10 @@ int main() {
         CHECK(got[size_t(r)].out == base[size_t(r)].out);
         CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);
       }
+      check_exact_order(p, got, 0);
       const std::vector<Result> red = run_world(reduced, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 0});
       check_oracle(p, red);
+      check_exact_order(p, red, rpn);
       const std::vector<Result> red2 =
           run_world(reduced, p, cpu::CpuLaunch{1, 3, 3, 8, 4, 41 + uint64_t(iter)});
       for (int32_t r = 0; r < W; ++r) CHECK(red2[size_t(r)].out == red[size_t(r)].out);

@@ -82,5 +82,15 @@ def test_comm_and_gemm_timings(world, capsys):
                   f"{'overlap':>8} {'op ms':>8}")
             for name, fused, comm, gemm, overlap, op in rows:
                 print(f"{name:8} {fused:9.3f} {comm:10.3f} {gemm:10.3f} {overlap:8.2f} {op:8.3f}")
-    for _, fused, comm, gemm, _, _ in rows:
+    for name, fused, comm, gemm, _, op in rows:
         assert fused > 0 and comm > 0 and gemm > 0
+        # Bounds, not just "> 0": the fused kernel does the work of both halves, so it cannot
+        # beat the slower one, and overlap means it does not take longer than both in sequence
+        # (10% for launch noise); the whole op adds the prologue around the kernel.
+        assert fused >= 0.9 * max(comm, gemm), (name, fused, comm, gemm)
+        assert fused <= 1.1 * (comm + gemm), (name, fused, comm, gemm)
+        assert op >= 0.9 * fused, (name, op, fused)
+        # Roofline of the GEMM half at >= 50 TFLOP/s (bf16 tensor cores of an A100 or better,
+        # slack included): a kernel 10x slower than that has lost its tensor-core path.
+        flops = 2.0 * TOKENS * TOPK * HIDDEN * (N0 if name == "layer0" else N1)
+        assert gemm <= 10 * flops / 50e12 * 1e3, (name, gemm, flops)

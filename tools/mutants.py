@@ -1,0 +1,216 @@
+"""Mutation check: plausible one-line bugs, each applied to a copy of the repository, each of which
+the test suite must catch (`make mutants`).
+
+Every mutant is (file, the exact original text, its replacement, the tests that must fail). The
+copy holds the tracked and untracked-not-ignored files (no .venv, no build dirs). A Python mutant
+runs against this repository's built extension (copied in). A C++ mutant recompiles only the
+objects of this repository's CPU-only build (`COMET_CUDA=0 setup.py build_ext --inplace`) that
+include the mutated source (ninja -t deps), with the compile lines of its build.ninja, and links
+them with the other objects: minutes, not a full build. A `cpp:<target>` selection builds that
+torch-free C++ test (CMakeLists.txt) in the copy and runs it.
+
+    python tools/mutants.py                 # every mutant; table mutant -> killed by which test
+    python tools/mutants.py --python-only   # no recompilation (what `make test` runs)
+    python tools/mutants.py --only swiglu   # names containing a substring
+Exit status 1 when a mutant survives (or its text is no longer in the file: update the list)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]  # pytest file [-k expr], or cpp:<CMake test target>
+
+
+MUTANTS = [
+    Mutant("topk_weights shape check disabled", "csrc/op_checks.cpp",
+           "c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),",
+           "c.value(true || in.topk_weights.sizes() == in.topk_ids.sizes(),",
+           ("tests/test_input_checks.py -k topk_weights",)),
+    Mutant("home partial sums added in reverse", "csrc/include/comet/comm_layer1.h",
+           "      for (int32_t p = 0; p < parts; ++p) {\n        float v[kColGroup];\n"
+           "        load_group_as(recv + (p * pstride",
+           "      for (int32_t p = parts - 1; p >= 0; --p) {\n        float v[kColGroup];\n"
+           "        load_group_as(recv + (p * pstride",
+           ("tests/test_layer1_order.py -k every_case", "cpp:test_fused")),
+    Mutant("swiglu gate and up swapped", "comet/nn.py",
+           "gate, up = y.to(acc).chunk(2, dim=-1)", "up, gate = y.to(acc).chunk(2, dim=-1)",
+           ("tests/test_nn.py -k dense_reference",)),
+    Mutant("balance fraction counts / T", "comet/nn.py",
+           "f = counts / max(T * k, 1)", "f = counts / max(T, 1)",
+           ("tests/test_nn.py -k dense_reference",)),
+    Mutant("COMET_NODE_REDUCE ignored", "comet/symm.py",
+           'raw = os.environ.get("COMET_NODE_REDUCE", "")', 'raw = ""',
+           ("tests/test_ops_sim.py -k environment_settings_are_read",
+            "tests/test_node_reduce_cpu.py -k process_suite and 4-2")),
+    Mutant("COMET_CPU_RANKS_PER_NODE ignored", "comet/symm.py",
+           'rpn = _env_number("COMET_CPU_RANKS_PER_NODE", world, int)', "rpn = world",
+           ("tests/test_ops_sim.py -k environment_settings_are_read",
+            "tests/test_multinode_cpu.py -k full_op_suite and 4-2")),
+    Mutant("layout from another buffer accepted", "comet/ops.py",
+           "if buf.handle != layout.buffer:", "if False:",
+           ("tests/test_input_checks.py -k another_buffer",)),
+    Mutant("mixed devices accepted", "comet/ops.py",
+           "        if dev != first:\n", "        if False:\n",
+           ("tests/test_input_checks.py -k mixed_devices",)),
+]
+
+
+def repo_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (ROOT / f).is_file()]
+
+
+def make_copy(dest: Path) -> None:
+    for f in repo_files():
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+    for so in glob.glob(str(ROOT / "comet" / "_C*.so")):
+        shutil.copy2(so, dest / "comet")
+
+
+def build_dir() -> Path:
+    found = sorted(ROOT.glob("build/temp*/build.ninja"))
+    if not found:
+        raise SystemExit("C++ mutants need this repository's CPU-only build: "
+                         "COMET_CUDA=0 python setup.py build_ext --inplace")
+    return found[0].parent
+
+
+NINJA = shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))  # the venv's
+
+
+def rebuild_cpp(copy: Path, mutated: str) -> None:
+    """Recompile the objects that depend on `mutated` from the copy's sources; relink _C."""
+    bdir = build_dir()
+    ninja = (bdir / "build.ninja").read_text()
+    if ".cu" in ninja and "cuda_compile" in ninja:
+        raise SystemExit("C++ mutants need a CPU-only build (COMET_CUDA=0): this one has CUDA "
+                         "objects")
+    var = dict(re.findall(r"^(\w+) = (.*)$", ninja, re.M))
+    objs = re.findall(r"^build (\S+\.o): compile (\S+)$", ninja, re.M)
+    root = str(ROOT)
+    new_objs = []
+    target = str(ROOT / mutated)
+    for obj, src in objs:
+        # ninja keeps the headers each object includes in .ninja_deps (deps = gcc)
+        deps = subprocess.run([NINJA, "-C", str(bdir), "-t", "deps", obj], capture_output=True,
+                              text=True).stdout
+        if target in deps or src == target:
+            out = copy / "mutant_objs" / Path(obj).name
+            out.parent.mkdir(exist_ok=True)
+            cflags = var["cflags"].replace(root, str(copy))
+            cmd = (f"{var['cxx']} {cflags} -c {src.replace(root, str(copy))} -o {out} "
+                   f"{var['post_cflags']}")
+            subprocess.run(cmd, shell=True, check=True, cwd=copy, capture_output=True)
+            new_objs.append(str(out))
+        else:
+            new_objs.append(obj)
+    import torch.utils.cpp_extension as ce
+
+    libdirs = " ".join(f"-L{d}" for d in ce.library_paths())
+    so = next(iter(glob.glob(str(copy / "comet" / "_C*.so"))))
+    os.remove(so)
+    subprocess.run(f"{var['cxx']} -shared -pthread {' '.join(new_objs)} {libdirs} -lc10 -ltorch "
+                   f"-ltorch_cpu -ltorch_python -lrt -o {so}", shell=True, check=True,
+                   capture_output=True)
+
+
+def run_cpp_test(copy: Path, target: str, timeout: float) -> tuple[bool, str]:
+    """A torch-free C++ test (CMakeLists.txt target) built in the copy and run."""
+    build = copy / "cbuild-mutant"
+    subprocess.run(["cmake", "-S", str(copy), "-B", str(build), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", os.environ.get("MAX_JOBS", "2"),
+                    "--target", target], check=True, capture_output=True)
+    try:
+        r = subprocess.run([str(build / target)], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, f"{target} (timed out: counts as killed)"
+    first = next((l for l in r.stderr.splitlines() if "CHECK failed" in l), "")
+    return r.returncode != 0, f"{target} ({first.split('/')[-1][:60]})"
+
+
+def run_tests(copy: Path, selection: str, timeout: float) -> tuple[bool, str]:
+    """Whether the selection fails (the mutant is killed), and the first failing test."""
+    if selection.startswith("cpp:"):
+        return run_cpp_test(copy, selection[4:], timeout)
+    parts = shlex.split(selection)
+    args = [parts[0]] + (["-k", " ".join(parts[2:])] if len(parts) > 2 and parts[1] == "-k" else [])
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
+           "no:randomly", *args]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COMET_CPU_RANKS_PER_NODE", "COMET_NODE_REDUCE")}
+    try:
+        r = subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return True, f"{selection} (timed out: counts as killed)"
+    failed = re.findall(r"^FAILED (\S+)", r.stdout, re.M)
+    if r.returncode == 5:
+        return False, f"NO TEST SELECTED by {selection!r}"
+    return r.returncode != 0, failed[0] if failed else r.stdout.strip().splitlines()[-1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python-only", action="store_true", help="skip mutants that need a rebuild")
+    ap.add_argument("--only", default="", help="mutants whose name contains this")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per test selection")
+    ap.add_argument("--every-test", action="store_true",
+                    help="run every selection of a mutant (default: stop at the first that fails)")
+    a = ap.parse_args()
+    chosen = [m for m in MUTANTS if a.only in m.name
+              and not (a.python_only and not m.file.endswith(".py"))]
+    rows, survived = [], 0
+    for m in chosen:
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="comet-mutant-") as tmp:
+            copy = Path(tmp)
+            make_copy(copy)
+            path = copy / m.file
+            text = path.read_text()
+            if text.count(m.original) != 1:
+                rows.append((m.name, "STALE: original text not found once", 0.0))
+                survived += 1
+                continue
+            path.write_text(text.replace(m.original, m.replacement))
+            if not m.file.endswith(".py") and any(not t.startswith("cpp:") for t in m.tests):
+                rebuild_cpp(copy, m.file)
+            killers = []
+            for sel in m.tests:  # the first selection that fails kills it: the rest are spared
+                killed, test = run_tests(copy, sel, a.timeout)
+                if killed:
+                    killers.append(str(test))
+                    if not a.every_test:
+                        break
+            verdict = "killed by " + "; ".join(killers) if killers else "SURVIVED"
+            survived += not killers
+            rows.append((m.name, verdict, time.monotonic() - t0))
+            print(f"{m.name}: {verdict} ({rows[-1][2]:.0f} s)", flush=True)
+    print("\n| mutant | file | result | s |\n|---|---|---|--:|")
+    for (name, verdict, secs), m in zip(rows, chosen):
+        print(f"| {name} | {m.file} | {verdict} | {secs:.0f} |")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
