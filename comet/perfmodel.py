@@ -1010,7 +1010,7 @@ def max_band(shape: MoEShape, spec: GpuSpec, tile=DEFAULT_TILE) -> int:
     at once, so the experts live at once are those that window spans:
     ``min(E_l, 1 + ceil(sm_count / b / m-tiles per expert))``.  Their slabs must fit
     ``L2_REUSE_FRACTION`` of the L2, else each wave re-reads W1 and banding trades one HBM stream
-    for another.  At least 1 (b = 1 is column-major order, which never reuses a W1 slab anyway)."""
+    for another.  At least 1: column order, whose one-n-tile slab the model does not check."""
     tm, tn = _tile(tile)
     per_col, cols = gemm_tiles(shape, 1, tile)
     experts = sum(1 for r in expert_rows(shape) if r > 0)
