@@ -453,16 +453,18 @@ def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg, ma
     return decode_scalars(rows)
 
 
-def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg, max_rows=-1):
+def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg, max_rows=-1,
+                   band_n=1):
     """rows [M] ([max_rows]) in the dispatch layout of topk_ids -> [T, k] on each row's home rank
-    (a moe_layer1 call over the virtual-token layout with unit weights); dropped slots get 0."""
+    (a moe_layer1 call over the virtual-token layout with unit weights, in bands of band_n
+    n-tiles); dropped slots get 0."""
     T, k = topk_ids.shape
     enc = encode_scalars(rows)
     unit = torch.ones(T * k, 1, dtype=torch.float32, device=rows.device)
     out = torch.ops.comet.moe_layer1(enc, _identity_experts(recv_counts.shape[1], enc), unit,
                                      topk_ids.reshape(T * k, 1), send_pos.reshape(T * k, 1),
                                      recv_counts, num_experts, buffer, *cfg, None, False,
-                                     max_rows)
+                                     max_rows, band_n)
     out = decode_scalars(out).reshape(T, k)
     return torch.where(topk_ids >= 0, out, torch.zeros_like(out))
 
@@ -561,10 +563,11 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
 def _layer1_setup_context(ctx, inputs, output):
     (h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer, n_comm, n_gemm,
-     tile_m, tile_n, b1, w1_transposed, max_rows) = inputs
+     tile_m, tile_n, b1, w1_transposed, max_rows, *band) = inputs
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
     ctx.w1_transposed, ctx.max_rows = bool(w1_transposed), int(max_rows)
+    ctx.band_n = int(band[0]) if band else 1  # backward's layer1 call runs in the forward's bands
     ctx.wgrad_queue = _active_queue()
     ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1)
 
@@ -610,7 +613,7 @@ def _layer1_backward(ctx, dout):
         if b1 is not None:  # d out / d w[t, j] includes the bias: <dout[t], b1[e_j]>
             drow = drow + (a_d.to(acc) * b1.to(acc)[_row_experts(recv_counts, a_d.shape[0])]).sum(1)
         dweights = _rows_to_slots(drow.to(sdt), topk_ids, send_pos, recv_counts, num_experts,
-                                  buffer, cfg, max_rows)
+                                  buffer, cfg, max_rows, ctx.band_n)
         dweights = dweights.to(topk_weights.dtype)
     return _grads(ctx, {0: dh, 1: None if dw1 is None else dw1.result(), 2: dweights, 12: db1})
 

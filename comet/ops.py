@@ -83,7 +83,8 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
 
 @torch.library.register_fake("comet::moe_layer1")
 def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer,
-                 n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1):
+                 n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1,
+                 band_n=1):
     return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1])
 
 
@@ -156,9 +157,10 @@ def _static_int(v) -> int:
 def launch_choice(device_type: str, device_index, layer: int, world: int, num_experts: int,
                   topk: int, hidden: int, n: int, token_bucket: int, dtype: str,
                   n_comm=None, tile=None, ranks_per_node=None, node_reduce=False):
-    """(n_comm, n_gemm, tile_m, tile_n, source) that launch_config returns; source is the tuner's
-    ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were given,
-    or "fallback" when the shape is not one the tuner handles (the op's checks then report it)."""
+    """(n_comm, n_gemm, tile_m, tile_n, source, band_n): launch_config's answer; source is the
+    tuner's ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were
+    given, or "fallback" when the shape is not one the tuner handles (the op's checks then report
+    it); band_n is layer1's band width (the tuner's; 1, column order, without one)."""
     from comet import tuner as tn
 
     cpu = device_type != "cuda"
@@ -175,9 +177,9 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
             _cuda_arch[idx] = (pm.spec_from_device_name(name) or tn._norm_arch(name), int(sms))
         arch, blocks = _cuda_arch[idx]
 
-    def done(nc, tl, source):
+    def done(nc, tl, source, band=1):
         nc = int(nc)
-        return nc, (max(1, blocks - nc) if cpu else 0), int(tl[0]), int(tl[1]), source
+        return nc, (max(1, blocks - nc) if cpu else 0), int(tl[0]), int(tl[1]), source, int(band)
 
     if not cpu and tile is None:
         tile = CUDA_TILE  # the one tile shape the CUDA kernels are compiled for
@@ -202,7 +204,7 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
         source = "explicit n_comm"
     elif tile is not None:
         source += ", explicit tile"
-    result = done(cfg.n_comm if n_comm is None else n_comm, tile or cfg.tile, source)
+    result = done(cfg.n_comm if n_comm is None else n_comm, tile or cfg.tile, source, cfg.band_n)
     _launch_memo[raw] = (result, tuner, (key, None, None, None, tuple(tile or default_tile)))
     return result
 
@@ -210,17 +212,19 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
                   layer: int, world: int, num_experts: int, x, w, topk_ids,
                   w_transposed: bool = False, ranks_per_node: int | None = None,
-                  node_reduce: bool = False):
+                  node_reduce: bool = False, with_band: bool = False):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
+    with_band: also layer1's band_n (n-tiles per column band), the tuner's choice.
 
     layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1]
     (w_transposed: the last two dimensions swapped); topk_ids [T, k]. Malformed inputs get a
     fallback config (the op's checks report them).
     """
+    pick = (lambda c: (*c[:4], c[5])) if with_band else (lambda c: c[:4])
     if n_comm is not None and tile is not None:
-        return launch_choice(device.type, device.index, layer, world, 0, 0, 0, 0, 0, "",
-                             int(n_comm), (int(tile[0]), int(tile[1])))[:4]
+        return pick(launch_choice(device.type, device.index, layer, world, 0, 0, 0, 0, 0, "",
+                                  int(n_comm), (int(tile[0]), int(tile[1]))))
     shaped = topk_ids.dim() == 2 and x.dim() == 2 and w.dim() == 3
     tokens = topk_ids.shape[0] if shaped else 0
     if _tuning_tokens is not None:
@@ -230,13 +234,13 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
     out_dim, in_dim = (2, 1) if w_transposed else (1, 2)
     hidden, n = ((x.shape[1], w.shape[out_dim]) if layer == 0 else
                  (w.shape[out_dim], w.shape[in_dim])) if shaped else (0, 0)
-    return launch_choice(device.type, device.index, layer, int(world), int(num_experts),
-                         _static_int(topk_ids.shape[1]) if shaped else 0, _static_int(hidden),
-                         _static_int(n), _token_bucket(tokens),
-                         str(x.dtype).replace("torch.", ""),
-                         None if n_comm is None else int(n_comm),
-                         None if tile is None else (int(tile[0]), int(tile[1])),
-                         ranks_per_node, bool(node_reduce))[:4]
+    return pick(launch_choice(device.type, device.index, layer, int(world), int(num_experts),
+                              _static_int(topk_ids.shape[1]) if shaped else 0, _static_int(hidden),
+                              _static_int(n), _token_bucket(tokens),
+                              str(x.dtype).replace("torch.", ""),
+                              None if n_comm is None else int(n_comm),
+                              None if tile is None else (int(tile[0]), int(tile[1])),
+                              ranks_per_node, bool(node_reduce)))
 
 
 def _buffer_for(buffer, group, t):
@@ -290,12 +294,14 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
 
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
                group=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
-               buffer: symm.Buffer | None = None):
+               buffer: symm.Buffer | None = None, band: int | None = None):
     """Second expert GEMM fused with the weighted top-k reduce and the combine back home.
 
     h [M, N1] in `layout`'s dispatch layout ([max_rows, N1] when layer0 had a bound), w1
     [E_local, H, N1] (or [E_local, N1, H] with w1_transposed=True), topk_weights [T, k] (float32
     or h's dtype), b1 [E_local, H] an optional expert bias (weighted per slot like the rest).
+    band: n-tiles per column band of the GEMM (h is read once per band; 0 = all n-tiles), default
+    the tuner's; the result does not depend on it.
     Returns out [T, H] on every rank for its own tokens.
     """
     buf = _buffer_for(buffer, group, h)
@@ -307,10 +313,11 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
                         node_reduce=getattr(buf, "node_reduce", False),
                         num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
-                        w_transposed=w1_transposed)
+                        w_transposed=w1_transposed, with_band=True)
+    band_n = cfg[4] if band is None else int(band)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
-                                      layout.recv_counts, layout.num_experts, buf.handle, *cfg,
-                                      b1, bool(w1_transposed), int(layout.max_rows))
+                                      layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
+                                      b1, bool(w1_transposed), int(layout.max_rows), band_n)
 
 
 # Backward formulas of both ops (torch.library.register_autograd), so the ops and these wrappers

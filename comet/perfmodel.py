@@ -101,11 +101,20 @@ cost like real ones), the GEMM blocks run ``waves = ceil(tiles / n_gemm)`` round
 operands must stream from HBM, of which the GEMM blocks get their per-SM share (the comm blocks use
 HBM too)::
 
-    gemm(n) = max(waves(n) * t_tile, unique_bytes / (hbm * hbm_eff * n / sm_count))
+    gemm(n) = max(waves(n) * t_tile, bytes / (hbm * hbm_eff * n / sm_count))
 
-``unique_bytes`` counts each operand once (A rows, the local experts' weights, the output): tiles
-that share an operand run close together, so re-reads hit L2.  Both terms are non-increasing in
-``n``, hence so is ``gemm``: more SMs never make it slower.  ``n_out, K`` are ``N, H`` for layer0
+``bytes`` counts the local experts' weights and the output once and the A operand (layer0's
+``a``, layer1's ``h``) :func:`a_sweeps` times: layer0 runs all n-tiles of an m-tile together (one
+sweep); layer1 runs column bands of ``b`` n-tiles, m-major inside a band, and reads h once per
+band, ``ceil(n_out / tile_n / b)`` sweeps, unless h fits ``L2_REUSE_FRACTION`` of the L2
+(``GpuSpec.l2_mb``: 50 MB on H100/H800) -- b = 1, plain column order, reads Mixtral's 235 MB h
+32 times (7.5 GB, 2.8 ms at H800's 3.35 TB/s x hbm_eff against 1.3 ms of tensor-core work).  A
+band's W1 columns of the experts live at once must fit the same share of L2
+(:func:`max_band`).  :func:`choose_band` picks b (the fewest sweeps among the bands whose
+pipelined kernel is within ``BAND_SLACK`` of the fastest: a wider band starts the comm blocks
+later).  The unfused baseline's GEMM is charged one sweep (an L2-friendly raster).  At a fixed
+band both terms are non-increasing in ``n``, hence so is ``gemm``: more SMs never make it
+slower.  ``n_out, K`` are ``N, H`` for layer0
 (``[M, H] x [H, N0]``) and ``H, N`` for layer1 (``[M, N1] x [N1, H]``).
 
 Pipeline (``fused``, :func:`predict`): a two-stage in-order pipeline (a two-machine flow shop);
@@ -118,9 +127,10 @@ chunk.
   first, so the GEMM starts on local tiles at once while remote rows are in flight), each cut into
   pieces of about one M-tile per local expert; a chunk's GEMM share is proportional to its rows.
   At least one tile time remains after the last row has arrived.
-* layer1: GEMM produces N-tile columns (column-major across all local experts); column ``c`` is
-  complete after ``ceil((c + 1) * tiles_per_column / n_gemm)`` waves; comm blocks then reduce and
-  send that column's slice of every row (``1 / columns`` of the comm work each), in order.
+* layer1: GEMM produces bands of ``b`` N-tile columns (m-major across all local experts inside a
+  band); the band ending at column ``c`` is complete after ``ceil((c + 1) * tiles_per_column /
+  n_gemm)`` waves; comm blocks then reduce and send its columns' slice of every row (``1 /
+  columns`` of the comm work per column), in order.
 
 ``predict`` returns ``comm``, ``gemm`` (this split), ``fused``, ``sequential = comm + gemm`` (same
 split, no overlap), ``baseline = comm_full + gemm_full`` (unfused: each part alone on the whole
@@ -129,7 +139,7 @@ overlap with every SM serving both; no split reaches it).  Always
 ``limit <= fused <= sequential``.
 
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
-tile is an input), L2 capacity, NVLink contention between ranks, load imbalance beyond the measured
+tile is an input), L2 effects beyond the A sweeps above, NVLink contention between ranks, load imbalance beyond the measured
 counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
 if its partials leave in messages of at least a row; per-N-tile slices of 256 bytes would be
 message-rate bound), switch congestion beyond rail alignment, the PCIe path between GPU and NIC,
@@ -179,6 +189,10 @@ __all__ = [
     "prologue_time",
     "combine_time",
     "choose_n_comm",
+    "choose_band",
+    "max_band",
+    "a_sweeps",
+    "band_width",
     "DEFAULT_TILE",
 ]
 
@@ -243,6 +257,9 @@ class GpuSpec:
     nic_latency_us: float = 3.0  # put-with-signal over IB/RoCE, first byte visible (assumption)
     # What one comm block moves over the NIC (see block_nic_bw); a number here overrides it.
     block_nic_gbs: Optional[float] = None
+    # Last-level (L2) cache, MB (1e6 B): decides how often layer1's GEMM re-reads h from HBM
+    # (:func:`a_sweeps`).
+    l2_mb: float = 50.0
 
     # -- derived, SI units --------------------------------------------------------------------
     @property
@@ -332,7 +349,7 @@ GPUS: Dict[str, GpuSpec] = {
     # 108 SMs.  The sm80 kernel path: 256 threads per block, so less in flight per comm block.
     "a100": GpuSpec(
         "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, comm_threads=256,  # sm80 path
-        gemm_eff=0.80,
+        gemm_eff=0.80, l2_mb=40.0,  # A100 whitepaper: 40 MB L2
         nic_gbs=25.0, nic_eff=0.74,  # DGX A100: one 200 Gb/s HDR NIC per GPU; MoNTA r1 = 0.741
         source="NVIDIA A100 datasheet (SXM4 80GB); A100 architecture whitepaper; DGX A100 "
                "datasheet (NICs); MoNTA (IB efficiency)",
@@ -342,6 +359,7 @@ GPUS: Dict[str, GpuSpec] = {
     # whitepaper: 132 SMs on H100 SXM5.
     "h100": GpuSpec(
         "h100", 132, 989.5, 67.0, 3350.0, 450.0, 2.0,
+        l2_mb=50.0,  # H100 whitepaper: 50 MB L2 (H100 SXM5)
         nic_gbs=50.0,  # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
         source="NVIDIA H100 datasheet (SXM); H100 architecture whitepaper; DGX H100 datasheet (NICs)",
     ),
@@ -349,6 +367,7 @@ GPUS: Dict[str, GpuSpec] = {
     # NVLink 400 GB/s (MoNTA table 5: 200 GB/s unidirectional; DeepEP measures ~155-160 GB/s).
     "h800": GpuSpec(
         "h800", 132, 989.5, 67.0, 3350.0, 200.0, 2.0,
+        l2_mb=50.0,  # the H100 SXM5 configuration of GH100 (H100 whitepaper: 50 MB L2)
         nic_gbs=50.0,  # DeepEP README: each H800 with a CX7 400 Gb/s NIC, ~50 GB/s
         source="NVIDIA H800 datasheet (SXM5); H100 architecture whitepaper (GH100, 132 SMs); "
                "DeepEP README (NIC per GPU, 43 GB/s measured at EP16)",
@@ -357,6 +376,7 @@ GPUS: Dict[str, GpuSpec] = {
     # HBM3e 4.8 TB/s, NVLink 900 GB/s; same GH100 configuration as H100 SXM: 132 SMs.
     "h200": GpuSpec(
         "h200", 132, 989.5, 67.0, 4800.0, 450.0, 2.0,
+        l2_mb=50.0,  # same GH100 configuration as H100 SXM5 (50 MB L2)
         nic_gbs=50.0,  # DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU
         source="NVIDIA H200 datasheet (SXM); H100 architecture whitepaper; DGX H200 datasheet (NICs)",
     ),
@@ -365,6 +385,7 @@ GPUS: Dict[str, GpuSpec] = {
     # (one of the SM counts flux/Comet's release hard-codes: 92/108/78/132).
     "h20": GpuSpec(
         "h20", 78, 148.0, 44.0, 4000.0, 450.0, 2.0,
+        l2_mb=50.0,  # assumption: GH100's 50 MB (not in the product brief)
         nic_gbs=50.0,  # assumption: built like HGX H100 (one 400 Gb/s NIC per GPU)
         source="NVIDIA HGX H20 product brief; device query (78 SMs); NIC per GPU assumed",
     ),
@@ -375,6 +396,7 @@ GPUS: Dict[str, GpuSpec] = {
     "l20": GpuSpec(
         "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", comm_threads=256,  # sm80 path
         remote_load_us=4.0, link_eff=0.75,
+        l2_mb=96.0,  # Ada whitepaper: AD102's 96 MB L2 (assumption: L20 keeps all of it)
         nic_gbs=12.5, nic_latency_us=5.0,  # assumption: one 200 Gb/s NIC per two GPUs, via PCIe
         source="NVIDIA L20 datasheet; Ada architecture whitepaper (128 cores/SM); NIC assumed",
     ),
@@ -439,6 +461,7 @@ def cpu_spec(
         nic_eff=1.0,
         nic_latency_us=20.0,
         block_nic_gbs=min(1.5, mem_gbs / 4.0),
+        l2_mb=2.0,  # placeholder: a core's L2 plus its share of the last-level cache
         source="placeholder for the CPU backend (configurable / measured), not a datasheet",
     )
 
@@ -959,15 +982,86 @@ def _tile_seconds(shape: MoEShape, spec: GpuSpec, layer: int, tile) -> float:
     return 2.0 * tm * tn * k_red / per_sm
 
 
-def _gemm_unique_bytes(shape: MoEShape, layer: int) -> float:
+# Share of the L2 that the operand a band reuses may hold; the rest is for the A rows and output
+# tiles streaming through and the comm blocks' reads of C (assumption).
+L2_REUSE_FRACTION = 0.5
+# Bands whose predicted kernel time is within this fraction of the fastest band's start the comm
+# blocks early enough; of those the model takes the one with the fewest sweeps of h (HBM traffic
+# the model does not otherwise charge: the comm blocks' share, other kernels), see choose_band.
+BAND_SLACK = 0.02
+
+
+def band_width(band: Optional[int], cols: int) -> int:
+    """n-tiles per layer1 band as the kernel runs it: ``band`` <= 0, None or more than ``cols``
+    (csrc/include/comet/tile_order.h: layer1_band) means all ``cols`` n-tiles."""
+    return cols if band is None or band <= 0 or band > cols else int(band)
+
+
+def _l2_budget(spec: GpuSpec) -> float:
+    return spec.l2_mb * 1e6 * L2_REUSE_FRACTION
+
+
+def max_band(shape: MoEShape, spec: GpuSpec, tile=DEFAULT_TILE) -> int:
+    """The widest layer1 band whose W1 columns stay in L2 while the band's m-tiles stream by.
+
+    A band of ``b`` n-tiles needs, per expert, ``b * tile_n * N1`` elements of W1 (the ``[H, N1]``
+    weight's rows for the band's columns).  Inside a band the GEMM blocks walk m-major across the
+    experts, and ``n_gemm <= sm_count`` blocks work on ``ceil(sm_count / b)`` consecutive m-tiles
+    at once, so the experts live at once are those that window spans:
+    ``min(E_l, 1 + ceil(sm_count / b / m-tiles per expert))``.  Their slabs must fit
+    ``L2_REUSE_FRACTION`` of the L2, else each wave re-reads W1 and banding trades one HBM stream
+    for another.  At least 1: column order, whose one-n-tile slab the model does not check."""
+    tm, tn = _tile(tile)
+    per_col, cols = gemm_tiles(shape, 1, tile)
+    experts = sum(1 for r in expert_rows(shape) if r > 0)
+    if per_col == 0 or experts == 0:
+        return 1
+    per_expert = per_col / experts
+    best = 1
+    for b in range(2, cols + 1):
+        live = min(experts, 1 + math.ceil(math.ceil(spec.sm_count / b) / per_expert - 1e-9))
+        if live * b * tn * shape.N * shape.dtype_bytes > _l2_budget(spec):
+            break
+        best = b
+    return best
+
+
+def a_sweeps(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TILE,
+             band: Optional[int] = None) -> float:
+    """How often ``layer``'s GEMM reads its A operand from HBM (1.0 = once).
+
+    * layer0 visits all n-tiles of an m-tile one after another (tile_order.h: layer0_tile), and
+      consecutive tiles run at once on consecutive GEMM blocks, so an m-tile's rows of ``a`` come
+      from HBM once and serve its ``ceil(N0 / tile_n)`` tiles from L2: 1 sweep.
+    * layer1 in bands of ``b`` n-tiles, m-major inside a band: the band's ``b`` tiles of an m-tile
+      run at once and share its rows of ``h``; the next band needs them again after the whole of
+      ``h [M, N1]`` went through the L2.  So h is read ``ceil(H / tile_n / b)`` times, unless it
+      fits ``L2_REUSE_FRACTION`` of the L2 (then once).  b = 1 (plain column-major order) reads
+      it ``H / tile_n`` times: Mixtral (H = 4096, M = 8192 rows of N1 = 14336 bf16: 235 MB) 32
+      sweeps, 7.5 GB, 2.8 ms at H800's 3.35 TB/s x hbm_eff, against 1.3 ms of tensor-core work.
+    * ``band`` None: an L2-friendly raster (the unfused baseline's CUTLASS grouped GEMM): 1."""
+    _check_layer(layer)
+    if layer == 0 or band is None:
+        return 1.0
+    per_col, cols = gemm_tiles(shape, 1, tile)
+    h_bytes = sum(expert_rows(shape)) * shape.N * shape.dtype_bytes
+    if cols == 0 or h_bytes <= _l2_budget(spec):
+        return 1.0
+    return float(math.ceil(cols / band_width(band, cols)))
+
+
+def _gemm_unique_bytes(shape: MoEShape, layer: int, sweeps: float = 1.0) -> float:
     n_out, k_red = gemm_dims(shape, layer)
     m = sum(expert_rows(shape))
     experts = sum(1 for r in expert_rows(shape) if r > 0)
-    return shape.dtype_bytes * (m * k_red + experts * n_out * k_red + m * n_out)
+    return shape.dtype_bytes * (sweeps * m * k_red + experts * n_out * k_red + m * n_out)
 
 
-def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFAULT_TILE) -> float:
-    """Seconds of ``layer``'s grouped GEMM on ``n_gemm`` SMs (roofline + wave quantisation)."""
+def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFAULT_TILE,
+              band: Optional[int] = None) -> float:
+    """Seconds of ``layer``'s grouped GEMM on ``n_gemm`` SMs (roofline + wave quantisation), its
+    HBM bytes counting A :func:`a_sweeps` times (layer1 with ``band`` n-tiles per band; None: an
+    L2-friendly raster, A read once)."""
     if n_gemm < 1:
         raise ValueError(f"n_gemm must be >= 1, got {n_gemm}")
     per_col, cols = gemm_tiles(shape, layer, tile)
@@ -976,7 +1070,9 @@ def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFA
         return 0.0
     waves = math.ceil(tiles / n_gemm)
     compute = waves * _tile_seconds(shape, spec, layer, tile)
-    memory = _gemm_unique_bytes(shape, layer) / (spec.hbm_bw * min(n_gemm, spec.sm_count) / spec.sm_count)
+    sweeps = a_sweeps(shape, spec, layer, tile, band)
+    memory = _gemm_unique_bytes(shape, layer, sweeps) / (
+        spec.hbm_bw * min(n_gemm, spec.sm_count) / spec.sm_count)
     return max(compute, memory)
 
 
@@ -1069,7 +1165,11 @@ def _fused_layer0_nodes(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
     return max(fused, comm + min(gemm, _tile_seconds(shape, spec, 0, tile)))
 
 
-def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
+def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm, band=1) -> float:
+    """The GEMM publishes bands of ``band`` columns (all tiles of a band before the next); a
+    band is complete after ``ceil(last column * tiles_per_column / n_gemm)`` waves, then the comm
+    blocks reduce and send its columns.  Wider bands publish later (the comm blocks start later
+    and the last band's comm is a longer tail) but sweep h fewer times (gemm, the caller's)."""
     p = _comm_parts(shape, spec, n_comm, 1)
     per_col, cols = gemm_tiles(shape, 1, tile)
     tiles = per_col * cols
@@ -1077,8 +1177,9 @@ def _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm) -> float:
         return comm + gemm
     waves = math.ceil(tiles / n_gemm)
     t_wave = gemm / waves
-    # group columns so that at most _MAX_CHUNKS chunks are simulated
-    group = max(1, math.ceil(cols / _MAX_CHUNKS))
+    b = band_width(band, cols)
+    # chunks of whole bands, grouped so that at most _MAX_CHUNKS chunks are simulated
+    group = max(1, math.ceil(math.ceil(cols / b) / _MAX_CHUNKS)) * b
     n_chunks = math.ceil(cols / group)
     lat, body = _layer1_stream(p)
     per_chunk = body / cols
@@ -1099,11 +1200,14 @@ def predict(
     tile=DEFAULT_TILE,
     *,
     n_blocks: Optional[int] = None,
+    band: Optional[int] = None,
 ) -> Dict[str, float]:
     """Predicted seconds for ``layer`` with ``n_comm`` comm blocks (see the module doc).
 
     ``n_blocks`` bounds the grid (co-residency); the GEMM gets ``min(spec.max_blocks, n_blocks) -
-    n_comm`` blocks.  Returns ``comm``, ``gemm``, ``prologue``, ``combine`` (layer1's combine
+    n_comm`` blocks.  ``band``: layer1's n-tiles per band (0: all), default :func:`choose_band`'s;
+    the result's ``band`` and ``a_sweeps`` (:func:`a_sweeps`: HBM reads of the GEMM's A operand,
+    charged in ``gemm``; ``gemm_full`` and the baseline use an L2-friendly raster, one sweep).  Returns ``comm``, ``gemm``, ``prologue``, ``combine`` (layer1's combine
     kernel, part of comm), ``kernel`` (the pipelined fused kernel), ``fused`` (prologue + kernel),
     ``sequential`` (comm + gemm),
     ``baseline``, ``limit``, ``comm_full``, ``gemm_full``, ``intra`` and ``inter`` (the NVLink and
@@ -1118,15 +1222,19 @@ def predict(
         raise ValueError(f"n_comm={n_comm} outside [1, {total - 1}]")
     n_gemm = total - n_comm
     comm = comm_time(shape, spec, n_comm, layer)
-    gemm = gemm_time(shape, spec, n_gemm, layer, tile)
     comm_full = comm_time(shape, spec, spec.max_blocks, layer)
     gemm_full = gemm_time(shape, spec, spec.sm_count, layer, tile)
     if layer == 0:
+        band = 1
+        gemm = gemm_time(shape, spec, n_gemm, layer, tile)
         fused = _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm)
+        # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
+        fused = min(max(fused, comm, gemm), comm + gemm)
     else:
-        fused = _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm)
-    # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
-    fused = min(max(fused, comm, gemm), comm + gemm)
+        if band is None:
+            band = choose_band(shape, spec, n_comm, tile, n_blocks=total)
+        band = band_width(band, gemm_tiles(shape, 1, tile)[1])
+        gemm, fused = _layer1_kernel(shape, spec, n_comm, n_gemm, tile, comm, band)
     # The per-call prologue runs before the fused kernel. The baseline is charged nothing for its
     # own layout/notify steps (a conservative comparison against Comet).
     prologue = prologue_time(shape, spec, layer)
@@ -1145,8 +1253,44 @@ def predict(
         "gemm_full": gemm_full,
         "n_comm": n_comm,
         "n_gemm": n_gemm,
+        "band": band,
+        "a_sweeps": a_sweeps(shape, spec, layer, tile, band),
         **comm_split(shape, spec, n_comm, layer),
     }
+
+
+def _layer1_kernel(shape, spec, n_comm, n_gemm, tile, comm, band) -> Tuple[float, float]:
+    """(gemm, pipelined kernel) seconds of layer1 with ``band`` n-tiles per band."""
+    gemm = gemm_time(shape, spec, n_gemm, 1, tile, band)
+    fused = _fused_layer1(shape, spec, n_comm, n_gemm, tile, comm, gemm, band)
+    # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
+    return gemm, min(max(fused, comm, gemm), comm + gemm)
+
+
+def choose_band(shape: MoEShape, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE,
+                n_blocks: Optional[int] = None) -> int:
+    """layer1's band width (n-tiles per band, tile_order.h) for ``n_comm`` comm blocks.
+
+    Candidates: b = 1 .. :func:`max_band`, the narrowest b of each sweep count ``ceil(cols / b)``
+    (a wider band with as many sweeps only publishes later).  A band trades the earliness of
+    the first publish (and the length of the last band's comm tail) against the sweeps of h:
+    the pipelined kernel time of each candidate is predicted, and of those within
+    ``BAND_SLACK`` of the fastest the one with the fewest sweeps wins.  h in L2 (one sweep
+    whatever b): 1, the earliest publish."""
+    _, cols = gemm_tiles(shape, 1, tile)
+    if cols <= 1 or a_sweeps(shape, spec, 1, tile, 1) <= 1.0:
+        return 1
+    total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
+    n_gemm = total - n_comm
+    comm = comm_time(shape, spec, n_comm, 1)
+    candidates, seen = [], set()
+    for b in range(1, max_band(shape, spec, tile) + 1):
+        s = math.ceil(cols / b)
+        if s not in seen:
+            seen.add(s)
+            candidates.append((b, _layer1_kernel(shape, spec, n_comm, n_gemm, tile, comm, b)[1]))
+    best = min(t for _, t in candidates)
+    return max(b for b, t in candidates if t <= best * (1 + BAND_SLACK))
 
 
 def choose_n_comm(

@@ -123,7 +123,7 @@ def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
 
     def run(cfg: tn.Config) -> float:
         args = (h, w1, s["weights"], s["ids"], send_pos, recv_counts, s["E"], s["buf"].handle,
-                *s["launch"](cfg))
+                *s["launch"](cfg), None, False, -1, int(cfg.band_n))
         return s["timer"](lambda: op(*args))
 
     return run

@@ -165,6 +165,7 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
             _ms(p["combine"]) if layer == 1 else "-", _ms(p["fused"]), _ms(p["baseline"]),
             _ms(p["limit"]),
             f"{p['baseline'] / p['fused']:.2f}x" if p["fused"] > 0 else "-",
+            str(p["band"]) if layer == 1 else "-", f"{p['a_sweeps']:.0f}",
         ])
         if tuner is not None:
             key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer, rpn,
@@ -172,8 +173,9 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
             cached = tuner.cache.get(key)
             if cached is not None:
                 cfg, k2 = cached
+                band = f" band={cfg.band_n}" if layer == 1 else ""
                 notes.append(f"  layer{layer}: tuning cache has n_comm={cfg.n_comm} tile="
-                             f"{cfg.tile_m}x{cfg.tile_n} (measured, bucket T<={k2.tokens})")
+                             f"{cfg.tile_m}x{cfg.tile_n}{band} (measured, bucket T<={k2.tokens})")
     d = pm.expected_distinct_ranks(world, E, k)
     nodes = world // rpn
     head = (f"Cost model, not measured -- {spec.name} ({spec.sm_count} SMs, "
@@ -191,8 +193,11 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
                  f"expected distinct nodes per token {dn:.2f}")
     headers = ["layer", "GEMM MxNxK", "n_comm", "n_gemm", "tile", "NVLink rows", "NIC rows",
                "NVLink ms", "NIC ms", "comm ms", "gemm ms", "prologue ms", "combine ms",
-               "fused ms", "unfused ms", "limit ms", "speedup"]
-    foot = ("NVLink / NIC: rows this rank moves over each link (layer0 node-first: the NVLink rows "
+               "fused ms", "unfused ms", "limit ms", "speedup", "band", "A sweeps"]
+    foot = ("band: layer1's n-tiles per column band of its GEMM (the model's choice); A sweeps: how "
+            "often the GEMM reads its A operand (layer0 a, layer1 h) from HBM, charged in gemm "
+            f"({spec.l2_mb:g} MB L2). "
+            "NVLink / NIC: rows this rank moves over each link (layer0 node-first: the NVLink rows "
             "include the reads of relays' mirrors) and each link's part alone with this split "
             "(comm overlaps them); comm/gemm: each part alone with this split (layer1's comm "
             "includes the combine kernel); prologue: the per-call planning kernels (estimate); "
@@ -246,8 +251,9 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
         cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
                          warmup=args.warmup, iters=args.iters)
         if rank == 0:
-            print(f"layer{layer}: measured best n_comm={cfg.n_comm} tile={cfg.tile_m}x{cfg.tile_n} "
-                  f"(stored in {tuner.cache.path(arch)})")
+            band = f" band={cfg.band_n}" if layer == 1 else ""
+            print(f"layer{layer}: measured best n_comm={cfg.n_comm} tile={cfg.tile_m}x{cfg.tile_n}"
+                  f"{band} (stored in {tuner.cache.path(arch)})")
     return 0
 
 

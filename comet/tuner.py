@@ -5,7 +5,9 @@ Pieces
 * :class:`TuneKey` -- what a choice depends on: arch, SM count, dtype, layer, W, E, k, H, N, the
   token count rounded up to a power of two (:func:`token_bucket`) and the ranks per node (default
   W: one node; keys of one node keep the id they had before nodes were modelled).
-* :class:`Config` -- the choice: ``n_comm``, ``tile_m``, ``tile_n``.
+* :class:`Config` -- the choice: ``n_comm``, ``tile_m``, ``tile_n`` and (layer1) ``band_n``, the
+  n-tiles per column band of its GEMM (csrc/include/comet/tile_order.h; 0 = all; cache entries
+  written before bands existed read as 1, the column order they were measured with).
 * :class:`TuneCache` -- winners persisted as JSON, one file per arch, in ``$COMET_CACHE_DIR`` or
   ``~/.cache/comet``; written atomically (temporary file + rename, under a lock file, merged with
   what is on disk); a corrupt file is reported with a warning and ignored.
@@ -90,16 +92,21 @@ class ProfilerUnavailable(RuntimeError):
 
 @dataclass
 class Config:
-    """One launch configuration of a fused op: comm blocks and the GEMM tile shape."""
+    """One launch configuration of a fused op: comm blocks, the GEMM tile shape and layer1's band
+    width (n-tiles per column band; 0 = all; layer0 ignores it)."""
 
     n_comm: int
     tile_m: int = pm.DEFAULT_TILE[0]
     tile_n: int = pm.DEFAULT_TILE[1]
+    band_n: int = 1
 
     def __post_init__(self):
         self.n_comm, self.tile_m, self.tile_n = int(self.n_comm), int(self.tile_m), int(self.tile_n)
+        self.band_n = int(self.band_n)
         if self.n_comm < 1 or self.tile_m < 1 or self.tile_n < 1:
-            raise ValueError(f"invalid Config {self}: every field must be >= 1")
+            raise ValueError(f"invalid Config {self}: n_comm and the tile must be >= 1")
+        if self.band_n < 0:
+            raise ValueError(f"invalid Config {self}: band_n must be >= 0 (0 = all n-tiles)")
 
     @property
     def tile(self) -> Tuple[int, int]:
@@ -111,10 +118,10 @@ class Config:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Config":
         return cls(int(d["n_comm"]), int(d.get("tile_m", pm.DEFAULT_TILE[0])),
-                   int(d.get("tile_n", pm.DEFAULT_TILE[1])))
+                   int(d.get("tile_n", pm.DEFAULT_TILE[1])), int(d.get("band_n", 1)))
 
-    def sort_key(self) -> Tuple[int, int, int]:
-        return (self.n_comm, self.tile_m, self.tile_n)
+    def sort_key(self) -> Tuple[int, int, int, int]:
+        return (self.n_comm, self.tile_m, self.tile_n, self.band_n)
 
 
 def token_bucket(tokens: int) -> int:
@@ -395,16 +402,18 @@ def candidate_configs(
     n_comm_values: Optional[Iterable[int]] = None,
     around: Optional[int] = None,
     max_blocks: Optional[int] = None,
+    bands: Sequence[int] = (1,),
 ) -> List[Config]:
     """Candidates for :func:`tune`: ``n_comm_values`` (default: a coarse grid) plus the
     neighbourhood ``around +- 2`` (e.g. the model's choice), within ``[1, blocks - 1]``, times
-    ``tiles``; sorted by (n_comm, tile)."""
+    ``tiles``, times ``bands`` (layer1's band widths); sorted by (n_comm, tile, band)."""
     total = _blocks(sm_count, max_blocks)
     vals = set(_GRID if n_comm_values is None else (int(v) for v in n_comm_values))
     if around is not None:
         vals.update(range(int(around) - 2, int(around) + 3))
     vals = sorted(v for v in vals if 1 <= v <= total - 1)
-    out = [Config(v, int(tm), int(tn)) for v in vals for tm, tn in tiles]
+    out = [Config(v, int(tm), int(tn), int(b)) for v in vals for tm, tn in tiles
+           for b in sorted(set(bands))]
     return sorted(out, key=Config.sort_key)
 
 
@@ -439,6 +448,11 @@ def make_key(shape: pm.MoEShape, layer: int, dtype, arch: Optional[str] = None,
 # ----------------------------------------------------------------------------------------------
 
 
+def _band_text(config: Config) -> str:
+    """" band=b" for a layer1 band other than column order (b = 1, also layer0's value)."""
+    return "" if config.band_n == 1 else f" band={config.band_n}"
+
+
 class _Progress:
     """A one-line text progress bar on stderr (rewritten in place on a terminal)."""
 
@@ -459,7 +473,7 @@ class _Progress:
         t = "failed" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f} ms"
         b = "-" if not math.isfinite(self.best) else f"{self.best * 1e3:.3f} ms"
         line = (f"[comet tune] {self.label} [{bar}] {i}/{self.total} n_comm={config.n_comm} "
-                f"tile={config.tile_m}x{config.tile_n}: {t} (best {b}, "
+                f"tile={config.tile_m}x{config.tile_n}{_band_text(config)}: {t} (best {b}, "
                 f"{time.monotonic() - self.t0:.1f} s)")
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         self.stream.flush()
@@ -471,7 +485,8 @@ class _Progress:
             self.stream.write("\n")
         if winner is not None:
             self.stream.write(f"[comet tune] {self.label}: chose n_comm={winner.n_comm} "
-                              f"tile={winner.tile_m}x{winner.tile_n} ({seconds * 1e3:.3f} ms, "
+                              f"tile={winner.tile_m}x{winner.tile_n}{_band_text(winner)} "
+                              f"({seconds * 1e3:.3f} ms, "
                               f"max over ranks)\n")
         self.stream.flush()
 
@@ -510,7 +525,8 @@ def _dist_info(group):
 
 
 def _pick(configs: Sequence[Config], times: Sequence[float]) -> int:
-    """Index of the fastest config; ties: smallest n_comm, then tile, then position; -1 if none."""
+    """Index of the fastest config; ties: smallest n_comm, then tile, then band, then position;
+    -1 if none."""
     best = -1
     for i, (c, t) in enumerate(zip(configs, times)):
         if not math.isfinite(t):
@@ -592,7 +608,8 @@ class Tuner:
             shp = shape if shape is not None else key.shape()
             if shp.T > 0:
                 n = pm.choose_n_comm(shp, spec, key.layer, max_blocks=total, tile=tile)
-                return Config(n, *tile), "model"
+                band = pm.choose_band(shp, spec, n, tile, n_blocks=total) if key.layer == 1 else 1
+                return Config(n, *tile, band), "model"
         return default_config(key.sm_count, max_blocks, tile), "default"
 
     def tune(
@@ -720,10 +737,13 @@ def profile(
     t = default_tuner() if tuner is None else tuner
     shape = key.shape() if shape is None else shape
     if candidates is None:
-        around = None
+        around, bands = None, {1}
         spec = pm.get_spec(key.arch, key.sm_count)
         if spec is not None and shape.T > 0 and _blocks(key.sm_count, max_blocks) >= 2:
             around = pm.choose_n_comm(shape, spec, key.layer, max_blocks=max_blocks)
-        candidates = candidate_configs(key.sm_count, around=around, max_blocks=max_blocks)
+            if key.layer == 1:  # column order and the model's band, each measured
+                bands.add(pm.choose_band(shape, spec, around, n_blocks=max_blocks))
+        candidates = candidate_configs(key.sm_count, around=around, max_blocks=max_blocks,
+                                       bands=tuple(bands))
     run_fn = factory(key, shape, group)
     return t.tune(key, candidates, run_fn, group=group, **tune_kwargs)

@@ -3,8 +3,10 @@
 // them (the ops never go through these wrappers).
 #include <torch/extension.h>
 
+#include <mutex>
 #include <vector>
 
+#include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
 #include "comet/topology.h"
 #include "cpu/block_runner.h"
@@ -93,16 +95,47 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> mtiles(const I64& expert_off,
 std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& expert_off,
                                                     const I64& seg_off, int32_t world,
                                                     int32_t tile_m, int32_t num_ntiles,
-                                                    int32_t blocks, int32_t threads) {
+                                                    int32_t blocks, int32_t threads,
+                                                    int32_t band_n) {
   I64 order;
   auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, &order, {blocks, threads});
   const int64_t n = int64_t(mt.size());
+  const int32_t band = comet::layer1_band(band_n, num_ntiles);
   std::vector<std::pair<int64_t, int32_t>> out;
   for (int64_t i = 0; i < n * num_ntiles; ++i) {
-    auto tc = layer == 0 ? comet::layer0_tile(i, order.data(), num_ntiles) : comet::layer1_tile(i, n);
+    auto tc = layer == 0 ? comet::layer0_tile(i, order.data(), num_ntiles)
+                         : comet::layer1_tile(i, n, num_ntiles, band);
     out.emplace_back(tc.mtile, tc.ntile);
   }
   return out;
+}
+
+// layer1's GEMM schedule (gemm_schedule.h) on a grid of gemm_blocks x threads with no-op tiles:
+// for every tile computed, (m-tile, n-tile, how many of its band's flags were already published
+// when it started), then the flags and the arrival counters after the call (epoch 1).
+py::tuple layer1_schedule(int64_t num_mtiles, int32_t num_ntiles, int32_t band_n,
+                          int32_t gemm_blocks, int32_t threads) {
+  std::vector<comet::MTile> mt(size_t(num_mtiles), comet::MTile{0, 1, 0});
+  std::vector<uint64_t> flags(size_t(num_ntiles), 0);
+  std::vector<uint32_t> counts(size_t(num_ntiles), 0);
+  comet::GemmScheduleArgs a{1, mt.data(), num_mtiles, num_ntiles, nullptr, nullptr, counts.data(),
+                            flags.data()};
+  a.band_n = band_n;
+  const int32_t band = comet::layer1_band(band_n, num_ntiles);
+  std::mutex mu;
+  std::vector<std::tuple<int64_t, int32_t, int32_t>> seen;
+  comet::cpu::run_grid(nullptr, gemm_blocks, threads, 0, [&](comet::cpu::CpuContext& ctx) {
+    comet::layer1_gemm(ctx, ctx.block(), gemm_blocks, a, [&](const comet::MTile& m, int32_t n) {
+      if (ctx.thread() != 0) return;
+      const comet::Band b = comet::layer1_band_of(n, band, num_ntiles);
+      int32_t published = 0;
+      for (int32_t j = b.first; j < b.first + b.width; ++j)
+        published += comet::flag_acquire(&flags[size_t(j)]) != 0;
+      std::lock_guard<std::mutex> lock(mu);
+      seen.emplace_back(int64_t(&m - mt.data()), n, published);
+    });
+  });
+  return py::make_tuple(seen, flags, counts);
 }
 
 int32_t mtile_ring_distance(const I64& expert_off, const I64& seg_off, int32_t world,
@@ -138,7 +171,9 @@ void bind_engine(py::module_& m) {
         py::arg("threads") = 1);
   e.def("tile_order", &tile_order, py::arg("layer"), py::arg("expert_off"), py::arg("seg_off"),
         py::arg("world"), py::arg("tile_m"), py::arg("num_ntiles"), py::arg("blocks") = 1,
-        py::arg("threads") = 1);
+        py::arg("threads") = 1, py::arg("band_n") = 1);
+  e.def("layer1_schedule", &layer1_schedule, py::arg("num_mtiles"), py::arg("num_ntiles"),
+        py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot, py::arg("token_ids"), py::arg("el"), py::arg("rank"),
         py::arg("reduce_rpn") = 0, py::arg("home") = 0);

@@ -1,5 +1,6 @@
 #include "op_checks.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -126,7 +127,10 @@ bool Checker::launch(const LaunchShape& l) {
          value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
          value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " +
                                                    std::to_string(l.tile_m) + "x" +
-                                                   std::to_string(l.tile_n));
+                                                   std::to_string(l.tile_n)) &&
+         value(l.band_n >= 0 && l.band_n <= INT32_MAX,
+               "band_n (n-tiles per column band of layer1; 0 = all) must be >= 0, got " +
+                   std::to_string(l.band_n));
 }
 
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {

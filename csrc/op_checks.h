@@ -55,6 +55,7 @@ bool cpu_cuda_rules();
 
 struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
+  int64_t band_n = 1;  // layer1: n-tiles per column band (tile_order.h), 0 = all
 };
 
 // Validates one call's inputs for a backend: every tensor on `device`; dtypes the backend runs

@@ -16,6 +16,9 @@
 //     The row-indexed outputs of layer0 (y0, a, row_*) then have max_rows rows (rows >= M: zero on
 //     the CPU backend, unspecified on CUDA) and layer1 takes h with max_rows rows, so shapes are
 //     static (CUDA-graph capture, torch.compile without data-dependent sizes). -1: no bound.
+//   band_n >= 0 (layer1): n-tiles per column band of its GEMM (comet/tile_order.h): h is read
+//     from HBM once per band, a band is handed to the reduce-and-send as a unit; 0 = all n-tiles
+//     in one band. The result does not depend on it (the reduction order is fixed).
 #include <torch/library.h>
 
 TORCH_LIBRARY(comet, m) {
@@ -27,5 +30,5 @@ TORCH_LIBRARY(comet, m) {
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "
       "Tensor recv_counts, int num_experts, int buffer, int n_comm, int n_gemm, int tile_m, "
-      "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1) -> Tensor");
+      "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1, int band_n=1) -> Tensor");
 }

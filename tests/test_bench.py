@@ -160,7 +160,7 @@ def test_profiling_hooks_measure_the_real_ops_and_round_trip(tuning):
         assert cfg.n_comm in (1, 2, 3) and cfg.tile == (16, 16)
         tn.default_tuner().clear()
         got = ops.launch_choice("cpu", None, layer, 1, 4, 2, 16, N, 64, "float32")
-        assert got == (cfg.n_comm, 6 - cfg.n_comm, 16, 16, "cache")
+        assert got == (cfg.n_comm, 6 - cfg.n_comm, 16, 16, "cache", cfg.band_n)
     entries = json.loads((tuning / "cpu.json").read_text())["entries"]
     assert len(entries) == 2 and all(e["source"] == "measured" for e in entries.values())
 

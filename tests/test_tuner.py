@@ -155,7 +155,7 @@ def test_cache_round_trip(cache_env):
     data = json.loads(path.read_text())
     assert data["format"] == "comet-tune-cache" and data["version"] == 1
     (entry,) = data["entries"].values()
-    assert entry["config"] == {"n_comm": 20, "tile_m": 128, "tile_n": 256}
+    assert entry["config"] == {"n_comm": 20, "tile_m": 128, "tile_n": 256, "band_n": 1}
     assert entry["key"]["tokens"] == 4096 and entry["seconds"] == 1.5e-3
     # a fresh tuner (a new process) reads it back, from any token count of the bucket
     assert tn.Tuner().lookup(mkkey(2049)) == tn.Config(20, 128, 256)
@@ -376,7 +376,7 @@ def test_tune_agrees_across_two_gloo_ranks(tmp_path):
     res = run_ranks(_rank_tune, 2, str(tmp_path), timeout=120)
     a0, b0, c0, d0 = res[0]
     assert res[0] == res[1]
-    assert a0 == {"n_comm": 8, "tile_m": 128, "tile_n": 128}
+    assert a0 == {"n_comm": 8, "tile_m": 128, "tile_n": 128, "band_n": 1}
     assert b0["n_comm"] == 4
     assert c0 == a0 and d0 == b0
 
@@ -496,3 +496,56 @@ def test_cli_profiling_path(capsys, cache_env, monkeypatch):
     assert set(calls) == {0, 1}
     entries = json.loads((cache_env / "cpu.json").read_text())["entries"]
     assert sorted(e["config"]["n_comm"] for e in entries.values()) == [3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# layer1's band width in the config
+# ----------------------------------------------------------------------------------------------
+
+
+def test_config_band_round_trips_and_old_entries_read_as_column_order(tmp_path):
+    c = tn.Config(5, 128, 128, 6)
+    assert tn.Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert tn.Config.from_dict({"n_comm": 3, "tile_m": 64, "tile_n": 64}).band_n == 1
+    assert tn.Config(3, band_n=0).band_n == 0  # 0 = all n-tiles
+    with pytest.raises(ValueError, match="band_n must be >= 0"):
+        tn.Config(3, band_n=-1)
+    # a cache file written before bands existed: its entries run in column order (b = 1)
+    key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)
+    cache = tn.TuneCache(tmp_path)
+    cache.put(key, tn.Config(9), seconds=1e-3)
+    data = json.loads(cache.path("h800").read_text())
+    for entry in data["entries"].values():
+        del entry["config"]["band_n"]
+    cache.path("h800").write_text(json.dumps(data))
+    cfg, _ = tn.TuneCache(tmp_path).get(key)
+    assert cfg == tn.Config(9, 128, 128, 1)
+
+
+def test_model_choice_carries_the_models_band(tmp_path):
+    spec = pm.GPUS["h800"]
+    key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)
+    cfg, src = tn.Tuner(tmp_path).choose(key, explain=True)
+    shape = key.shape()
+    assert src == "model" and cfg.n_comm == pm.choose_n_comm(shape, spec, 1)
+    assert cfg.band_n == pm.choose_band(shape, spec, cfg.n_comm) > 1
+    key0 = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 28672, 4096, 0)
+    assert tn.Tuner(tmp_path).choose(key0).band_n == 1  # layer0 has no bands
+    # measured candidates of layer1: column order and the model's band
+    c = tn.candidate_configs(132, around=10, bands=(1, 6))
+    assert {x.band_n for x in c} == {1, 6} and c == sorted(c, key=tn.Config.sort_key)
+
+
+def test_cli_prints_a_sweeps_and_the_band(tmp_path):
+    p = _run_cli(["--model", "mixtral", "--world", "8"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    header = next(line for line in lines if line.split()[:3] == ["layer", "GEMM", "MxNxK"])
+    assert header.rstrip().endswith("band  A sweeps")
+    rows = {line.split()[0]: line.split() for line in lines
+            if line.split() and line.split()[0] in ("layer0", "layer1")}
+    shape1 = pm.MoEShape(W=8, E=8, k=2, H=4096, N=14336, T=4096)
+    n = pm.choose_n_comm(shape1, pm.GPUS["h800"], 1)
+    assert rows["layer1"][-2] == str(pm.choose_band(shape1, pm.GPUS["h800"], n))
+    assert int(rows["layer1"][-1]) <= 8  # h read at most 8 times (32 in column order)
+    assert rows["layer0"][-2:] == ["-", "1"]

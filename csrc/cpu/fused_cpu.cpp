@@ -288,8 +288,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
     la.stage = heap.data(d) + reg.stage;
     la.chunk_done = chunk_counts.data();
   }
-  const GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(),
-                            flags.data()};
+  GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
+  ga.band_n = l.band_n;
   const char* w1 = static_cast<const char*>(p.w1);
   const char* b1 = static_cast<const char*>(p.b1);
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;

@@ -71,9 +71,9 @@ int32_t block_threads(const SymmHeap& heap) {
 }
 
 CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64_t n_gemm,
-                     int64_t tile_m, int64_t tile_n) {
+                     int64_t tile_m, int64_t tile_n, int64_t band_n = 1) {
   return CpuLaunch{int32_t(n_comm), int32_t(n_gemm), int32_t(tile_m), int32_t(tile_n),
-                   block_threads(heap), stress_seed(epoch, heap.rank())};
+                   block_threads(heap), stress_seed(epoch, heap.rank()), int32_t(band_n)};
 }
 
 using Layer0Result =
@@ -175,10 +175,10 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           const at::Tensor& recv_counts, int64_t num_experts, int64_t buffer,
                           int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n,
                           const std::optional<at::Tensor>& b1, bool w1_transposed,
-                          int64_t max_rows) {
+                          int64_t max_rows, int64_t band_n) {
   auto heap = heap_or_throw(buffer);
   block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
-  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
+  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                          w1_transposed, max_rows},
@@ -191,7 +191,7 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
-    const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n);
+    const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, band_n);
     if (h.scalar_type() == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
                                  recv_counts, num_experts, launch, b1, w1_transposed);

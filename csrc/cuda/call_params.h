@@ -9,6 +9,7 @@
 #pragma once
 
 #include "comet/exec_context.h"
+#include "comet/gemm_schedule.h"
 #include "comet/layout.h"
 #include "comet/prologue.h"
 #include "comet/reduce_plan.h"
@@ -94,6 +95,7 @@ struct CallParams {
   int32_t n_comm, n_gemm, tile_m, tile_n;
   int32_t mode;           // BenchMode
   int32_t num_ntiles;     // ceil(N_out / tile_n): N_out = N0 (layer0) / H (layer1)
+  int32_t band_n;         // layer1: n-tiles per column band (comet/tile_order.h), 0 = all
   int64_t rows_cap;       // rows the row-indexed outputs hold (M, or max_rows)
   int64_t max_rows;       // -1: rows known exactly (eager call)
   int64_t mtiles_cap;     // m-tile workspace bound
@@ -149,5 +151,13 @@ struct CallParams {
   void* out;              // layer1: [T, H]
   int64_t h_rows;         // layer1: rows of h (M, or max_rows)
 };
+
+// layer1's GEMM schedule (comet/gemm_schedule.h): every sm path and bench mode walks the same.
+COMET_HD GemmScheduleArgs layer1_schedule_args(const CallParams& p, uint64_t epoch) {
+  GemmScheduleArgs a{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
+                     nullptr, nullptr,  p.ntile_count,       p.ntile_ready};
+  a.band_n = p.band_n;
+  return a;
+}
 
 }  // namespace comet::gpu

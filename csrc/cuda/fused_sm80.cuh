@@ -67,8 +67,7 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
                 bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
     });
   } else {
-    const GemmScheduleArgs ga{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
-                              nullptr, nullptr,  p.ntile_count,       p.ntile_ready};
+    const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
     const int64_t K = p.cols, H = p.hidden;
     const T* A = static_cast<const T*>(p.h);
     const T* B = static_cast<const T*>(p.w1);

@@ -165,8 +165,7 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
   const GemmScheduleArgs ga =
       kLayer == 0 ? GemmScheduleArgs{epoch, p.mtiles, num_mtiles, p.num_ntiles, p.mtile_order,
                                      p.mtile_ready, nullptr, nullptr}
-                  : GemmScheduleArgs{epoch, p.mtiles, num_mtiles, p.num_ntiles, nullptr, nullptr,
-                                     p.ntile_count, p.ntile_ready};
+                  : layer1_schedule_args(p, epoch);
 
   typename Pipeline::Params pp;
   if (warp_group == 0)
@@ -209,9 +208,11 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
     if constexpr (kLayer == 0) {
       layer0_gemm(ctx, g, ng, ga, load_tile);
     } else {
+      // The MMA warpgroups' order (layer1_gemm): the same bands, the same tiles.
       const int64_t tiles = num_mtiles * p.num_ntiles;
+      const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
       for (int64_t i = g; i < tiles; i += ng) {
-        const TileCoord tc = layer1_tile(i, num_mtiles);
+        const TileCoord tc = layer1_tile(i, num_mtiles, p.num_ntiles, band);
         load_tile(p.mtiles[tc.mtile], tc.ntile);
       }
     }
@@ -266,8 +267,7 @@ __global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
     // Comm-only timing: no MMA; layer1's columns are still published so the comm side runs.
     if constexpr (kLayer == 1) {
       BlockGemmContext ctx(wait_config(p));
-      const GemmScheduleArgs ga{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
-                                nullptr, nullptr,  p.ntile_count,       p.ntile_ready};
+      const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
       layer1_gemm(ctx, int32_t(blockIdx.x) - p.n_comm, int32_t(gridDim.x) - p.n_comm, ga,
                   [](const MTile&, int32_t) {});
     }

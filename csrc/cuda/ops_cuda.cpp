@@ -556,7 +556,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            const at::Tensor& send_pos, const at::Tensor& recv_counts,
                            int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                            int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b1,
-                           bool w1_transposed, int64_t max_rows_arg) {
+                           bool w1_transposed, int64_t max_rows_arg, int64_t band_n) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -570,7 +570,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows},
-               W, {n_comm, n_gemm, tile_m, tile_n}) &&
+               W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
@@ -596,6 +596,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                              int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
   set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology());
   p.h_rows = h_rows;
+  p.band_n = int32_t(band_n);  // checked: 0 .. INT32_MAX
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   at::Tensor weights32 = ok ? topk_weights.to(at::kFloat).contiguous() : at::Tensor();

@@ -244,11 +244,12 @@ int main() {
       const std::vector<Result> base = run_world(heaps, p, cpu::CpuLaunch{1, 1, 4, 4, 1, 0});
       check_oracle(p, base);
       check_exact_order(p, base, 0);
-      const cpu::CpuLaunch others[] = {{2, 2, 5, 3, 2, 0}, {1, 3, 3, 8, 4, 0},
-                                       {2, 1, 2, 2, 4, 17 + uint64_t(iter)}};
+      // the last field: layer1's band (n-tiles per band; 0 = all)
+      const cpu::CpuLaunch others[] = {{2, 2, 5, 3, 2, 0, 2}, {1, 3, 3, 8, 4, 0, 0},
+                                       {2, 1, 2, 2, 4, 17 + uint64_t(iter), 3}};
       for (const cpu::CpuLaunch& l : others) {
         const std::vector<Result> got = run_world(heaps, p, l);
-        for (int32_t r = 0; r < W; ++r) {  // bitwise: team size, split, tiles, delays
+        for (int32_t r = 0; r < W; ++r) {  // bitwise: team size, split, tiles, bands, delays
           CHECK(got[size_t(r)].y0 == base[size_t(r)].y0);
           CHECK(got[size_t(r)].out == base[size_t(r)].out);
           CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);
@@ -278,7 +279,7 @@ int main() {
       const Problem p = make_problem(rng, W);
       const std::vector<Result> base = run_world(one, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 0});
       const std::vector<Result> got =
-          run_world(nodes, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 29 + uint64_t(iter)});
+          run_world(nodes, p, cpu::CpuLaunch{2, 2, 5, 3, 2, 29 + uint64_t(iter), 2});
       for (int32_t r = 0; r < W; ++r) {
         CHECK(got[size_t(r)].y0 == base[size_t(r)].y0);
         CHECK(got[size_t(r)].out == base[size_t(r)].out);
@@ -289,7 +290,7 @@ int main() {
       check_oracle(p, red);
       check_exact_order(p, red, rpn);
       const std::vector<Result> red2 =
-          run_world(reduced, p, cpu::CpuLaunch{1, 3, 3, 8, 4, 41 + uint64_t(iter)});
+          run_world(reduced, p, cpu::CpuLaunch{1, 3, 3, 8, 4, 41 + uint64_t(iter), 0});
       for (int32_t r = 0; r < W; ++r) CHECK(red2[size_t(r)].out == red[size_t(r)].out);
     }
   }

@@ -79,10 +79,32 @@ int main() {
         CHECK(dist >= last);  // local-only tiles first, then ring distance 1, 2, ...
         last = dist;
         ++visits[size_t(tc.mtile * nt + tc.ntile)];
-        TileCoord c1 = layer1_tile(i, mt);
-        CHECK(c1.ntile == i / mt && c1.mtile == i % mt);  // column-major
+        TileCoord c1 = layer1_tile(i, mt, nt, layer1_band(1, nt));
+        CHECK(c1.ntile == i / mt && c1.mtile == i % mt);  // band 1: column-major
       }
       CHECK(std::all_of(visits.begin(), visits.end(), [](int v) { return v == 1; }));
+      // layer1 in bands of b n-tiles (0 = all): bands in order, m-major inside a band, each
+      // tile once
+      for (int32_t band_n = 0; band_n <= nt + 1; ++band_n) {
+        const int32_t b = layer1_band(band_n, nt);
+        CHECK(b == (band_n == 0 || band_n > nt ? nt : band_n));
+        std::vector<int> seen1(size_t(mt * nt), 0);
+        int64_t i = 0;
+        for (int32_t first = 0; first < nt; first += b) {
+          const int32_t width = std::min(b, nt - first);
+          CHECK(layer1_band_of(first + width - 1, b, nt).first == first);
+          CHECK(layer1_band_of(first, b, nt).width == width);
+          for (int64_t m = 0; m < mt; ++m)
+            for (int32_t n = first; n < first + width; ++n, ++i) {
+              const TileCoord c = layer1_tile(i, mt, nt, b);
+              CHECK(c.mtile == m && c.ntile == n);
+              if (c.mtile >= 0 && c.mtile < mt && c.ntile >= 0 && c.ntile < nt)
+                ++seen1[size_t(c.mtile * nt + c.ntile)];
+            }
+        }
+        CHECK(i == mt * nt);
+        CHECK(std::all_of(seen1.begin(), seen1.end(), [](int v) { return v == 1; }));
+      }
     }
   }
   TEST_MAIN_END

@@ -16,8 +16,9 @@ struct GemmScheduleArgs {
   int32_t num_ntiles;
   const int64_t* mtile_order;  // layer0 only
   uint64_t* mtile_ready;       // layer0: flags from the comm blocks
-  uint32_t* ntile_count;       // layer1: arrivals per n-tile (self-resetting)
-  uint64_t* ntile_ready;       // layer1: flags to the comm blocks
+  uint32_t* ntile_count;       // layer1: arrivals per band, at its first n-tile (self-resetting)
+  uint64_t* ntile_ready;       // layer1: flags to the comm blocks, one per n-tile
+  int32_t band_n = 1;          // layer1: n-tiles per band (tile_order.h: layer1_band; 0 = all)
 };
 
 // layer0: acquire an m-tile's readiness before touching its rows.
@@ -33,19 +34,30 @@ COMET_HD void layer0_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
   }
 }
 
-// layer1: column-major; the last tile of a column publishes the column to the comm blocks.
+// layer1, after a tile's stores (thread 0, after the block's barrier): arrive on the tile's band;
+// the band's last tile publishes it as a unit: the flag of the band's first n-tile by
+// arrive_and_publish (release after every arrival, acquired through the counter's acq_rel chain),
+// then the flags of its other n-tiles, so the comm blocks wait per n-tile as before.
+COMET_HD void layer1_arrive(const GemmScheduleArgs& a, int32_t ntile, int32_t band) {
+  const Band b = layer1_band_of(ntile, band, a.num_ntiles);
+  if (!arrive_and_publish(&a.ntile_count[b.first], uint32_t(a.num_mtiles * b.width),
+                          &a.ntile_ready[b.first], a.epoch))
+    return;
+  for (int32_t n = b.first + 1; n < b.first + b.width; ++n) flag_release(&a.ntile_ready[n], a.epoch);
+}
+
+// layer1: column bands (tile_order.h); the last tile of a band publishes it to the comm blocks.
 template <class Ctx, class Compute>
 COMET_HD void layer1_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
                           const GemmScheduleArgs& a, Compute&& compute) {
   const int64_t tiles = a.num_mtiles * a.num_ntiles;
+  const int32_t band = layer1_band(a.band_n, a.num_ntiles);
   for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
-    const TileCoord tc = layer1_tile(i, a.num_mtiles);
+    const TileCoord tc = layer1_tile(i, a.num_mtiles, a.num_ntiles, band);
     compute(a.mtiles[tc.mtile], tc.ntile);
     ctx.delay();
     ctx.sync();
-    if (ctx.thread() == 0)
-      arrive_and_publish(&a.ntile_count[tc.ntile], uint32_t(a.num_mtiles), &a.ntile_ready[tc.ntile],
-                         a.epoch);
+    if (ctx.thread() == 0) layer1_arrive(a, tc.ntile, band);
   }
 }
 
