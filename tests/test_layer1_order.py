@@ -3,7 +3,7 @@ reduction order (README "The layer1 reduction order"): the other bitwise tests c
 with itself, so an order changed everywhere at once (the home's partials added in reverse, the
 slots of a partial in another order) would pass them; it cannot pass this.
 
-On 1-4 ranks (every awkward case), every block split, tile shape and thread team, with biases
+On 1-4 ranks (every awkward case), every block split, tile shape, column band and thread team, with biases
 and transposed weights, across nodes per rank and node-reduced."""
 import pytest
 import torch
@@ -15,9 +15,10 @@ from tests.sim_world import run_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
 ALL_CASES = [c for w in (1, 2, 3, 4) for c in cases_for(w)] + [E6_ON_3]
-# (n_comm, n_gemm, tile, threads per block): splits, tiles that do and do not divide H, teams.
-LAUNCHES = [(1, 1, (8, 8), 1), (3, 2, (5, 7), 1), (2, 3, (4, 16), 2), (3, 1, (64, 64), 4),
-            (1, 2, (1, 3), 2)]
+# (n_comm, n_gemm, tile, threads per block, layer1's column band): splits, tiles that do and do
+# not divide H, teams, bands of 1 n-tile (column order), 2, 3 and all (0).
+LAUNCHES = [(1, 1, (8, 8), 1, 1), (3, 2, (5, 7), 1, 2), (2, 3, (4, 16), 2, 0),
+            (3, 1, (64, 64), 4, 1), (1, 2, (1, 3), 2, 3)]
 
 
 def run_op(case, dtype, *, n_comm=1, n_gemm=1, tile=(8, 8), threads=1, ranks_per_node=None,
@@ -66,13 +67,14 @@ def test_every_case_is_the_stated_order(case, dtype):
     assert_bitwise(got, want, case.name)
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda l: f"c{l[0]}g{l[1]}t{l[2][0]}x{l[2][1]}x{l[3]}")
+@pytest.mark.parametrize("launch", LAUNCHES,
+                         ids=lambda l: f"c{l[0]}g{l[1]}t{l[2][0]}x{l[2][1]}x{l[3]}b{l[4]}")
 @pytest.mark.parametrize("case", [cases_for(2)[3], cases_for(3)[5], cases_for(4)[4], E6_ON_3],
                          ids=str)
 def test_splits_tiles_and_teams_are_the_stated_order(case, launch):
-    n_comm, n_gemm, tile, threads = launch
+    n_comm, n_gemm, tile, threads, band = launch
     got, want, _ = run_op(case, torch.bfloat16, n_comm=n_comm, n_gemm=n_gemm, tile=tile,
-                          threads=threads)
+                          threads=threads, layer1_kw={"band": band})
     assert_bitwise(got, want, f"{case.name} {launch}")
 
 
@@ -101,9 +103,10 @@ NODE_CASES = [(cases_for(4)[0], 2), (cases_for(4)[3], 2), (cases_for(4)[4], 1),
 @pytest.mark.parametrize("case,rpn", NODE_CASES, ids=lambda v: str(v))
 def test_across_nodes_is_the_stated_order(case, rpn, node_reduce):
     for dtype, launch in ((torch.bfloat16, LAUNCHES[1]), (torch.float32, LAUNCHES[2])):
-        n_comm, n_gemm, tile, threads = launch
+        n_comm, n_gemm, tile, threads, band = launch
         got, want, bufs = run_op(case, dtype, n_comm=n_comm, n_gemm=n_gemm, tile=tile,
-                                 threads=threads, ranks_per_node=rpn, node_reduce=node_reduce)
+                                 threads=threads, ranks_per_node=rpn, node_reduce=node_reduce,
+                                 layer1_kw={"band": band})
         assert_bitwise(got, want, f"{case.name} {rpn} per node {dtype}")
         # The node path ran: the ranks' puts crossed the link proxy.
         assert sum(b.link_stats()[0] for b in bufs) > 0
