@@ -173,8 +173,9 @@ _wgrad_streams: dict = {}
 
 
 def _wgrad_stream(device: torch.device):
-    """The dedicated side stream of the weight-gradient GEMMs on `device` (not the default stream,
-    not one of torch's pooled streams other code also gets)."""
+    """The side stream of the weight-gradient GEMMs on `device`, one per device for the process
+    (a torch.cuda.Stream: never the default stream; the GEMM does not spin, so sharing torch's
+    stream pool with other code only orders work, it cannot hang)."""
     with _pool_lock:
         stream = _wgrad_streams.get(device.index)
         if stream is None:

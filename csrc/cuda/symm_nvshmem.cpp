@@ -103,6 +103,10 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, in
   if (bad.tellp() > 0)
     throw std::runtime_error("comet.symm (CUDA): " + bad.str());
   subgroup_ = world != nvshmem_n_pes();
+  // Before the collective allocations: a failure here is the same on every rank (same binary,
+  // same GPU model), so every rank raises instead of some waiting in nvshmem_malloc.
+  preload_kernels(device);
+  cuda_check(cudaEventCreateWithFlags(&handover_, cudaEventDisableTiming), "cudaEventCreate");
   header_bytes_ = round_up(header_bytes(world), 256);
   header_ = symmetric_alloc(header_bytes_, "buffer header");
   capacity_ = round_up(capacity_bytes > kMinData ? capacity_bytes : kMinData, size_t(1) << 20);
@@ -120,8 +124,6 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, in
   cuda_check(cudaHostAlloc(&summary_host_, sizeof(DeviceState) + world * sizeof(CallMeta),
                            cudaHostAllocDefault),
              "cudaHostAlloc");
-  cuda_check(cudaEventCreateWithFlags(&handover_, cudaEventDisableTiming), "cudaEventCreate");
-  preload_kernels(device);
   tables_ = at::zeros({2, world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
   refresh_tables(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
   cuda_check(cudaDeviceSynchronize(), "initialising the buffer");
