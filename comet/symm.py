@@ -182,11 +182,11 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
-    for name, v in (("tokens", tokens), ("hidden", hidden), ("topk", topk),
-                    ("num_experts", num_experts), ("world", world)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("tokens", "hidden")
-                                                                 else 1):
-            raise ValueError(f"comet.symm.required_bytes: {name} must be a positive int, got {v!r}")
+    for name, v, low in (("tokens", tokens, 0), ("hidden", hidden, 0), ("topk", topk, 1),
+                         ("num_experts", num_experts, 1), ("world", world, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"comet.symm.required_bytes: {name} must be an int >= {low}, "
+                             f"got {v!r}")
     # The CPU backend accumulates float64 inputs' weights in float64 (ops_cpu.cpp), else float32.
     acc = 8 if dtype == torch.float64 else 4
     ops = (0, 1) if op is None else (op,)
