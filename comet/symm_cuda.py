@@ -241,7 +241,7 @@ class Buffer:
 
     def last_kernel_seconds(self) -> float:
         """Duration of the last fused kernel run on this buffer (its first block's start to its
-        last warp's exit, from the GPU's global timer); waits for the current stream."""
+        last warp's exit, from the GPU's global timer); waits for the buffer's stream."""
         return float(_ops().buffer_kernel_time(self.handle))
 
     def set_timeout(self, seconds: float) -> None:

@@ -478,11 +478,12 @@ void buffer_reserve(int64_t h, int64_t bytes) {
   b->grow(size_t(bytes), stream);
 }
 
-// Duration of the last fused kernel on this buffer (seconds; waits for the current stream).
+// Duration of the last fused kernel on this buffer (seconds; waits for the buffer's stream, else
+// the current one).
 double buffer_kernel_time(int64_t h) {
   auto b = find_cuda_buffer(h);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = b->has_stream() ? b->stream() : at::cuda::getCurrentCUDAStream().stream();
   DeviceState st{};
   cuda_check(cudaMemcpyAsync(&st, b->state(), sizeof(st), cudaMemcpyDeviceToHost, stream),
              "reading the kernel clock");
@@ -512,11 +513,14 @@ int64_t buffer_heap_bytes(int64_t world, int64_t data_bytes) {
 
 namespace {
 
-// Synchronises the current stream and reports what the device recorded (empty: nothing).
+// Synchronises the current stream and the buffer's, and reports what the device recorded (empty:
+// nothing).
 std::string buffer_check(int64_t h) {
   auto b = find_cuda_buffer(h);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
-  const cudaError_t e = cudaStreamSynchronize(at::cuda::getCurrentCUDAStream());
+  cudaError_t e = cudaStreamSynchronize(at::cuda::getCurrentCUDAStream());
+  // The buffer's calls may have been queued on another stream (comet/stream_rule.h).
+  if (e == cudaSuccess && b->has_stream()) e = cudaStreamSynchronize(b->stream());
   std::string msg = describe_error(b->error_host());
   if (e != cudaSuccess) {
     msg = (msg.empty() ? std::string() : msg + "; ") + "CUDA error: " + cudaGetErrorString(e);
