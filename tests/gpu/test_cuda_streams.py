@@ -8,6 +8,7 @@
 * the inter-node proxy runs on the buffer's own stream, not the default stream nor a pooled one;
 * Buffer(reserve=...) sizes the data segment once, and calls of that shape never grow it.
 """
+import contextlib
 import dataclasses
 
 import pytest
@@ -31,18 +32,19 @@ def _weight_grads(case, rank, stream, overlap: bool, deferred: bool = False):
     before = cag.weight_grad_overlap()
     cag.set_weight_grad_overlap(overlap)
     try:
-        with torch.cuda.stream(stream):
+        # The queue is active during the forward, which the ops remember: CUDA backward runs on
+        # autograd's device thread, where a queue activated around backward() is not seen.
+        q = cag.DeferredWeightGrads(background=True)
+        queue = cag.defer_weight_grads(q) if deferred else contextlib.nullcontext()
+        with torch.cuda.stream(stream), queue:
             x = xs[rank].to(dev)
             w0 = w0s[rank].to(dev).requires_grad_()
             w1 = w1s[rank].to(dev).requires_grad_()
             y0, layout = comet.moe_layer0(x, w0, ids[rank].to(dev), num_experts=case.experts)
             h = torch.tanh(y0[:, :case.n1].float()).to(y0.dtype).contiguous()
             out = comet.moe_layer1(h, w1, wts[rank].to(dev), layout)
-            if deferred:
-                with cag.defer_weight_grads(background=True) as q:
-                    out.float().square().sum().backward()
-            else:
-                out.float().square().sum().backward()
+        with torch.cuda.stream(stream):
+            out.float().square().sum().backward()
         if deferred:
             other = torch.cuda.Stream()
             other.wait_stream(stream)
