@@ -40,8 +40,14 @@ top-k weights, 16-byte rows): proven on the CPU with COMET_CPU_CUDA_RULES=1
 Weight gradients (Lancet): dW0/dW1 depend on nothing the backward communication produces after
 them, so they run concurrently with it. In eager mode on the CPU backend each dW GEMM is issued on
 a worker thread while the calling thread runs the fused collective (layer0: dW0 || the dx
-GEMM+reduce+combine; layer1: dW1 || the return of the weight gradients). On a GPU the same split
-maps to a side stream. `set_weight_grad_overlap(False)` runs them inline (for measurements).
+GEMM+reduce+combine; layer1: dW1 || the return of the weight gradients). On CUDA the worker
+follows the caller's stream: at submit an event is recorded on the caller's current stream; the
+worker enqueues the GEMM on a dedicated side stream (one per device) that first waits for that
+event, its inputs are marked as used there (record_stream), and the result is handed back with an
+event the consumer's stream waits for (and record_stream on it): no host synchronisation, and
+the GEMM runs on the GPU beside the collective's kernels. A deferred dW computed inline at
+compute() waits for the same submit-time event on the stream current then.
+`set_weight_grad_overlap(False)` runs them inline (for measurements).
 
 Deferred weight gradients (like Megatron's backward_dw, for pipeline schedules)::
 
@@ -267,6 +273,77 @@ class _Pool:
         return self._pool.submit(run)
 
 
+_wgrad_streams: dict = {}
+
+
+def _wgrad_stream(device: torch.device):
+    """The side stream of the weight-gradient GEMMs on `device`, one per device for the process
+    (a torch.cuda.Stream: never the default stream; the GEMM does not spin, so sharing torch's
+    stream pool with other code only orders work, it cannot hang)."""
+    with _pool_lock:
+        stream = _wgrad_streams.get(device.index)
+        if stream is None:
+            stream = _wgrad_streams[device.index] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def _cuda_device(tensors) -> torch.device | None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            return t.device
+    return None
+
+
+class _Task:
+    """fn(), whose inputs were produced on the submitting thread's current stream: on a worker
+    thread (background) or when its result is asked for. CPU: fn() as it is. CUDA: the submit's
+    stream position is an event; the GEMM is enqueued on the device's wgrad side stream after
+    it (worker) or on the consumer's stream after it (inline), with record_stream on the inputs
+    and the result, so no stream reads memory another may have reused and nothing waits on the
+    host."""
+
+    def __init__(self, fn, inputs=(), background: bool = False):
+        self.fn, self.inputs = fn, tuple(t for t in inputs if isinstance(t, torch.Tensor))
+        self.device = _cuda_device(self.inputs)
+        self.ready = None
+        if self.device is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(self.device))
+        self.future = _executor().submit(self._on_side) if background else None
+
+    def _enqueue(self, stream):
+        """fn() enqueued on `stream` after the submit-time event; returns (result, done event)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(self.ready)
+            for t in self.inputs:
+                t.record_stream(stream)
+            out = self.fn()
+            done = torch.cuda.Event()
+            done.record(stream)
+        return out, done
+
+    def _on_side(self):
+        if self.device is None:
+            return self.fn()
+        return self._enqueue(_wgrad_stream(self.device))
+
+    def result(self):
+        if self.device is None:
+            return self.future.result() if self.future is not None else self.fn()
+        current = torch.cuda.current_stream(self.device)
+        if self.future is None:
+            return self._enqueue(current)[0]
+        out, done = self.future.result()
+        current.wait_event(done)
+        if isinstance(out, torch.Tensor):
+            out.record_stream(current)
+        return out
+
+    def cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()
+
+
 def _executor() -> _Pool:
     global _pool
     with _pool_lock:
@@ -286,10 +363,10 @@ class DeferredWeightGrads:
         self._items: list = []
         self._lock = threading.Lock()
 
-    def _add(self, weight: torch.Tensor, fn) -> None:
-        fut = _executor().submit(fn) if self.background else None
+    def _add(self, weight: torch.Tensor, fn, inputs=()) -> None:
+        task = _Task(fn, inputs, background=self.background)
         with self._lock:
-            self._items.append((weight, fn, fut))
+            self._items.append((weight, task))
         _local().pending.append(self)
 
     def __len__(self) -> int:
@@ -298,8 +375,8 @@ class DeferredWeightGrads:
     def compute(self) -> int:
         with self._lock:
             items, self._items = self._items, []
-        for weight, fn, fut in items:
-            grad = fut.result() if fut is not None else fn()
+        for weight, task in items:
+            grad = task.result()
             if weight.requires_grad:
                 torch.autograd.backward(weight, grad)
         return len(items)
@@ -308,9 +385,8 @@ class DeferredWeightGrads:
         """Drop the recorded computations without applying them."""
         with self._lock:
             items, self._items = self._items, []
-        for _w, _fn, fut in items:
-            if fut is not None:
-                fut.cancel()
+        for _w, task in items:
+            task.cancel()
 
 
 class _Local(threading.local):
@@ -373,23 +449,23 @@ class _WeightGrad:
     """One dW computation of a backward call: deferred into a queue, started on a worker thread
     (to overlap the collective that follows), or run inline."""
 
-    def __init__(self, ctx, weight: torch.Tensor, fn, traced: bool):
+    def __init__(self, ctx, weight: torch.Tensor, fn, traced: bool, inputs=()):
         self.value = None
-        self.future = None
+        self.task = None
         queue = None
         if not traced:
             queue = getattr(ctx, "wgrad_queue", None)
             if queue is None:
                 queue = _active_queue()
         if queue is not None:
-            queue._add(weight, fn)
+            queue._add(weight, fn, inputs)
         elif _OVERLAP and not traced:
-            self.future = _executor().submit(fn)
+            self.task = _Task(fn, inputs, background=True)
         else:
             self.value = fn()
 
     def result(self):
-        return self.future.result() if self.future is not None else self.value
+        return self.task.result() if self.task is not None else self.value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -536,7 +612,7 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
         # dW0 in w0's own layout: [E_local, N0, H] = dy0^T a, or [E_local, H, N0] = a^T dy0
         ops = (a, dy0) if w0_t else (dy0, a)
         dw0 = _WeightGrad(ctx, w0, lambda: expert_weight_grad(*ops, recv_counts, w0.dtype),
-                          traced)
+                          traced, inputs=(*ops, recv_counts))
     db0 = _expert_bias_grad(dy0, recv_counts, ctx.b0_dtype) if need_b0 else None
     dx = None
     if need_x:
@@ -603,7 +679,7 @@ def _layer1_backward(ctx, dout):
         if need_w1:  # dW1 while the weight gradients travel home; in w1's own layout
             ops = (h, wd) if w1_t else (wd, h)
             dw1 = _WeightGrad(ctx, w1, lambda: expert_weight_grad(*ops, recv_counts, w1.dtype),
-                              traced)
+                              traced, inputs=(*ops, recv_counts))
         if need_b1:
             db1 = _expert_bias_grad(wd, recv_counts, b1.dtype)
         if need_h:

@@ -136,6 +136,26 @@ class Buffer:
         if _distributed(self.group):
             dist.barrier(group=self.group)
 
+    def reserve(self, *, tokens: int, hidden: int, topk: int, num_experts: int,
+                dtype=None) -> None:
+        """Grows the data segment once to what calls of both layers with up to `tokens` tokens
+        per rank need (required_bytes), so such calls never grow it (collective: every rank of
+        the group, between calls; in a simulated world each rank's thread)."""
+        need = required_bytes(tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts,
+                              world=self.world, dtype=dtype, ranks_per_node=self.ranks_per_node,
+                              node_reduce=self.node_reduce)
+        _C.heap_reserve(self.handle, need)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """This rank's data segment bytes now (grown to max(need, twice the old size))."""
+        return int(_C.heap_capacity(self.handle))
+
+    @property
+    def requested_bytes(self) -> int:
+        """The largest data segment a call or reserve() of this buffer asked for so far."""
+        return int(_C.heap_requested(self.handle))
+
     def link_stats(self) -> tuple[int, int]:
         """(puts issued, bytes delivered) by this rank's link to other nodes (CPU backend)."""
         return tuple(_C.heap_link_stats(self.handle))
@@ -144,6 +164,41 @@ class Buffer:
         return (f"comet.Buffer(rank={self.rank}, world={self.world}, "
                 f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
                 f"handle={self.handle})")
+
+
+def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, world: int,
+                   dtype=None, ranks_per_node: int | None = None, node_reduce: bool = False,
+                   op: int | None = None) -> int:
+    """Bytes of symmetric data segment per rank that calls with up to `tokens` tokens per rank
+    need (both layers, or only `op` 0 / 1), on a group of `world` ranks in nodes of
+    `ranks_per_node` (default: one node), with `node_reduce` as the buffer's; dtype: the
+    activations' (default bfloat16).
+
+    Computed by the layout code the kernels use (comet/symm_layout.h: call_regions), so it is
+    exactly what a call of that shape grows the buffer to ask for. The FFN width does not enter:
+    no symmetric region is FFN-wide (layer0's output and layer1's input live in ordinary device
+    memory). Layer1's receive region dominates: min(topk, world) x tokens x hidden x element
+    bytes. The header (flags, call metadata; a few KiB) is separate."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    for name, v, low in (("tokens", tokens, 0), ("hidden", hidden, 0), ("topk", topk, 1),
+                         ("num_experts", num_experts, 1), ("world", world, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"comet.symm.required_bytes: {name} must be an int >= {low}, "
+                             f"got {v!r}")
+    # The CPU backend accumulates float64 inputs' weights in float64 (ops_cpu.cpp), else float32.
+    acc = 8 if dtype == torch.float64 else 4
+    ops = (0, 1) if op is None else (op,)
+    return max(int(_C.engine.region_bytes(o, tokens, hidden, topk, num_experts, world,
+                                          dtype.itemsize, acc, ranks_per_node or 0,
+                                          bool(node_reduce)))
+               for o in ops)
+
+
+def header_bytes(world: int) -> int:
+    """Bytes of a buffer's symmetric header per rank (flags and call metadata)."""
+    return int(_C.engine.header_bytes(world))
 
 
 def _env_number(name: str, default, kind=float):

@@ -17,8 +17,15 @@ are collective over all PEs, so buffers are created, reserved and closed by EVER
 world at the same point, each for its own group (several groups alive at once, e.g. two EP groups
 of 4 in a world of 8, each process creating the buffer of its group); a subgroup's buffer cannot
 grow inside a call: reserve() it (or pass capacity_bytes) for the largest token count first, else
-the call raises with the bytes it needs. The heap size is NVSHMEM's: set NVSHMEM_SYMMETRIC_SIZE
-(e.g. "8G") before the first buffer for large token counts.
+the call raises with the bytes it needs. The heap size is NVSHMEM's, fixed when NVSHMEM starts:
+pass the largest shape as `reserve=dict(tokens=..., hidden=..., topk=..., num_experts=...)` to the
+first Buffer (or init_nvshmem) and comet sets NVSHMEM_SYMMETRIC_SIZE from comet.symm.required_bytes
+unless the user set it; a grow frees the old segment before allocating the new one.
+
+Streams: a buffer's calls run on one stream at a time (comet/stream_rule.h): the first call binds
+its stream; a call from another stream makes that stream wait for the bound one's queued work (an
+event, no host synchronisation) and takes the buffer over; calls captured in a CUDA graph keep the
+binding. Across nodes the proxy kernel runs on the buffer's own high-priority stream.
 
 Calls without host synchronisation: inside `with buf.capturable(max_rows=R):` the ops never wait
 for the GPU, so they can be captured in CUDA graphs. moe_layer0 then returns row-indexed outputs
@@ -46,6 +53,10 @@ from comet._native import _C
 
 DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
 DEFAULT_CAPACITY = int(os.environ.get("COMET_CUDA_BUFFER_BYTES", str(64 << 20)))
+NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM's own default symmetric size
+# Room left for NVSHMEM's own symmetric allocations (teams, collectives) and for allocator
+# alignment beside comet's buffer: a margin, not a measured figure.
+NVSHMEM_HEADROOM = 128 << 20
 BENCH_MODES = {"fused": 0, "comm": 1, "gemm": 2}
 
 _lock = threading.RLock()
@@ -78,12 +89,33 @@ def _device(device) -> torch.device:
                         else device.index)
 
 
-def init_nvshmem(device=None) -> None:
-    """Bootstraps NVSHMEM for this process (collective over the default group; once)."""
+def heap_bytes(reserve, world: int | None = None) -> int:
+    """NVSHMEM symmetric heap bytes one buffer takes for `reserve`: data segment bytes (int), or
+    the shape as comet.symm.required_bytes' keywords (world defaults to the default group's size;
+    ranks_per_node to one node), plus the header and NVSHMEM_HEADROOM."""
+    if isinstance(reserve, dict):
+        shape = dict(reserve)
+        shape.setdefault("world", world or (dist.get_world_size() if _distributed() else 1))
+        data, world = symm.required_bytes(**shape), shape["world"]
+    else:
+        data = int(reserve)
+        world = world or (dist.get_world_size() if _distributed() else 1)
+    return int(_ops().buffer_heap_bytes(world, data)) + NVSHMEM_HEADROOM
+
+
+def init_nvshmem(device=None, *, reserve=None) -> None:
+    """Bootstraps NVSHMEM for this process (collective over the default group; once).
+
+    reserve: the largest shape the buffers will serve (a dict of comet.symm.required_bytes'
+    keywords, or data segment bytes): NVSHMEM_SYMMETRIC_SIZE is set from it (never below
+    NVSHMEM's default) unless the environment already sets it."""
     global _nvshmem_world
     with _lock:
         if _nvshmem_world is not None:
             return
+        if reserve is not None and not os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
+            need = max(heap_bytes(reserve), NVSHMEM_DEFAULT_HEAP)
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = f"{-(-need // (1 << 20))}M"
         dev = _device(device)
         torch.cuda.set_device(dev)
         ops = _ops()
@@ -118,15 +150,19 @@ class Buffer:
     `node_reduce` (default $COMET_NODE_REDUCE, else False): across nodes, layer1 sums each
     sending node's partials on the home's relay there and sends one row per (token, node)
     (comet.Buffer says more); the same on every rank.
+    `reserve`: the largest shape its calls will have, dict(tokens=, hidden=, topk=, num_experts=,
+    [dtype=, world=, ranks_per_node=, node_reduce=]): the first buffer of the process sets
+    NVSHMEM_SYMMETRIC_SIZE from it (unless set), and the buffer reserves it at once.
     """
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
-                 capacity_bytes: int | None = None, node_reduce: bool | None = None):
+                 capacity_bytes: int | None = None, node_reduce: bool | None = None,
+                 reserve: dict | None = None):
         self.device = _device(device)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         capacity = DEFAULT_CAPACITY if capacity_bytes is None else int(capacity_bytes)
-        init_nvshmem(self.device)
+        init_nvshmem(self.device, reserve=reserve)
         if _distributed():
             self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
             # Group rank r is NVSHMEM PE members[r] (NVSHMEM's world is the default group).
@@ -163,6 +199,8 @@ class Buffer:
         self._closed = False
         symm._WORLD_OF_HANDLE[self.handle] = self.world
         self._finalizer = weakref.finalize(self, symm._WORLD_OF_HANDLE.pop, self.handle, None)
+        if reserve is not None:
+            self.reserve(**{k: v for k, v in reserve.items() if k in _RESERVE_KEYS})
 
     # -- settings -----------------------------------------------------------------------------
 
@@ -203,7 +241,7 @@ class Buffer:
 
     def last_kernel_seconds(self) -> float:
         """Duration of the last fused kernel run on this buffer (its first block's start to its
-        last warp's exit, from the GPU's global timer); waits for the current stream."""
+        last warp's exit, from the GPU's global timer); waits for the buffer's stream."""
         return float(_ops().buffer_kernel_time(self.handle))
 
     def set_timeout(self, seconds: float) -> None:
@@ -212,6 +250,23 @@ class Buffer:
     @property
     def capacity_bytes(self) -> int:
         return int(_ops().buffer_capacity(self.handle))
+
+    @property
+    def requested_bytes(self) -> int:
+        """The largest data segment a call or reserve() of this buffer asked for so far."""
+        return int(_ops().buffer_requested(self.handle))
+
+    @property
+    def stream(self) -> int | None:
+        """The cudaStream_t (as an int) the buffer's calls are bound to; None before the first."""
+        s = int(_ops().buffer_stream(self.handle))
+        return None if s == -1 else s
+
+    @property
+    def proxy_stream(self) -> int | None:
+        """The buffer's own stream for the inter-node proxy (None on one node)."""
+        s = int(_ops().buffer_proxy_stream(self.handle))
+        return s or None
 
     # -- collective operations ------------------------------------------------------------------
 
@@ -227,12 +282,11 @@ class Buffer:
 
     def reserve(self, *, tokens: int, hidden: int, topk: int, num_experts: int,
                 dtype=torch.bfloat16) -> None:
-        """Room for calls of both layers with up to `tokens` tokens per rank (collective)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        need = max(int(_ops().region_bytes(op, tokens, hidden, topk, num_experts, self.world,
-                                           elem, self.ranks_per_node, self.node_reduce))
-                   for op in (0, 1))
-        self.reserve_bytes(need)
+        """Room for calls of both layers with up to `tokens` tokens per rank (collective):
+        comet.symm.required_bytes for this buffer's group."""
+        self.reserve_bytes(symm.required_bytes(
+            tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts, world=self.world,
+            dtype=dtype, ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce))
 
     def close(self) -> None:
         """Frees the NVSHMEM memory (collective: every rank calls it)."""
@@ -269,6 +323,7 @@ class Buffer:
                 f"handle={self.handle})")
 
 
+_RESERVE_KEYS = ("tokens", "hidden", "topk", "num_experts", "dtype")
 _buffers: dict = {}
 
 

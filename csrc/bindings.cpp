@@ -67,6 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     find_heap(h)->set_block_threads(n);
   });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
+  // Collective (every rank of the group, between calls): grow the data segment to >= bytes.
+  m.def("heap_reserve", [](int64_t h, int64_t bytes) { find_heap(h)->reserve(size_t(bytes)); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("heap_capacity", [](int64_t h) { return int64_t(find_heap(h)->capacity()); });
+  m.def("heap_requested", [](int64_t h) { return int64_t(find_heap(h)->requested()); });
   bind_engine(m);
 #ifdef COMET_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -4,10 +4,13 @@
 #include <torch/extension.h>
 
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
+#include "comet/stream_rule.h"
+#include "comet/symm_layout.h"
 #include "comet/topology.h"
 #include "cpu/block_runner.h"
 #include "cpu/grid_scratch.h"
@@ -181,6 +184,36 @@ void bind_engine(py::module_& m) {
   e.def("node_route", [](int32_t world, int32_t ranks_per_node, int32_t s, int32_t b) {
     const comet::NodeTopology t{world, ranks_per_node};
     return std::make_pair(t.relay(s, b), t.mirror_slot(s, b));
+  });
+  // comet/symm_layout.h: the data segment bytes of one call (op 0: layer0, 1: layer1) on a group
+  // of `world` ranks in nodes of `ranks_per_node` (0: one node); what both backends size their
+  // segment by (comet.symm.required_bytes).
+  e.def(
+      "region_bytes",
+      [](int32_t op, int64_t tokens, int32_t hidden, int32_t topk, int32_t experts, int32_t world,
+         int32_t elem_bytes, int32_t acc_bytes, int32_t ranks_per_node, bool node_reduce) {
+        if (op < 0 || op > 1 || tokens < 0 || hidden < 0 || topk < 1 || experts < 1 ||
+            world < 1 || elem_bytes < 1 || acc_bytes < 1)
+          throw py::value_error("comet: region_bytes needs op 0/1, tokens/hidden >= 0, "
+                                "topk/experts/world/elem/acc >= 1");
+        const int32_t rpn = ranks_per_node > 0 ? ranks_per_node : world;
+        if (world % rpn != 0)
+          throw py::value_error("comet: ranks_per_node=" + std::to_string(rpn) +
+                                " does not divide the group size " + std::to_string(world));
+        const comet::NodeTopology t{world, rpn, node_reduce ? 1 : 0};
+        return int64_t(comet::call_regions(t, comet::OpKind(op), tokens, hidden, topk, experts,
+                                           elem_bytes, acc_bytes)
+                           .total);
+      },
+      py::arg("op"), py::arg("tokens"), py::arg("hidden"), py::arg("topk"), py::arg("experts"),
+      py::arg("world"), py::arg("elem_bytes"), py::arg("acc_bytes") = 4,
+      py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false);
+  e.def("header_bytes", [](int32_t world) { return int64_t(comet::header_bytes(world)); });
+  // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
+  e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,
+                          bool current_capturing) {
+    return int32_t(comet::stream_step(has_bound, bound, bound_capturing, current,
+                                      current_capturing));
   });
 
 }

@@ -174,10 +174,22 @@ std::string SymmHeap::verdict(const char* op_name) const {
 }
 
 void SymmHeap::reserve(size_t bytes) {
+  if (bytes > requested_) requested_ = bytes;
   if (bytes <= capacity_) return;
-  size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
-  cap = align_up(cap, size_t(1) << 16);
+  const size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
   try {
+    // The old generation goes before the new one exists, so a rank never holds both (the peak is
+    // the new size, not old + new). Nothing refers to it any more: every peer finished reading
+    // this rank's memory in the previous call (begin_call waited for their Done, sent after
+    // their puts were delivered), and no rank writes this call's data before every rank mapped
+    // the new generation (the Mapped waits below).
+    if (proxy_) proxy_->set_own(own_header_.data(), own_header_.size(), nullptr, 0);
+    for (int32_t r = 0; r < world_; ++r) {
+      data_[size_t(r)] = nullptr;
+      peer_data_[size_t(r)] = ShmSegment{};
+    }
+    own_data_ = ShmSegment{};
+    capacity_ = 0;
     ++gen_;
     own_data_ = ShmSegment::create(segment_name(rank_, "d", gen_), cap);
     data_[rank_] = own_data_.data();

@@ -82,7 +82,12 @@ class SymmHeap {
   uint64_t begin_call(CallMeta me);
   const std::vector<CallMeta>& metas() const { return metas_; }
   std::string verdict(const char* op_name) const;
+  // Grows the data segment (collective) to at least `bytes`: to max(bytes, twice the current
+  // size), freeing the old segment first.
   void reserve(size_t bytes);
+  size_t capacity() const { return capacity_; }
+  // The largest data segment any call (or reserve) of this heap asked for so far.
+  size_t requested() const { return requested_; }
   void end_call(uint64_t epoch);
 
   // Spin until *flag >= epoch (acquire). Throws Aborted when `abort` is set, and a runtime_error
@@ -116,6 +121,7 @@ class SymmHeap {
   uint64_t epoch_ = 0;
   uint64_t gen_ = 0;      // data segment generation, equal on every rank
   size_t capacity_ = 0;   // data segment bytes, equal on every rank
+  size_t requested_ = 0;
   ShmSegment own_header_;
   std::vector<ShmSegment> peer_headers_;
   std::vector<char*> headers_;

@@ -89,8 +89,21 @@ class CudaBuffer {
   int64_t token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
                          int32_t elem_bytes) const;
   // Collective: every rank grows together (they decide from the same call summary); for a
-  // subgroup buffer, every process of the NVSHMEM world (reserve()).
+  // subgroup buffer, every process of the NVSHMEM world (reserve()). Frees the old segment
+  // before allocating the new one (the heap never holds both).
   void grow(size_t bytes, cudaStream_t stream);
+  // The largest data segment a call or reserve asked for so far.
+  size_t requested() const { return requested_; }
+
+  // The stream the buffer's calls run on (comet/stream_rule.h): called by every op before its
+  // first kernel with the caller's stream; binds it, hands the buffer over to it (the new stream
+  // waits for the old one's queued work), or throws when that cannot be done.
+  void claim_stream(cudaStream_t s);
+  bool has_stream() const { return has_stream_; }
+  cudaStream_t stream() const { return stream_; }
+  // The buffer's own stream for the inter-node proxy kernel (created with the put ring; null on
+  // one node): never the caller's, never one of torch's pooled streams other code also gets.
+  cudaStream_t proxy_stream() const { return proxy_stream_; }
 
   DeviceState* state() const { return state_; }
   ErrorRecord* error_device() const { return error_dev_; }
@@ -133,11 +146,21 @@ class CudaBuffer {
   int32_t node_reduce_ = 0;
   void* ring_mem_ = nullptr;     // device: RingControl, then kPutRingSlots PutRequests
   int32_t* pes_dev_ = nullptr;   // device: pes_
+  cudaStream_t proxy_stream_ = nullptr;
+  bool has_stream_ = false;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t handover_ = nullptr;
+  size_t requested_ = 0;
   std::string broken_;
 };
 
 // Text of what the device recorded in an ErrorRecord (empty when nothing); ops_cuda.cpp.
 std::string describe_error(const ErrorRecord& e);
+
+// Loads every comet kernel the device can run (ops_cuda.cpp), so that no lazy module load (which
+// may synchronise the device) happens during a call, while the inter-node proxy spins on work the
+// host has not launched yet. Called when a buffer is created.
+void preload_kernels(int device);
 
 // Registry: ops receive an integer handle. CUDA handles live above 2^40, apart from the CPU
 // heaps' (small integers), so a handle of the other backend is reported, not misused.

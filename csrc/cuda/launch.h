@@ -24,11 +24,14 @@ void launch_source(const CallParams& p, cudaStream_t stream);
 void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream);
 void launch_publish(const CallParams& p, cudaStream_t stream);
 void launch_finish(const CallParams& p, cudaStream_t stream);
+// Loads the four kernels above now (comet::gpu::preload_kernels, cuda_buffer.h says why).
+cudaError_t preload_prologue_kernels();
 
 // layer1's combine (combine.cu): after the fused kernel, on `grid` blocks (the fused kernel's
 // grid size, i.e. every SM) of kCombineThreads threads; ends the call's "done" handshake.
 constexpr int kCombineThreads = 256;
 void launch_combine(const CallParams& p, int grid, cudaStream_t stream);
+cudaError_t preload_combine_kernel();  // loads it now (as preload_prologue_kernels)
 
 // What the occupancy check needs about a fused kernel.
 struct FusedKernelInfo {

@@ -36,6 +36,7 @@
 #include "cuda_buffer.h"
 #include "launch.h"
 #include "op_checks.h"
+#include "proxy.h"
 #include "proxy_session.h"
 
 namespace comet::gpu {
@@ -89,6 +90,34 @@ std::string describe_error(const ErrorRecord& e) {
     default: m << "comet: unknown device error " << e.code;
   }
   return m.str();
+}
+
+// Every kernel a call may launch on this device, loaded now: under CUDA's default lazy module
+// loading a kernel's first launch loads it, and a load may synchronise the device; during a call
+// across nodes that would wait for the proxy kernel, which spins until the call's end kernel,
+// launched later by this same thread: a hang. A per-kernel attribute query forces the load
+// without changing the process's loading mode.
+void preload_kernels(int device) {
+  const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);
+  std::vector<const void*> fused;
+  for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
+    for (bool b_mn : {false, true}) {
+      fused.push_back(fused_sm80_layer0_info(kind, b_mn).func);
+      fused.push_back(fused_sm80_layer1_info(kind, b_mn).func);
+      if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
+        fused.push_back(fused_sm90_layer0_info(kind, b_mn).func);
+        fused.push_back(fused_sm90_layer1_info(kind, b_mn).func);
+      }
+    }
+  cudaError_t e = preload_prologue_kernels();
+  if (e == cudaSuccess) e = preload_combine_kernel();
+  if (e == cudaSuccess) e = preload_proxy_kernels();
+  for (const void* f : fused) {
+    cudaFuncAttributes a;
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, f);
+  }
+  TORCH_CHECK(e == cudaSuccess, "comet: loading comet's CUDA kernels failed: ",
+              cudaGetErrorString(e));
 }
 
 namespace {
@@ -248,9 +277,14 @@ class Carver {
   at::Tensor allocate(int device) {
     at::Tensor ws = at::empty({int64_t(bytes_)},
                               at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    bind(ws);
+    return ws;
+  }
+  // Points the slots at `ws` (what allocate() returned) again, e.g. after another carver that
+  // shares some slots was allocated in between.
+  void bind(const at::Tensor& ws) {
     char* base = static_cast<char*>(ws.data_ptr());
     for (auto& p : pieces_) *p.slot = base + p.offset;
-    return ws;
   }
 
  private:
@@ -433,6 +467,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
@@ -483,6 +518,35 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   take_grid_scratch(pre, p, p.source_blocks, std::max(E, W));
   at::Tensor ws_pre = pre.allocate(dev);
 
+  // The per-call tensors of rows_cap rows (outputs, tile plan scratch), allocated while no proxy
+  // spins: an allocation may call cudaFree (the caching allocator's retry), which synchronises
+  // the device and would wait for a proxy that only ends with this call's end kernel.
+  at::Tensor a, y0, row_source, row_token, row_slot, ws_post;
+  Carver post;
+  auto allocate_rows = [&](int64_t rows_cap) {
+    p.rows_cap = rows_cap;
+    p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
+    const auto opts = x.options();
+    a = at::empty({rows_cap, H}, opts);
+    y0 = at::empty({rows_cap, N0}, opts);
+    row_source = at::empty({rows_cap}, i32);
+    row_token = at::empty({rows_cap}, i32);
+    row_slot = at::empty({rows_cap}, i32);
+    post.take(p.mtiles, p.mtiles_cap);
+    post.take(p.mtile_order, p.mtiles_cap);
+    p.plan_blocks = prologue_blocks(p.mtiles_cap, dev);
+    take_grid_scratch(post, p, p.plan_blocks, W);
+    const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
+    ws_post = post.allocate(dev);
+    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
+                               size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
+               "clearing tile flags");
+  };
+  if (ok && max_rows >= 0) {  // known before the call: allocated before the proxy starts
+    allocate_rows(max_rows);
+    pre.bind(ws_pre);  // the source and begin kernels use the first workspace's grid scratch
+  }
+
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");
   // From the begin kernel (metadata to other nodes) to the last kernel: the inter-node proxy runs
@@ -494,33 +558,20 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     launch_finish(p, stream);
     raise(with_pending(check, pending));
   }
-  int64_t rows_cap = max_rows;
   if (max_rows < 0) {
     const CallSummary s = settle(b, p, with_pending(check, pending), "comet.moe_layer0", stream, proxy);
-    rows_cap = s.state.rows;
     tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
     p.tcap = tcap;
     p.regions = call_regions(b.topology(), OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, elem);
+    // The rows are known only now: allocate with the proxy stopped (its end kernel is queued
+    // behind the begin kernel, so a device synchronisation in the allocator completes).
+    proxy.pause();
+    allocate_rows(s.state.rows);
+    proxy.resume();
+  } else {
+    post.bind(ws_post);  // the publish kernel's grid scratch
   }
-  p.rows_cap = rows_cap;
-  p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
-
-  const auto opts = x.options();
-  at::Tensor a = at::empty({rows_cap, H}, opts);
-  at::Tensor y0 = at::empty({rows_cap, N0}, opts);
-  at::Tensor row_source = at::empty({rows_cap}, i32);
-  at::Tensor row_token = at::empty({rows_cap}, i32);
-  at::Tensor row_slot = at::empty({rows_cap}, i32);
-  Carver post;
-  post.take(p.mtiles, p.mtiles_cap);
-  post.take(p.mtile_order, p.mtiles_cap);
-  p.plan_blocks = prologue_blocks(p.mtiles_cap, dev);
-  take_grid_scratch(post, p, p.plan_blocks, W);
-  const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
-  at::Tensor ws_post = post.allocate(dev);
-  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
-                             size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
-             "clearing tile flags");
+  const int64_t rows_cap = p.rows_cap;
   p.a = static_cast<char*>(a.data_ptr());
   p.y0 = y0.data_ptr();
   p.w0 = w0.data_ptr();
@@ -563,6 +614,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
   // Expert ids and the layout's row count are checked on the device by the begin kernel.
@@ -642,6 +694,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                              size_t(4 * std::max<int64_t>(n_comm, 1)) * sizeof(uint32_t), stream),
              "clearing chunk counters");
 
+  // Allocated before the proxy starts (as in layer0): their sizes are known now.
+  at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
+  at::Tensor out = at::empty({T, H}, h.options());
+
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");
   ProxySession proxy(b, stream);  // as in layer0
@@ -658,8 +714,6 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
     p.regions = call_regions(b.topology(), OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, elem);
   }
 
-  at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
-  at::Tensor out = at::empty({T, H}, h.options());
   p.h = h.data_ptr();
   p.w1 = w1.data_ptr();
   p.b1 = bias_ptr(b1);
@@ -695,6 +749,7 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   CudaBuffer& b = *buf;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b.device()));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  b.claim_stream(stream);
   const CheckResult check{1, message};
   const OpKind kind = op == 0 ? OpKind::Layer0 : OpKind::Layer1;
   const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, check);

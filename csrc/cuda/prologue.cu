@@ -384,4 +384,17 @@ void launch_finish(const CallParams& p, cudaStream_t stream) {
   finish_kernel<<<1, 32, 0, stream>>>(p);
 }
 
+cudaError_t preload_prologue_kernels() {
+  const void* kernels[] = {reinterpret_cast<const void*>(&source_kernel),
+                           reinterpret_cast<const void*>(&begin_kernel),
+                           reinterpret_cast<const void*>(&publish_kernel),
+                           reinterpret_cast<const void*>(&finish_kernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes a;
+    const cudaError_t e = cudaFuncGetAttributes(&a, k);  // loads it (lazy loading)
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace comet::gpu

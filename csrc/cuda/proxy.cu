@@ -139,4 +139,11 @@ void launch_proxy_end(const ProxyEnd& e, cudaStream_t main) {
   end_kernel<<<1, kProxyThreads, 0, main>>>(e);
 }
 
+cudaError_t preload_proxy_kernels() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&proxy_kernel));
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&end_kernel));
+  return e;
+}
+
 }  // namespace comet::gpu

@@ -41,6 +41,8 @@ struct ProxyEnd {
 
 void launch_proxy(const ProxyParams& p, cudaStream_t side);
 void launch_proxy_end(const ProxyEnd& e, cudaStream_t main);
+// Loads both kernels now (comet::gpu::preload_kernels).
+cudaError_t preload_proxy_kernels();
 
 // Threads of the proxy block: one warp (lane 0 issues; the others exit at once).
 constexpr int kProxyThreads = 32;

@@ -1,7 +1,6 @@
 // ProxySession (proxy_session.h): fork the proxy onto a side stream, join it back.
 #include "proxy_session.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -29,10 +28,10 @@ void order(cudaStream_t from, cudaStream_t to, const char* what) {
 
 ProxySession::ProxySession(CudaBuffer& b, cudaStream_t main) : b_(b), main_(main) {
   if (!b_.multi_node()) return;
-  // A high-priority pool stream: the proxy's one block should be scheduled ahead of queued work.
-  side_ = at::cuda::getStreamFromPool(/*isHighPriority=*/true,
-                                      static_cast<c10::DeviceIndex>(b_.device()))
-              .stream();
+  // The buffer's own high-priority stream (CudaBuffer::proxy_stream): a pooled stream of torch's
+  // could be handed to other code, whose work would queue behind a proxy that spins until this
+  // call's end kernel.
+  side_ = b_.proxy_stream();
   start();
 }
 

@@ -25,12 +25,17 @@
 #pragma GCC diagnostic pop
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
 
+#include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
 #include "cuda_buffer.h"
 
@@ -50,13 +55,29 @@ constexpr size_t kMinData = size_t(1) << 20;  // room for the bucket offsets of 
 void* symmetric_alloc(size_t bytes, const char* what) {
   void* p = nvshmem_malloc(bytes);
   if (p == nullptr) {
+    const char* set = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
     std::ostringstream m;
     m << "comet.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
-      << " failed; the NVSHMEM heap is too small (set NVSHMEM_SYMMETRIC_SIZE before the first "
-         "comet call, e.g. NVSHMEM_SYMMETRIC_SIZE=8G)";
+      << " failed: the NVSHMEM symmetric heap (NVSHMEM_SYMMETRIC_SIZE="
+      << (set != nullptr ? set : "unset: NVSHMEM's default, 1G") << ") is too small. Set "
+      << "NVSHMEM_SYMMETRIC_SIZE to at least the header plus " << bytes
+      << " bytes (plus NVSHMEM's own use) before the first comet call, or pass the largest "
+         "shape to comet.symm_cuda.init_nvshmem(reserve=dict(tokens=..., hidden=..., topk=..., "
+         "num_experts=...)) so comet sets it (comet.symm.required_bytes gives the data bytes)";
     throw std::runtime_error(m.str());
   }
   return p;
+}
+
+uint64_t stream_id(cudaStream_t s) { return uint64_t(reinterpret_cast<uintptr_t>(s)); }
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &st) != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. the legacy stream queried during another's global capture
+    return false;
+  }
+  return st == cudaStreamCaptureStatusActive;
 }
 
 }  // namespace
@@ -82,6 +103,10 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, in
   if (bad.tellp() > 0)
     throw std::runtime_error("comet.symm (CUDA): " + bad.str());
   subgroup_ = world != nvshmem_n_pes();
+  // Before the collective allocations: a failure here is the same on every rank (same binary,
+  // same GPU model), so every rank raises instead of some waiting in nvshmem_malloc.
+  preload_kernels(device);
+  cuda_check(cudaEventCreateWithFlags(&handover_, cudaEventDisableTiming), "cudaEventCreate");
   header_bytes_ = round_up(header_bytes(world), 256);
   header_ = symmetric_alloc(header_bytes_, "buffer header");
   capacity_ = round_up(capacity_bytes > kMinData ? capacity_bytes : kMinData, size_t(1) << 20);
@@ -111,6 +136,38 @@ CudaBuffer::~CudaBuffer() {
   if (state_ != nullptr) cudaFree(state_);
   if (ring_mem_ != nullptr) cudaFree(ring_mem_);
   if (pes_dev_ != nullptr) cudaFree(pes_dev_);
+  if (proxy_stream_ != nullptr) cudaStreamDestroy(proxy_stream_);
+  if (handover_ != nullptr) cudaEventDestroy(handover_);
+}
+
+void CudaBuffer::claim_stream(cudaStream_t s) {
+  const bool old_capturing = has_stream_ && capturing(stream_);
+  switch (stream_step(has_stream_, stream_id(stream_), old_capturing, stream_id(s),
+                      capturing(s))) {
+    case StreamStep::Bind:
+      has_stream_ = true;
+      stream_ = s;
+      break;
+    case StreamStep::Same:
+    case StreamStep::Capture:
+      break;
+    case StreamStep::HandOver:
+      // Recorded now, the event follows every call the host queued on the old stream.
+      cuda_check(cudaEventRecord(handover_, stream_), "handing the buffer to another stream");
+      cuda_check(cudaStreamWaitEvent(s, handover_, 0), "handing the buffer to another stream");
+      stream_ = s;
+      break;
+    case StreamStep::Refuse: {
+      char msg[512];
+      std::snprintf(msg, sizeof(msg),
+                    "comet: a call on CUDA stream 0x%" PRIx64 " while this buffer's stream 0x%"
+                    PRIx64 " is capturing a CUDA graph with calls of the same buffer: the two "
+                    "could run concurrently and read each other's call number. End the capture "
+                    "first, or give the captured calls a buffer of their own",
+                    stream_id(s), stream_id(stream_));
+      throw std::runtime_error(msg);
+    }
+  }
 }
 
 void CudaBuffer::set_ranks_per_node(int32_t n) {
@@ -144,6 +201,13 @@ void CudaBuffer::set_ranks_per_node(int32_t n) {
                "cudaMalloc (PE table)");
     cuda_check(cudaMemcpy(pes_dev_, pes_.data(), sizeof(int32_t) * world_, cudaMemcpyHostToDevice),
                "copying the PE table");
+    // The proxy's own stream, at the highest priority: its one block should be scheduled ahead
+    // of queued work, and no other code (torch's stream pool hands its streams to anyone) queues
+    // work behind a proxy that spins until the call's end kernel.
+    int lowest = 0, highest = 0;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities");
+    cuda_check(cudaStreamCreateWithPriority(&proxy_stream_, cudaStreamNonBlocking, highest),
+               "creating the proxy stream");
   }
 }
 
@@ -217,15 +281,21 @@ int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int3
 }
 
 void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
+  if (bytes > requested_) requested_ = bytes;
   if (bytes <= capacity_) return;
   size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
   cap = round_up(cap, size_t(1) << 20);
   try {
-    // Every rank is here, after reading this call's summary with its stream idle: no kernel of
-    // any rank touches the old segment any more.
-    void* fresh = symmetric_alloc(cap, "grown data segment");
+    // The old segment goes first, so the heap never holds both (the peak is the new size, not
+    // old + new). Every rank is here between calls: in a call after reading its summary (the
+    // begin kernel waited until every peer was done with the previous call, and nothing of this
+    // call has been written to the data segment yet; the proxy is paused), in reserve() with
+    // the buffer's stream synchronised; nvshmem_free is collective (a barrier), so no rank
+    // allocates before every rank let go of its old segment.
     nvshmem_free(data_);
-    data_ = fresh;
+    data_ = nullptr;
+    capacity_ = 0;
+    data_ = symmetric_alloc(cap, "grown data segment");
     capacity_ = cap;
     refresh_tables(stream);
   } catch (const std::exception& e) {
@@ -403,14 +473,17 @@ void buffer_reserve(int64_t h, int64_t bytes) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
   auto stream = at::cuda::getCurrentCUDAStream();
   cuda_check(cudaStreamSynchronize(stream), "reserve");
+  // The buffer's calls may be queued on another stream: they must be done with the old segment.
+  if (b->has_stream()) cuda_check(cudaStreamSynchronize(b->stream()), "reserve");
   b->grow(size_t(bytes), stream);
 }
 
-// Duration of the last fused kernel on this buffer (seconds; waits for the current stream).
+// Duration of the last fused kernel on this buffer (seconds; waits for the buffer's stream, else
+// the current one).
 double buffer_kernel_time(int64_t h) {
   auto b = find_cuda_buffer(h);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = b->has_stream() ? b->stream() : at::cuda::getCurrentCUDAStream().stream();
   DeviceState st{};
   cuda_check(cudaMemcpyAsync(&st, b->state(), sizeof(st), cudaMemcpyDeviceToHost, stream),
              "reading the kernel clock");
@@ -419,26 +492,35 @@ double buffer_kernel_time(int64_t h) {
   return double(st.kernel_end - st.kernel_start) * 1e-9;
 }
 
-// A call's data segment bytes on a group of `world` ranks in nodes of `ranks_per_node` (0: one
-// node) with node-reduced partials or not (comet/topology.h).
-int64_t region_bytes(int64_t op, int64_t tokens, int64_t hidden, int64_t topk, int64_t experts,
-                     int64_t world, int64_t elem_bytes, int64_t ranks_per_node, bool node_reduce) {
-  const NodeTopology t{int32_t(world), ranks_per_node > 0 ? int32_t(ranks_per_node) : int32_t(world),
-                       node_reduce ? 1 : 0};
-  return int64_t(call_regions(t, OpKind(op), tokens, int32_t(hidden), int32_t(topk),
-                              int32_t(experts), int32_t(elem_bytes))
-                     .total);
+int64_t buffer_requested(int64_t h) { return int64_t(find_cuda_buffer(h)->requested()); }
+// The buffer's bound stream (-1: none yet) and its proxy stream (0 on one node), as integers.
+int64_t buffer_stream(int64_t h) {
+  auto b = find_cuda_buffer(h);
+  return b->has_stream() ? int64_t(reinterpret_cast<intptr_t>(b->stream())) : -1;
+}
+int64_t buffer_proxy_stream(int64_t h) {
+  return int64_t(reinterpret_cast<intptr_t>(find_cuda_buffer(h)->proxy_stream()));
+}
+// Symmetric heap bytes one buffer takes with a data segment of `data_bytes` (header and data,
+// rounded as the buffer rounds them).
+int64_t buffer_heap_bytes(int64_t world, int64_t data_bytes) {
+  const size_t d = size_t(std::max<int64_t>(data_bytes, 0));
+  return int64_t(round_up(header_bytes(int32_t(world)), 256) +
+                 round_up(d > kMinData ? d : kMinData, size_t(1) << 20));
 }
 
 }  // namespace
 
 namespace {
 
-// Synchronises the current stream and reports what the device recorded (empty: nothing).
+// Synchronises the current stream and the buffer's, and reports what the device recorded (empty:
+// nothing).
 std::string buffer_check(int64_t h) {
   auto b = find_cuda_buffer(h);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
-  const cudaError_t e = cudaStreamSynchronize(at::cuda::getCurrentCUDAStream());
+  cudaError_t e = cudaStreamSynchronize(at::cuda::getCurrentCUDAStream());
+  // The buffer's calls may have been queued on another stream (comet/stream_rule.h).
+  if (e == cudaSuccess && b->has_stream()) e = cudaStreamSynchronize(b->stream());
   std::string msg = describe_error(b->error_host());
   if (e != cudaSuccess) {
     msg = (msg.empty() ? std::string() : msg + "; ") + "CUDA error: " + cudaGetErrorString(e);
@@ -474,9 +556,10 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_reserve(int handle, int bytes) -> ()", &buffer_reserve);
   m.def("buffer_check(int handle) -> str", &buffer_check);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
-  m.def("region_bytes(int op, int tokens, int hidden, int topk, int experts, int world, "
-        "int elem_bytes, int ranks_per_node=0, bool node_reduce=False) -> int",
-        &region_bytes);
+  m.def("buffer_requested(int handle) -> int", &buffer_requested);
+  m.def("buffer_stream(int handle) -> int", &buffer_stream);
+  m.def("buffer_proxy_stream(int handle) -> int", &buffer_proxy_stream);
+  m.def("buffer_heap_bytes(int world, int data_bytes) -> int", &buffer_heap_bytes);
 }
 
 }  // namespace comet::gpu
