@@ -19,6 +19,7 @@ struct CpuLaunch {
   int32_t tile_m, tile_n;
   int32_t threads;          // OS threads per block
   uint64_t stress_seed;     // nonzero: random delays in every thread (cpu_context.h)
+  int32_t resident = 0;     // blocks live at once, as on a GPU (block_runner.h); 0: all
 };
 
 struct Layer0Problem {
