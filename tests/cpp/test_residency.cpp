@@ -43,19 +43,21 @@ void check_roles() {
       }
 }
 
-// At most S blocks live, started in index order.
+// At most S blocks live, started in index order: block b starts only once b - S + 1 blocks have
+// finished (with S = 1, the bodies run in exactly index order).
 void check_scheduling() {
   for (int32_t S : {1, 2, 3, 0}) {
     const int32_t blocks = 7, threads = 2;
     std::mutex m;
     std::vector<int32_t> started;
-    std::atomic<int32_t> live{0}, most{0};
+    std::atomic<int32_t> live{0}, most{0}, finished{0};
     cpu::run_teams(blocks, threads, S, [&](cpu::Team& team, int32_t b, int32_t t) {
       if (t == 0) {
         {
           std::lock_guard<std::mutex> lock(m);
           started.push_back(b);
         }
+        if (S > 0) CHECK(finished.load() >= b - S + 1);
         const int32_t now = live.fetch_add(1) + 1;
         int32_t seen = most.load();
         while (now > seen && !most.compare_exchange_weak(seen, now)) {
@@ -63,12 +65,19 @@ void check_scheduling() {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
       team.arrive_and_wait();
-      if (t == 0) live.fetch_sub(1);  // before the runner frees the slot
+      if (t == 0) {  // before the runner frees the slot
+        live.fetch_sub(1);
+        finished.fetch_add(1);
+      }
     });
+    std::sort(started.begin(), started.end());
     CHECK(int32_t(started.size()) == blocks);
     for (int32_t b = 0; b < int32_t(started.size()); ++b) CHECK(started[size_t(b)] == b);
     CHECK(most.load() <= (S > 0 ? S : blocks));
   }
+  std::vector<int32_t> order;  // S = 1: one block at a time, in index order
+  cpu::run_teams(5, 1, 1, [&](cpu::Team&, int32_t b, int32_t) { order.push_back(b); });
+  CHECK((order == std::vector<int32_t>{0, 1, 2, 3, 4}));
   bool refused = false;
   try {  // a grid that waits on itself must be co-resident
     cpu::run_grid(nullptr, 4, 1, 0, [](cpu::CpuContext&) {}, nullptr, 3);
