@@ -82,25 +82,31 @@ static __device__ void layer1_comm_block(const CallParams& p, int32_t block, uin
   }
 }
 
-// This block's role in a fused kernel of layer kLayer (comet/block_roles.h: no block waits on a
-// higher-index one, so the kernel finishes however few of its blocks are resident).
+// This block's index among the comm blocks / the GEMM blocks of a fused kernel of layer kLayer
+// (comet/block_roles.h: no block waits on a higher-index one, so the kernel finishes however few
+// of its blocks are resident). Plain offsets from blockIdx.x, cheap to rematerialise.
 template <int kLayer>
-static __device__ __forceinline__ BlockRole fused_role(const CallParams& p) {
-  return fused_block_role(kLayer, int32_t(blockIdx.x), int32_t(gridDim.x), p.n_comm);
+static __device__ __forceinline__ int32_t comm_block_index(const CallParams& p) {
+  return int32_t(blockIdx.x) - first_comm_block(kLayer, int32_t(gridDim.x), p.n_comm);
+}
+template <int kLayer>
+static __device__ __forceinline__ int32_t gemm_block_index(const CallParams& p) {
+  return int32_t(blockIdx.x) - first_gemm_block(kLayer, p.n_comm);
 }
 
 // The thread-block specialisation both fused kernels (sm80, sm90) start with: a comm block runs
 // the layer's comm program and reports true; the caller's GEMM blocks go on (GEMM block
-// role.index of role.count).
+// gemm_block_index of gridDim.x - n_comm).
 // smem: the kernel's dynamic shared memory (at least kBlockSharedBytes; the comm programs' scratch).
 template <int kLayer>
-static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, const BlockRole& role,
-                                                      uint64_t epoch, char* smem) {
-  if (!role.comm) return false;
+static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint64_t epoch,
+                                                      char* smem) {
+  const int32_t c = comm_block_index<kLayer>(p);
+  if (uint32_t(c) >= uint32_t(p.n_comm)) return false;
   if constexpr (kLayer == 0)
-    layer0_comm_block(p, role.index, epoch, smem);
+    layer0_comm_block(p, c, epoch, smem);
   else
-    layer1_comm_block(p, role.index, epoch, smem);
+    layer1_comm_block(p, c, epoch, smem);
   return true;
 }
 

@@ -42,12 +42,12 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
-  const BlockRole role = fused_role<kLayer>(p);
-  if (ran_comm_block<kLayer>(p, role, epoch, smem)) return;
+  if (ran_comm_block<kLayer>(p, epoch, smem)) return;
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   const bool compute = p.mode != int32_t(BenchMode::CommOnly);
   if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
-  const int32_t g = role.index, ng = role.count;
+  const int32_t g = gemm_block_index<kLayer>(p);
+  const int32_t ng = int32_t(gridDim.x) - p.n_comm;
   BlockGemmContext ctx(wait_config(p));
 
   if constexpr (kLayer == 0) {

@@ -146,8 +146,8 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
   using X = Underscore;
   auto& ss = *reinterpret_cast<typename C::SharedStorage*>(smem);
 
-  const BlockRole role = fused_role<kLayer>(p);
-  const int32_t g = role.index, ng = role.count;
+  const int32_t g = gemm_block_index<kLayer>(p);
+  const int32_t ng = int32_t(gridDim.x) - p.n_comm;
   const int64_t num_mtiles = p.state->num_mtiles;
   const int warp_group = int(threadIdx.x) / 128;
   const int warp_in_group = (int(threadIdx.x) / 32) % 4;
@@ -260,8 +260,7 @@ __global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
-  const BlockRole role = fused_role<kLayer>(p);
-  if (ran_comm_block<kLayer>(p, role, epoch, smem)) return;
+  if (ran_comm_block<kLayer>(p, epoch, smem)) return;
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   if (p.mode == int32_t(BenchMode::CommOnly)) {
     // Comm-only timing: no MMA; layer1's columns are still published so the comm side runs.
@@ -269,7 +268,8 @@ __global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
       BlockGemmContext ctx(wait_config(p));
       const GemmScheduleArgs ga{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
                                 nullptr, nullptr,  p.ntile_count,       p.ntile_ready};
-      layer1_gemm(ctx, role.index, role.count, ga, [](const MTile&, int32_t) {});
+      layer1_gemm(ctx, gemm_block_index<kLayer>(p), int32_t(gridDim.x) - p.n_comm, ga,
+                  [](const MTile&, int32_t) {});
     }
     return;
   }

@@ -1,5 +1,6 @@
 // Which blocks of a fused kernel are comm blocks and which GEMM blocks: the one layout both
-// backends use (csrc/cpu/fused_cpu.cpp's run_blocks, csrc/cuda/comm_blocks.cuh's fused_role).
+// backends use (csrc/cpu/fused_cpu.cpp's run_blocks, csrc/cuda/comm_blocks.cuh: comm_block_index,
+// gemm_block_index).
 //
 // Forward progress by construction. A GPU starts a kernel's blocks in index order and keeps only
 // as many live as fit (fewer than the occupancy query promised when another kernel shares the SMs:
@@ -39,12 +40,17 @@ struct BlockRole {
   int32_t count;  // blocks of its role
 };
 
+// The roles are contiguous ranges of block indices: their first blocks.
+COMET_HD int32_t first_comm_block(int32_t layer, int32_t blocks, int32_t n_comm) {
+  return layer == 0 ? 0 : blocks - n_comm;
+}
+COMET_HD int32_t first_gemm_block(int32_t layer, int32_t n_comm) { return layer == 0 ? n_comm : 0; }
+
 // Role of block `block` of a fused kernel of `blocks` blocks, n_comm of them comm blocks.
 COMET_HD BlockRole fused_block_role(int32_t layer, int32_t block, int32_t blocks, int32_t n_comm) {
-  const int32_t n_gemm = blocks - n_comm;
-  if (layer == 0)
-    return block < n_comm ? BlockRole{true, block, n_comm} : BlockRole{false, block - n_comm, n_gemm};
-  return block < n_gemm ? BlockRole{false, block, n_gemm} : BlockRole{true, block - n_gemm, n_comm};
+  const int32_t c = block - first_comm_block(layer, blocks, n_comm);
+  if (c >= 0 && c < n_comm) return BlockRole{true, c, n_comm};
+  return BlockRole{false, block - first_gemm_block(layer, n_comm), blocks - n_comm};
 }
 
 }  // namespace comet
