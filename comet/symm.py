@@ -38,6 +38,10 @@ class Buffer:
     peer: a rank that died or called something else ends in an error naming what never arrived.
     `threads_per_block` (CPU backend only; default $COMET_CPU_BLOCK_THREADS or 1) runs every block
     of the CPU kernels as a team of that many OS threads, as a GPU block's threads cooperate.
+    `resident_blocks` (CPU backend only; default $COMET_CPU_RESIDENT_BLOCKS, else 0: no limit)
+    runs at most that many blocks of a CPU kernel at once, started in block-index order as slots
+    free, as a GPU does when fewer blocks fit than the grid has (a kernel beside comet's); the
+    `resident_blocks` property says what the calls run under.
 
     Several nodes on the CPU backend (the analog of a multi-node job, comet/topology.h):
     `ranks_per_node` (default $COMET_CPU_RANKS_PER_NODE, else the whole group: one node) groups
@@ -55,7 +59,8 @@ class Buffer:
     def __init__(self, group=None, *, timeout: float | None = None,
                  threads_per_block: int | None = None, ranks_per_node: int | None = None,
                  link_latency_us: float | None = None, link_gbps: float | None = None,
-                 node_reduce: bool | None = None, _simulated=None):
+                 node_reduce: bool | None = None, resident_blocks: int | None = None,
+                 _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
@@ -91,13 +96,16 @@ class Buffer:
         self._finalizer = weakref.finalize(self, _release, self.handle)
         if threads_per_block is not None:
             self.set_threads_per_block(threads_per_block)
+        if resident_blocks is not None:
+            self.set_resident_blocks(resident_blocks)
 
     @classmethod
     def simulated_world(cls, world: int, *, timeout: float | None = None,
                         threads_per_block: int | None = None, ranks_per_node: int | None = None,
                         link_latency_us: float | None = None,
                         link_gbps: float | None = None,
-                        node_reduce: bool | None = None) -> list["Buffer"]:
+                        node_reduce: bool | None = None,
+                        resident_blocks: int | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -112,7 +120,8 @@ class Buffer:
             _C.heap_connect(h)
         for h in handles:
             _C.heap_unlink_own(h)
-        return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block)
+        return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block,
+                    resident_blocks=resident_blocks)
                 for r, h in enumerate(handles)]
 
     def set_timeout(self, seconds: float) -> None:
@@ -123,6 +132,19 @@ class Buffer:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
             raise ValueError(f"comet: threads_per_block must be an int in [1, 1024], got {threads!r}")
         _C.heap_set_block_threads(self.handle, threads)
+
+    def set_resident_blocks(self, blocks: int) -> None:
+        """Blocks of a CPU kernel live at once (>= 0, 0: no limit); no effect on the CUDA backend."""
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks < 2**31:
+            raise ValueError(f"comet: resident_blocks must be an int >= 0 (0: no limit), "
+                             f"got {blocks!r}")
+        _C.heap_set_resident_blocks(self.handle, blocks)
+
+    @property
+    def resident_blocks(self) -> int:
+        """The residency limit this buffer's CPU calls run under (0: none): its own setting, else
+        $COMET_CPU_RESIDENT_BLOCKS as it is now."""
+        return _C.heap_resident_blocks(self.handle)
 
     def fail_call(self, op: int, message: str) -> None:
         """Report a local input error through the call protocol so every peer raises too."""

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "cpu/block_runner.h"
 #include "cpu/symm_heap.h"
 
 namespace {
@@ -66,6 +67,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             std::to_string(n));
     find_heap(h)->set_block_threads(n);
   });
+  m.def("heap_set_resident_blocks", [](int64_t h, int32_t n) {
+    if (n < 0)
+      throw py::value_error("comet: resident_blocks must be >= 0 (0: no limit), got " +
+                            std::to_string(n));
+    find_heap(h)->set_resident_blocks(n);
+  });
+  // What the calls run under: the buffer's setting, else $COMET_CPU_RESIDENT_BLOCKS (ValueError,
+  // pybind11's std::invalid_argument, if that is malformed).
+  m.def("heap_resident_blocks",
+        [](int64_t h) { return comet::cpu::resident_blocks(*find_heap(h)); });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
   // Collective (every rank of the group, between calls): grow the data segment to >= bytes.
   m.def("heap_reserve", [](int64_t h, int64_t bytes) { find_heap(h)->reserve(size_t(bytes)); },

@@ -22,23 +22,27 @@ namespace {
 using I32 = std::vector<int32_t>;
 using I64 = std::vector<int64_t>;
 
+// blocks x threads, at most `resident` blocks live at once (0: no limit): the programs' grid
+// barriers need every block live, so the grid is the co-resident part of the blocks.
 struct Grid {
-  int32_t blocks, threads;
+  int32_t blocks, threads, resident = 0;
+  int32_t size() const { return comet::cpu::co_resident(blocks, resident); }
 };
 
-// Runs body(ctx) on a blocks x threads CPU grid.
+// Runs body(ctx) on the grid.
 template <class Body>
 void on_grid(const Grid& g, Body&& body) {
-  comet::cpu::run_grid(nullptr, g.blocks, g.threads, 0, body);
+  comet::cpu::run_grid(nullptr, g.size(), g.threads, 0, body, nullptr, g.resident);
 }
 
 py::tuple send_plan(const I32& ids, int64_t tokens, int32_t k, int32_t num_experts,
-                    int32_t blocks, int32_t threads) {
+                    int32_t blocks, int32_t threads, int32_t resident) {
   I32 bucket_off(size_t(num_experts) + 1), send_slot(ids.size()), send_pos(ids.size());
-  comet::cpu::GridScratch sc(blocks, threads, num_experts, 0, 0);
+  const Grid g{blocks, threads, resident};
+  comet::cpu::GridScratch sc(g.size(), threads, num_experts, 0, 0);
   const comet::PrologueScratch ps = sc.view();
   int64_t rows = 0;
-  on_grid({blocks, threads}, [&](comet::cpu::CpuContext& ctx) {
+  on_grid(g, [&](comet::cpu::CpuContext& ctx) {
     const int64_t r = comet::send_plan_program(ctx, ps, ids.data(), tokens, k, num_experts,
                                                bucket_off.data(), send_slot.data(),
                                                send_pos.data());
@@ -70,7 +74,7 @@ std::vector<comet::MTile> mtiles_of(const I64& expert_off, const I64* seg_off, i
   if (order) order->assign(mt.size(), -1);
   I32 bucket(size_t(world) + 1);
   I64 no_seg(size_t(el) * (world + 1), 0);
-  comet::cpu::GridScratch sc(g.blocks, g.threads, world, 0, std::max(el, world));
+  comet::cpu::GridScratch sc(g.size(), g.threads, world, 0, std::max(el, world));
   const comet::PrologueScratch ps = sc.view();
   const comet::TilePlanArgs a{expert_off.data(), seg_off ? seg_off->data() : no_seg.data(), world,
                               el, tile_m, int64_t(mt.size()), mt.data(),
@@ -87,9 +91,11 @@ std::vector<comet::MTile> mtiles_of(const I64& expert_off, const I64* seg_off, i
 
 // [(row_begin, rows, expert)] in global m-tile numbering.
 std::vector<std::tuple<int64_t, int32_t, int32_t>> mtiles(const I64& expert_off, int32_t tile_m,
-                                                          int32_t blocks, int32_t threads) {
+                                                          int32_t blocks, int32_t threads,
+                                                          int32_t resident) {
   std::vector<std::tuple<int64_t, int32_t, int32_t>> out;
-  for (const auto& m : mtiles_of(expert_off, nullptr, 1, tile_m, nullptr, {blocks, threads}))
+  for (const auto& m :
+       mtiles_of(expert_off, nullptr, 1, tile_m, nullptr, {blocks, threads, resident}))
     out.emplace_back(m.row_begin, m.rows, m.expert);
   return out;
 }
@@ -99,9 +105,9 @@ std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& ex
                                                     const I64& seg_off, int32_t world,
                                                     int32_t tile_m, int32_t num_ntiles,
                                                     int32_t blocks, int32_t threads,
-                                                    int32_t band_n) {
+                                                    int32_t band_n, int32_t resident) {
   I64 order;
-  auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, &order, {blocks, threads});
+  auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, &order, {blocks, threads, resident});
   const int64_t n = int64_t(mt.size());
   const int32_t band = comet::layer1_band(band_n, num_ntiles);
   std::vector<std::pair<int64_t, int32_t>> out;
@@ -167,14 +173,15 @@ void bind_engine(py::module_& m) {
   bind_prologue_bench(e);
   bind_copy_bench(e);
   e.def("send_plan", &send_plan, py::arg("ids"), py::arg("tokens"), py::arg("k"),
-        py::arg("num_experts"), py::arg("blocks") = 1, py::arg("threads") = 1);
+        py::arg("num_experts"), py::arg("blocks") = 1, py::arg("threads") = 1,
+        py::arg("resident_blocks") = 0);
   e.def("dispatch_layout", &dispatch_layout);
   e.def("dispatch_row", &dispatch_row);
   e.def("mtiles", &mtiles, py::arg("expert_off"), py::arg("tile_m"), py::arg("blocks") = 1,
-        py::arg("threads") = 1);
+        py::arg("threads") = 1, py::arg("resident_blocks") = 0);
   e.def("tile_order", &tile_order, py::arg("layer"), py::arg("expert_off"), py::arg("seg_off"),
         py::arg("world"), py::arg("tile_m"), py::arg("num_ntiles"), py::arg("blocks") = 1,
-        py::arg("threads") = 1, py::arg("band_n") = 1);
+        py::arg("threads") = 1, py::arg("band_n") = 1, py::arg("resident_blocks") = 0);
   e.def("layer1_schedule", &layer1_schedule, py::arg("num_mtiles"), py::arg("num_ntiles"),
         py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);

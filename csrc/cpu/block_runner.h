@@ -1,10 +1,16 @@
-// Runs one "kernel" on the CPU: every block a team of OS threads (cpu_context.h), all blocks live
-// at once (as the persistent GPU kernel and the grid barriers of the prologue programs need every
-// block co-resident). The first failure sets an abort flag that makes every other thread's waits
-// and barriers throw Aborted; it is rethrown here once all threads have stopped.
+// Runs one "kernel" on the CPU: every block a team of OS threads (cpu_context.h). As on a GPU,
+// only some blocks may be live at once: with a residency limit S (resident > 0) at most S blocks
+// run, started strictly in block-index order as slots free (a block's slot frees once all its
+// threads have returned), as a GPU's block scheduler does when fewer blocks fit than the grid has
+// (comet/block_roles.h: why no kernel of comet's needs more). Unlimited (0): every block live at
+// once. The first failure sets an abort flag that makes every other thread's waits and barriers
+// throw Aborted (and starts no further block); it is rethrown here once all threads have stopped.
+// A wait that can never be satisfied under S ends in the wait's timeout error, never a hang.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -15,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "comet/block_roles.h"
 #include "cpu_context.h"
 
 namespace comet::cpu {
@@ -29,59 +36,113 @@ inline int32_t default_block_threads() {
   return int32_t(v);
 }
 
-// body(Team&, block, thread) runs on blocks x threads OS threads.
+// Residency limit when the buffer does not say: $COMET_CPU_RESIDENT_BLOCKS, else 0 (unlimited).
+inline int32_t default_resident_blocks() {
+  const char* s = std::getenv("COMET_CPU_RESIDENT_BLOCKS");
+  if (!s || !*s) return 0;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 0 || v > (1 << 20))
+    throw std::invalid_argument(
+        std::string("COMET_CPU_RESIDENT_BLOCKS must be an integer in [0, 1048576] (0: no limit), got ") + s);
+  return int32_t(v);
+}
+
+// The residency limit of a heap's calls: its own setting (Buffer(resident_blocks=)), else the
+// environment's.
+inline int32_t resident_blocks(const SymmHeap& heap) {
+  return heap.resident_blocks() >= 0 ? heap.resident_blocks() : default_resident_blocks();
+}
+
+// Blocks of a grid that are all live at once under residency limit `resident` (0: no limit): the
+// size of every grid whose blocks all wait on each other (grid barriers).
+inline int32_t co_resident(int32_t blocks, int32_t resident) {
+  return resident > 0 ? std::min(blocks, resident) : blocks;
+}
+
+// body(Team&, block, thread) runs on blocks x threads OS threads, at most `resident` blocks at a
+// time (0: all).
 template <class Body>
-void run_teams(int32_t blocks, int32_t threads, Body&& body) {
-  if (blocks < 1 || threads < 1)
-    throw std::invalid_argument("run_teams: need at least one block of one thread, got " +
-                                std::to_string(blocks) + " x " + std::to_string(threads));
+void run_teams(int32_t blocks, int32_t threads, int32_t resident, Body&& body) {
+  if (blocks < 1 || threads < 1 || resident < 0)
+    throw std::invalid_argument("run_teams: need at least one block of one thread and a residency "
+                                ">= 0, got " + std::to_string(blocks) + " x " +
+                                std::to_string(threads) + ", resident " + std::to_string(resident));
+  const int32_t slots = co_resident(blocks, resident);
   std::atomic<bool> abort{false};
   std::exception_ptr first;
-  std::mutex mutex;
-  std::vector<std::unique_ptr<Team>> teams;
-  for (int32_t b = 0; b < blocks; ++b) teams.emplace_back(std::make_unique<Team>(threads, abort));
+  std::mutex mutex;                  // guards first, live
+  std::condition_variable slot_free;
+  int32_t live = 0;                  // blocks started whose threads have not all returned
+  std::vector<std::unique_ptr<Team>> teams(static_cast<size_t>(blocks));
+  std::vector<std::unique_ptr<std::atomic<int32_t>>> running(static_cast<size_t>(blocks));
   std::vector<std::thread> pool;
   pool.reserve(size_t(blocks) * size_t(threads));
-  for (int32_t b = 0; b < blocks; ++b)
+  for (int32_t b = 0; b < blocks; ++b) {
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      slot_free.wait(lock, [&] { return live < slots || abort.load(); });
+      if (abort.load()) break;  // the run failed: the blocks not yet started would only abort
+      ++live;
+    }
+    Team* team = (teams[size_t(b)] = std::make_unique<Team>(threads, abort)).get();
+    std::atomic<int32_t>* left =
+        (running[size_t(b)] = std::make_unique<std::atomic<int32_t>>(threads)).get();
     for (int32_t t = 0; t < threads; ++t)
-      pool.emplace_back([&, b, t] {
+      pool.emplace_back([&, team, left, b, t] {
         try {
-          body(*teams[size_t(b)], b, t);
+          body(*team, b, t);
         } catch (const Aborted&) {
         } catch (...) {
           std::lock_guard<std::mutex> lock(mutex);
           if (!first) first = std::current_exception();
           abort.store(true);
+          slot_free.notify_all();
+        }
+        if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          std::lock_guard<std::mutex> lock(mutex);
+          --live;
+          slot_free.notify_all();
         }
       });
+  }
   for (auto& th : pool) th.join();
   if (first) std::rethrow_exception(first);
 }
 
-// A fused kernel: n_comm comm blocks and n_gemm GEMM blocks of `threads` threads each;
+// A fused kernel of `layer`: n_comm comm blocks and n_gemm GEMM blocks of `threads` threads each,
+// laid out by comet/block_roles.h, at most `resident` live at once (0: all);
 // comm(CpuContext&) and gemm(CpuContext&, int32_t gemm_block) run on every thread of their block.
 template <class Comm, class Gemm>
-void run_blocks(const SymmHeap& heap, int32_t n_comm, int32_t n_gemm, int32_t threads,
-                uint64_t stress_seed, Comm&& comm, Gemm&& gemm) {
-  run_teams(n_comm + n_gemm, threads, [&](Team& team, int32_t b, int32_t t) {
-    if (b < n_comm) {
-      CpuContext ctx(&heap, team, b, n_comm, t, stress_seed);
+void run_blocks(const SymmHeap& heap, int32_t layer, int32_t n_comm, int32_t n_gemm,
+                int32_t threads, int32_t resident, uint64_t stress_seed, Comm&& comm, Gemm&& gemm) {
+  run_teams(n_comm + n_gemm, threads, resident, [&](Team& team, int32_t b, int32_t t) {
+    const BlockRole role = fused_block_role(layer, b, n_comm + n_gemm, n_comm);
+    if (role.comm) {
+      CpuContext ctx(&heap, team, role.index, role.count, t, stress_seed);
       comm(ctx);
     } else {
-      CpuContext ctx(&heap, team, b - n_comm, n_gemm, t, stress_seed ? stress_seed + 17 : 0);
-      gemm(ctx, b - n_comm);
+      CpuContext ctx(&heap, team, role.index, role.count, t, stress_seed ? stress_seed + 17 : 0);
+      gemm(ctx, role.index);
     }
   });
 }
 
-// A grid of blocks x threads for the multi-block prologue programs (comet/prologue.h); heap may be
-// null. work_per_thread, when given, receives each grid thread's ctx.work() count (index
-// block * threads + thread).
+// A grid of blocks x threads whose blocks may all wait on each other (the multi-block prologue
+// programs of comet/prologue.h with their grid barriers, layer1's combine step), so every block
+// must be live at once: callers size it with co_resident(blocks, resident) for the residency
+// limit `resident` it runs under (0: none). heap may be null. work_per_thread, when given,
+// receives each grid thread's ctx.work() count (index block * threads + thread).
 template <class Body>
 void run_grid(const SymmHeap* heap, int32_t blocks, int32_t threads, uint64_t stress_seed,
-              Body&& body, std::vector<int64_t>* work_per_thread = nullptr) {
+              Body&& body, std::vector<int64_t>* work_per_thread = nullptr, int32_t resident = 0) {
+  if (co_resident(blocks, resident) != blocks)
+    throw std::invalid_argument("run_grid: the " + std::to_string(blocks) +
+                                " blocks of a grid that waits on itself must all be co-resident, "
+                                "but only " + std::to_string(resident) + " are (size it with "
+                                "co_resident)");
   std::vector<int64_t> work(size_t(blocks) * size_t(threads), 0);
-  run_teams(blocks, threads, [&](Team& team, int32_t b, int32_t t) {
+  run_teams(blocks, threads, resident, [&](Team& team, int32_t b, int32_t t) {
     CpuContext ctx(heap, team, b, blocks, t, stress_seed);
     ctx.count_work(&work[size_t(b) * size_t(threads) + size_t(t)]);
     body(ctx);

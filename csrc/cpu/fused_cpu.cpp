@@ -20,13 +20,17 @@
 namespace comet::cpu {
 namespace {
 
+// Blocks of the grids that wait on themselves (the prologue programs' grid barriers, the combine
+// step: comet/block_roles.h): the call's blocks, as many as are co-resident.
+int32_t barrier_grid(const CpuLaunch& l) { return co_resident(l.n_comm + l.n_gemm, l.resident); }
+
 // The prologue programs (comet/prologue.h) run on a grid of the call's blocks, each a team, as the
 // CUDA prologue kernels run them on many blocks.
 template <class Body>
 void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch, Body&& body) {
   const PrologueScratch ps = scratch.view();
-  run_grid(&heap, l.n_comm + l.n_gemm, l.threads, l.stress_seed,
-           [&](CpuContext& ctx) { body(ctx, ps); });
+  run_grid(&heap, barrier_grid(l), l.threads, l.stress_seed,
+           [&](CpuContext& ctx) { body(ctx, ps); }, nullptr, l.resident);
 }
 
 // The call's regions, with room for the mirrors of remote sources when the group spans nodes.
@@ -54,7 +58,7 @@ std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
   std::vector<MTile> mtiles(static_cast<size_t>(cap));
   if (order) order->resize(static_cast<size_t>(cap));
   std::vector<int32_t> bucket(size_t(W) + 1);
-  GridScratch scratch(l.n_comm + l.n_gemm, l.threads, W, 0, std::max(El, W));
+  GridScratch scratch(barrier_grid(l), l.threads, W, 0, std::max(El, W));
   const TilePlanArgs a{expert_off.data(), seg_off.data(), W, El, l.tile_m, cap,
                        mtiles.data(), order ? order->data() : nullptr, bucket.data()};
   int64_t n = 0;
@@ -74,7 +78,7 @@ template <class Push>
 void exchange_sources(SymmHeap& heap, const CpuLaunch& l, uint64_t epoch, Push&& push) {
   flag_release(heap.header(heap.rank())->data_epoch, epoch);
   if (heap.topology().nodes() > 1) {
-    GridScratch scratch(l.n_comm + l.n_gemm, l.threads, 0, 0, 0);
+    GridScratch scratch(barrier_grid(l), l.threads, 0, 0, 0);
     run_prologue(heap, l, scratch, push);
   }
   for (int32_t s = 0; s < heap.world(); ++s)
@@ -109,7 +113,7 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
   // Publish this rank's send plan and tokens.
   char* mine = heap.data(d);
   {
-    GridScratch scratch(l.n_comm + l.n_gemm, l.threads, E, 0, 0);
+    GridScratch scratch(barrier_grid(l), l.threads, E, 0, 0);
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
       send_plan_program(ctx, ps, p.ids, T, k, E, reinterpret_cast<int32_t*>(mine + reg.bucket_off),
                         reinterpret_cast<int32_t*>(mine + reg.send_slot), send_pos);
@@ -185,7 +189,7 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   const ScalarKind kind = p_.kind;
   const int64_t tile_n = l_.tile_n;
   run_blocks(
-      heap_, l_.n_comm, l_.n_gemm, l_.threads, l_.stress_seed,
+      heap_, 0, l_.n_comm, l_.n_gemm, l_.threads, l_.resident, l_.stress_seed,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<float> tmp32;
@@ -223,7 +227,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
     std::memcpy(mine + reg.weights, p.weights, size_t(T * k) * sizeof(Acc));
   }
   {
-    GridScratch scratch(l.n_comm + l.n_gemm, l.threads, W, T * k, 0);
+    GridScratch scratch(barrier_grid(l), l.threads, W, T * k, 0);
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
       pair_list_program(ctx, ps, p.ids, T, k, E, W, reinterpret_cast<int32_t*>(mine + reg.pair_off),
                         reinterpret_cast<int32_t*>(mine + reg.pair_slot));
@@ -252,7 +256,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
                        s_w.data()};
   int64_t slots = 0, entries = 0;
   {
-    GridScratch scratch(l.n_comm + l.n_gemm, l.threads, W, 0, std::max(El, W));
+    GridScratch scratch(barrier_grid(l), l.threads, W, 0, std::max(El, W));
     const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots,
                                  heap.topology().reduce_rpn()};
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
@@ -294,7 +298,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const char* b1 = static_cast<const char*>(p.b1);
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
   run_blocks(
-      heap, l.n_comm, l.n_gemm, l.threads, l.stress_seed,
+      heap, 1, l.n_comm, l.n_gemm, l.threads, l.resident, l.stress_seed,
       [&](CpuContext& ctx) { layer1_reduce_send(ctx, la); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<Acc> tmp;
@@ -306,9 +310,10 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);
         });
       });
-  // The combine as a follow-on step on every block (the GPU's combine kernel over all SMs).
-  run_grid(&heap, l.n_comm + l.n_gemm, l.threads, l.stress_seed,
-           [&](CpuContext& ctx) { layer1_combine(ctx, la); });
+  // The combine as a follow-on step on every co-resident block (the GPU's combine kernel over all
+  // SMs): node-reduced, its blocks wait on each other across the nodes (comet/block_roles.h).
+  run_grid(&heap, barrier_grid(l), l.threads, l.stress_seed,
+           [&](CpuContext& ctx) { layer1_combine(ctx, la); }, nullptr, l.resident);
 }
 
 template void layer1_call<float>(SymmHeap&, uint64_t, const Layer1Problem<float>&,

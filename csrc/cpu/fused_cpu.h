@@ -20,6 +20,7 @@ struct CpuLaunch {
   int32_t threads;          // OS threads per block
   uint64_t stress_seed;     // nonzero: random delays in every thread (cpu_context.h)
   int32_t band_n = 1;       // layer1: n-tiles per column band (tile_order.h), 0 = all
+  int32_t resident = 0;     // blocks live at once, as on a GPU (block_runner.h); 0: all
 };
 
 struct Layer0Problem {

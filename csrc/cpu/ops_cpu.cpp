@@ -70,10 +70,18 @@ int32_t block_threads(const SymmHeap& heap) {
   return heap.block_threads() > 0 ? heap.block_threads() : default_block_threads();
 }
 
+
 CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64_t n_gemm,
                      int64_t tile_m, int64_t tile_n, int64_t band_n = 1) {
   return CpuLaunch{int32_t(n_comm), int32_t(n_gemm), int32_t(tile_m), int32_t(tile_n),
-                   block_threads(heap), stress_seed(epoch, heap.rank()), int32_t(band_n)};
+                   block_threads(heap), stress_seed(epoch, heap.rank()), int32_t(band_n),
+                   resident_blocks(heap)};
+}
+
+// A bad $COMET_CPU_BLOCK_THREADS or $COMET_CPU_RESIDENT_BLOCKS fails here, before the call starts.
+void check_launch_settings(const SymmHeap& heap) {
+  block_threads(heap);
+  resident_blocks(heap);
 }
 
 using Layer0Result =
@@ -88,7 +96,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                             int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
                             bool w0_transposed, int64_t max_rows) {
   auto heap = heap_or_throw(buffer);
-  block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
+  check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
   check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows},
@@ -177,7 +185,7 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           const std::optional<at::Tensor>& b1, bool w1_transposed,
                           int64_t max_rows, int64_t band_n) {
   auto heap = heap_or_throw(buffer);
-  block_threads(*heap);  // a bad $COMET_CPU_BLOCK_THREADS fails here, before the call starts
+  check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,

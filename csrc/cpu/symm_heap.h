@@ -54,6 +54,10 @@ class SymmHeap {
   // OS threads per CPU block for this heap's calls; 0 = $COMET_CPU_BLOCK_THREADS (default 1).
   int32_t block_threads() const { return block_threads_; }
   void set_block_threads(int32_t n) { block_threads_ = n; }
+  // Blocks of a CPU kernel live at once, as on a GPU (block_runner.h); 0 = no limit, -1 = not set:
+  // $COMET_CPU_RESIDENT_BLOCKS (default no limit).
+  int32_t resident_blocks() const { return resident_blocks_; }
+  void set_resident_blocks(int32_t n) { resident_blocks_ = n; }
 
   // Null for ranks on other nodes.
   RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
@@ -118,6 +122,7 @@ class SymmHeap {
   int64_t group_hash_;
   double timeout_s_;
   int32_t block_threads_ = 0;
+  int32_t resident_blocks_ = -1;
   uint64_t epoch_ = 0;
   uint64_t gen_ = 0;      // data segment generation, equal on every rank
   size_t capacity_ = 0;   // data segment bytes, equal on every rank

@@ -1,10 +1,12 @@
-// The comm side of both fused kernels (any architecture): blocks [0, n_comm) run the engine's comm
-// programs (csrc/include/comet/comm_layer0.h / comm_layer1.h) with a CommContext, then arrive on
-// the call's "done" counter; the last comm block tells every peer that this rank finished touching
+// The comm side of both fused kernels (any architecture): the comm blocks (comet/block_roles.h:
+// layer0's first n_comm blocks, layer1's last n_comm) run the engine's comm programs
+// (csrc/include/comet/comm_layer0.h / comm_layer1.h) with a CommContext; layer0's then arrive on
+// the call's "done" counter: the last comm block tells every peer that this rank finished touching
 // their memory for this call (the buffer-reuse handshake the next call's prologue waits for).
 #pragma once
 
 #include "call_params.h"
+#include "comet/block_roles.h"
 #include "comet/comm_layer0.h"
 #include "comet/comm_layer1.h"
 #include "comet/flags.h"
@@ -23,16 +25,18 @@ static __device__ __forceinline__ void finish_comm_block(const CallParams& p, ui
                        epoch);
 }
 
-static __device__ void layer0_comm_block(const CallParams& p, uint64_t epoch, char* smem) {
+// Comm block `block` of p.n_comm.
+static __device__ void layer0_comm_block(const CallParams& p, int32_t block, uint64_t epoch,
+                                         char* smem) {
   const DeviceState* st = p.state;
   if (st->status == int32_t(CallStatus::Ok)) {
     const int64_t num_mtiles = st->num_mtiles;
     if (p.mode == int32_t(BenchMode::GemmOnly)) {
       // GEMM-only timing: publish every m-tile at once, no rows move (the GEMM reads stale A).
-      for (int64_t i = blockIdx.x; i < num_mtiles; i += p.n_comm)
+      for (int64_t i = block; i < num_mtiles; i += p.n_comm)
         if (threadIdx.x == 0) flag_release(&p.mtile_ready[p.mtile_order[i]], epoch);
     } else {
-      CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/true, smem);
+      CommContext ctx(p, block, p.n_comm, epoch, /*wait_source_data=*/true, smem);
       const bool nodes = p.topo.nodes() > 1;
       const Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
                              p.hidden * p.elem_bytes,          epoch,           p.regions,
@@ -69,25 +73,40 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
 
 // layer1's comm blocks only reduce and send; the combine and the "done" handshake follow in the
 // combine kernel (combine.cu), on every SM.
-static __device__ void layer1_comm_block(const CallParams& p, uint64_t epoch, char* smem) {
+static __device__ void layer1_comm_block(const CallParams& p, int32_t block, uint64_t epoch,
+                                         char* smem) {
   const DeviceState* st = p.state;
   if (st->status == int32_t(CallStatus::Ok) && p.mode != int32_t(BenchMode::GemmOnly)) {
-    CommContext ctx(p, int32_t(blockIdx.x), p.n_comm, epoch, /*wait_source_data=*/false, smem);
+    CommContext ctx(p, block, p.n_comm, epoch, /*wait_source_data=*/false, smem);
     layer1_reduce_send(ctx, layer1_comm_args(p, epoch));
   }
 }
 
-// The thread-block specialisation both fused kernels (sm80, sm90) start with: blocks
-// [0, n_comm) run the layer's comm program and report true; the caller's GEMM blocks go on.
+// This block's index among the comm blocks / the GEMM blocks of a fused kernel of layer kLayer
+// (comet/block_roles.h: no block waits on a higher-index one, so the kernel finishes however few
+// of its blocks are resident). Plain offsets from blockIdx.x, cheap to rematerialise.
+template <int kLayer>
+static __device__ __forceinline__ int32_t comm_block_index(const CallParams& p) {
+  return int32_t(blockIdx.x) - first_comm_block(kLayer, int32_t(gridDim.x), p.n_comm);
+}
+template <int kLayer>
+static __device__ __forceinline__ int32_t gemm_block_index(const CallParams& p) {
+  return int32_t(blockIdx.x) - first_gemm_block(kLayer, p.n_comm);
+}
+
+// The thread-block specialisation both fused kernels (sm80, sm90) start with: a comm block runs
+// the layer's comm program and reports true; the caller's GEMM blocks go on (GEMM block
+// gemm_block_index of gridDim.x - n_comm).
 // smem: the kernel's dynamic shared memory (at least kBlockSharedBytes; the comm programs' scratch).
 template <int kLayer>
 static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint64_t epoch,
                                                       char* smem) {
-  if (int32_t(blockIdx.x) >= p.n_comm) return false;
+  const int32_t c = comm_block_index<kLayer>(p);
+  if (uint32_t(c) >= uint32_t(p.n_comm)) return false;
   if constexpr (kLayer == 0)
-    layer0_comm_block(p, epoch, smem);
+    layer0_comm_block(p, c, epoch, smem);
   else
-    layer1_comm_block(p, epoch, smem);
+    layer1_comm_block(p, c, epoch, smem);
   return true;
 }
 

@@ -1,5 +1,5 @@
 // Fused persistent kernels of the sm_80 path (cp.async + mma.sync), one per layer and dtype:
-// blocks [0, n_comm) run the comm program, the rest walk the engine's tile schedule
+// the comm blocks (comet/block_roles.h) run the comm program, the rest walk the engine's tile schedule
 // (comet/gemm_schedule.h: layer0_gemm / layer1_gemm, with the readiness wait and the per-column
 // publication) and compute each tile with sm80::TileGemm, whose epilogue adds the tile's expert
 // bias (p.b0 / p.b1, when given) to the fp32 accumulators.
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
   if (p.state->status != int32_t(CallStatus::Ok)) return;
   const bool compute = p.mode != int32_t(BenchMode::CommOnly);
   if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
-  const int32_t g = int32_t(blockIdx.x) - p.n_comm;
+  const int32_t g = gemm_block_index<kLayer>(p);
   const int32_t ng = int32_t(gridDim.x) - p.n_comm;
   BlockGemmContext ctx(wait_config(p));
 

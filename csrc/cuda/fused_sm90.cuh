@@ -1,10 +1,10 @@
-// Fused persistent kernels of the sm_90a path, one per layer and dtype. Blocks [0, n_comm) run the
-// comm program; every other block is a warp-specialised GEMM block built from CUTLASS 3.x's TMA +
+// Fused persistent kernels of the sm_90a path, one per layer and dtype. The comm blocks
+// (comet/block_roles.h) run the comm program; every other block is a warp-specialised GEMM block built from CUTLASS 3.x's TMA +
 // wgmma collective mainloop (MainloopSm90TmaGmmaWarpSpecialized, cooperative: one producer
 // warpgroup, two MMA warpgroups on a 128x128 tile), unchanged. The kernel body around it is ours,
 // because the tile scheduler is the engine's:
 //
-//  - GEMM block g of n_gemm (numbered from n_comm) walks the engine's tile order
+//  - GEMM block g of n_gemm (comet/block_roles.h) walks the engine's tile order
 //    (comet/gemm_schedule.h) in every warp role: the producer warp with a ProducerContext, whose
 //    wait acquires the m-tile's readiness (layer0) and then issues fence.proxy.async before the TMA
 //    loads; the MMA warpgroups with a ConsumerContext (no wait of their own; in layer1 they publish
@@ -146,7 +146,7 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
   using X = Underscore;
   auto& ss = *reinterpret_cast<typename C::SharedStorage*>(smem);
 
-  const int32_t g = int32_t(blockIdx.x) - p.n_comm;
+  const int32_t g = gemm_block_index<kLayer>(p);
   const int32_t ng = int32_t(gridDim.x) - p.n_comm;
   const int64_t num_mtiles = p.state->num_mtiles;
   const int warp_group = int(threadIdx.x) / 128;
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
     if constexpr (kLayer == 1) {
       BlockGemmContext ctx(wait_config(p));
       const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
-      layer1_gemm(ctx, int32_t(blockIdx.x) - p.n_comm, int32_t(gridDim.x) - p.n_comm, ga,
+      layer1_gemm(ctx, gemm_block_index<kLayer>(p), int32_t(gridDim.x) - p.n_comm, ga,
                   [](const MTile&, int32_t) {});
     }
     return;

@@ -8,8 +8,8 @@
 //            buffer grows collectively if a rank has more tokens than it holds
 //   copies:  this rank's source data into its data segment (copy engine, stream-ordered)
 //   publish: (device) announce the data, m-tiles and their order / the reduce plan
-//   fused:   the persistent kernel: n_comm comm blocks + n_gemm GEMM blocks (sm_90a TMA/wgmma or
-//            sm_80 cp.async/mma.sync path)
+//   fused:   the persistent kernel: n_comm comm blocks + n_gemm GEMM blocks, laid out by
+//            comet/block_roles.h (sm_90a TMA/wgmma or sm_80 cp.async/mma.sync path)
 //
 // With max_rows (the ops' argument, else the buffer's setting: comet.symm_cuda.Buffer.capturable)
 // nothing reads back: the row-indexed outputs hold max_rows rows (rows >= M unspecified,
@@ -177,8 +177,9 @@ bool sm90_path(int device, int64_t k, int64_t n_out, const void* a, const void* 
 
 // Picks the path from the device and the operands (b: the weights as given, MN-major when b_mn:
 // both paths read either layout in place), then sizes the grid
-// from the occupancy API so that every block is co-resident (they spin-wait on each other);
-// refuses what could deadlock. proxy_sm: the buffer has peers on other nodes, so the inter-node
+// from the occupancy API so that every block is co-resident on a GPU of its own (no block waits on
+// a higher-index one, comet/block_roles.h, so fewer resident blocks, with another kernel beside
+// it, slow the kernel down but cannot deadlock it); refuses a grid larger than that. proxy_sm: the buffer has peers on other nodes, so the inter-node
 // proxy kernel (proxy.cu, one block) runs beside the fused kernel, which waits on what the proxy
 // delivers (and on ring room the proxy frees): the fused grid leaves it one SM, since a fused
 // block fills its SM's registers / shared memory and the proxy could not fit beside one.
