@@ -29,7 +29,26 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const __grid_constant
 }  // namespace
 
 void launch_combine(const CallParams& p, int grid, cudaStream_t stream) {
-  combine_kernel<<<grid, kThreads, 0, stream>>>(p);
+  if (!p.topo.reduces_nodes()) {  // no block waits on another block of this grid
+    combine_kernel<<<grid, kThreads, 0, stream>>>(p);
+    return;
+  }
+  // Node-reduced: every block relays its share, then waits for the other nodes' relays, which
+  // wait for all of ours: in effect a barrier across the grid, so every block must be resident
+  // at once. A cooperative launch guarantees that (a plain launch beside another kernel holding
+  // SMs could leave blocks unscheduled behind spinning ones: a hang); the grid is clamped to what
+  // fits, and the combine program splits its work by gridDim, so any size is correct.
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel, kThreads, 0);
+  if (e != cudaSuccess) return;  // reported by the caller's cudaGetLastError
+  const int fits = per_sm * sms;
+  CallParams args = p;
+  void* argv[] = {&args};
+  cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&combine_kernel),
+                              dim3(grid < fits ? grid : fits), dim3(kThreads), argv, 0, stream);
 }
 
 cudaError_t preload_combine_kernel() {
