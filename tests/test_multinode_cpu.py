@@ -104,6 +104,7 @@ def test_node_push_puts_runs_of_tokens_not_tokens(blocks, threads):
     xs = [torch.randn(T, H, generator=g) for _ in range(W)]
     ids = [torch.stack([torch.randperm(4, generator=g)[:k] + (4 if r < rpn else 4 * (r // rpn))
                         for _ in range(T)]) for r in range(W)]
+    _layer0_link_stats(bufs, ids, xs, w0, E, blocks)  # sizes the buffers (growth sends flags)
     empty = _layer0_link_stats(bufs, [i[:0] for i in ids], [x[:0] for x in xs], w0, E, blocks)
     full = _layer0_link_stats(bufs, ids, xs, w0, E, blocks)
     for r in range(rpn):
