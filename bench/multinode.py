@@ -6,8 +6,10 @@ the other node reached only through the per-rank link proxy, comet/topology.h):
 
 Per model shape and topology (1 node, 2 nodes, 2 nodes with layer1's node-reduced combine,
 Buffer(node_reduce=True)): median time of moe_layer0 and moe_layer1 (slowest rank per call),
-and per rank and call the bytes the link delivered, next to what a flat dispatch (one row per
-(token, slot) bound to the other node, no node-first dedup) would have sent for the same routing.
+and per rank and call the bytes the link delivered and the puts it issued, next to what a flat
+dispatch (one row per (token, slot) bound to the other node, no node-first dedup) would have sent
+for the same routing. --threads-per-block sets the CPU blocks' team size (layer0's row puts are
+one per run of tokens inside a block's range, node_push.h, whatever the team size).
 The link's latency and bandwidth are settings (--latency-us, --gbps), not a NIC's: on this CPU
 the numbers show the structure works and what node-first saves in bytes, not GPU or network
 speed.
@@ -27,7 +29,7 @@ from bench.common import CPU_LABEL, environment, launch, measure, ms, progress, 
 MODELS = ["mixtral", "qwen2"]
 
 
-def _body(rank, world, shape, tokens, rpn, reduce, latency_us, gbps, warmup, iters):
+def _body(rank, world, shape, tokens, rpn, reduce, latency_us, gbps, threads, warmup, iters):
     import torch.distributed as dist
 
     import comet
@@ -35,7 +37,7 @@ def _body(rank, world, shape, tokens, rpn, reduce, latency_us, gbps, warmup, ite
     torch.manual_seed(1234 + rank)
     torch.set_num_threads(1)
     buf = comet.Buffer(ranks_per_node=rpn, link_latency_us=latency_us, link_gbps=gbps,
-                       node_reduce=reduce)
+                       node_reduce=reduce, threads_per_block=threads)
     E, k, H = shape["E"], shape["k"], shape["H"]
     el = E // world
     x = torch.randn(tokens, H, dtype=torch.bfloat16)
@@ -55,21 +57,23 @@ def _body(rank, world, shape, tokens, rpn, reduce, latency_us, gbps, warmup, ite
     times = measure({"layer0": layer0, "layer1": layer1}, torch.device("cpu"), warmup, iters,
                     label=f"{shape['model']} {world // rpn} node(s)"
                           f"{' node-reduced' if reduce else ''}")
-    before = buf.link_stats()[1]
+    before = buf.link_stats()
     layer0()
-    link0 = buf.link_stats()[1] - before
-    before = buf.link_stats()[1]
+    after = buf.link_stats()
+    puts0, link0 = after[0] - before[0], after[1] - before[1]
     layer1()
-    link1 = buf.link_stats()[1] - before
+    before, after = after, buf.link_stats()
+    puts1, link1 = after[0] - before[0], after[1] - before[1]
     # What crosses nodes without node-first dedup: every (token, slot) row bound to another node.
     node = rank // rpn
     other = (ids // (el * rpn)) != node
     flat0 = int(other.sum()) * H * 2
     dist.barrier()
-    return dict(times=times, link0=link0, link1=link1, flat0=flat0)
+    return dict(times=times, link0=link0, link1=link1, flat0=flat0, puts0=puts0,
+                puts1=puts1)
 
 
-def run(models, world, tokens, scale, latency_us, gbps, warmup, iters):
+def run(models, world, tokens, scale, latency_us, gbps, warmup, iters, threads=None):
     rows = []
     start = time.time()
     configs = [(m, rpn, red) for m in models
@@ -78,8 +82,8 @@ def run(models, world, tokens, scale, latency_us, gbps, warmup, iters):
         shape = shape_of(m, scale)
         progress(f"[{i + 1}/{len(configs)}] {shape['title']} on {world // rpn} node(s)"
                  f"{', node-reduced' if red else ''} ({time.time() - start:.0f} s)")
-        res = launch(_body, world, shape, tokens, rpn, red, latency_us, gbps, warmup, iters,
-                     timeout=600)
+        res = launch(_body, world, shape, tokens, rpn, red, latency_us, gbps, threads, warmup,
+                     iters, timeout=600)
         t = res[0]["times"]
         rows.append(dict(model=m, title=shape["title"], H=shape["H"], E=shape["E"], k=shape["k"],
                          world=world, nodes=world // rpn, ranks_per_node=rpn, node_reduce=red,
@@ -87,7 +91,9 @@ def run(models, world, tokens, scale, latency_us, gbps, warmup, iters):
                          layer0_s=t["layer0"]["median"], layer1_s=t["layer1"]["median"],
                          link_bytes_layer0=sum(r["link0"] for r in res) / world,
                          link_bytes_layer1=sum(r["link1"] for r in res) / world,
-                         flat_row_bytes_layer0=sum(r["flat0"] for r in res) / world))
+                         flat_row_bytes_layer0=sum(r["flat0"] for r in res) / world,
+                         puts_layer0=sum(r["puts0"] for r in res) / world,
+                         puts_layer1=sum(r["puts1"] for r in res) / world))
     return rows
 
 
@@ -98,31 +104,38 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--latency-us", type=float, default=10.0)
     p.add_argument("--gbps", type=float, default=0.0, help="link GB/s (0: memcpy speed)")
+    p.add_argument("--threads-per-block", type=int, default=None,
+                   help="threads per CPU block (default: the buffer's, $COMET_CPU_BLOCK_THREADS)")
     p.add_argument("--out", default=None, help="directory of the JSON result (default bench/results)")
     a = p.parse_args(argv)
     if a.world < 2 or a.world % 2:
         p.error(f"--world must be even and >= 2 (two nodes), got {a.world}")
     if a.smoke:
-        rows = run(["mixtral"], a.world, 64, 128, a.latency_us, a.gbps, 1, 3)
+        rows = run(["mixtral"], a.world, 64, 128, a.latency_us, a.gbps, 1, 3,
+                   a.threads_per_block)
     else:
-        rows = run(MODELS, a.world, 512, None, a.latency_us, a.gbps, 2, 8)
+        rows = run(MODELS, a.world, 512, None, a.latency_us, a.gbps, 2, 8, a.threads_per_block)
     headers = ["model (scaled)", "nodes x ranks", "layer0 ms", "layer1 ms", "link KB/call L0",
-               "flat L0 rows KB", "link KB/call L1"]
+               "flat L0 rows KB", "link KB/call L1", "puts/call L0", "puts/call L1"]
     body = [[r["title"], f"{r['nodes']} x {r['ranks_per_node']}"
              f"{' node-reduced' if r['node_reduce'] else ''}", ms(r["layer0_s"]),
              ms(r["layer1_s"]), f"{r['link_bytes_layer0'] / 1e3:.1f}",
              f"{r['flat_row_bytes_layer0'] / 1e3:.1f}" if r["nodes"] > 1 else "-",
-             f"{r['link_bytes_layer1'] / 1e3:.1f}"] for r in rows]
+             f"{r['link_bytes_layer1'] / 1e3:.1f}", f"{r['puts_layer0']:.1f}",
+             f"{r['puts_layer1']:.1f}"] for r in rows]
     label = (f"{CPU_LABEL}; other node through the link proxy ({a.latency_us:g} us, "
-             f"{'memcpy speed' if a.gbps == 0 else f'{a.gbps:g} GB/s'})")
+             f"{'memcpy speed' if a.gbps == 0 else f'{a.gbps:g} GB/s'})"
+             f"{'' if a.threads_per_block is None else f'; {a.threads_per_block} threads per block'}")
     print(f"comet fused layer, 1 node vs 2 nodes: {label}")
     print(table(headers, body))
     print("link KB/call: bytes this rank's link delivered per call (rows, send plan, routing, "
           "metadata); flat L0 rows: the rows a flat dispatch would send for the same routing; "
-          "node-reduced: layer1 sends one partial row per (token, node)")
+          "node-reduced: layer1 sends one partial row per (token, node); puts/call: requests this "
+          "rank's link proxy issued per call (row runs, send plan, routing, metadata and flags)")
     path = write_json("multinode_smoke" if a.smoke else "multinode",
                       dict(environment=environment("cpu"), label=label, smoke=a.smoke,
-                           latency_us=a.latency_us, gbps=a.gbps, rows=rows),
+                           latency_us=a.latency_us, gbps=a.gbps,
+                           threads_per_block=a.threads_per_block, rows=rows),
                       None if a.out is None else Path(a.out))
     print(f"wrote {path}")
     return 0

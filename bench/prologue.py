@@ -7,8 +7,9 @@
 For each row one destination rank of a simulated world of W ranks (uniform top-k routing, k
 distinct experts per token) runs every prologue program on a grid of P logical threads (OS
 threads: P=1 as 1x1, 64 as 1x64, 1024 as 4x256 blocks x threads, the CUDA prologue's block size):
-layer0's send plan and m-tile plan with its order, layer1's pair lists, m-tile plan and reduce
-plan. `span` is the largest number of elements (routing slots, reduce-plan entries, m-tiles,
+layer0's send plan, dispatch layout (the begin kernel's step: recv_counts from the sources'
+bucket offsets and one scan over the E_local x (W+1) cells) and m-tile plan with its order,
+layer1's pair lists, m-tile plan and reduce plan. `span` is the largest number of elements (routing slots, reduce-plan entries, m-tiles,
 counters, scan steps) any one thread of a program was assigned, counted by the context
 (ctx.work); the bound is T*k/P + E*W, and every program must stay within 2x of it. Times are this
 CPU's, with P OS threads on its cores: they show the structure (barrier count, work per thread),
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from bench.common import environment, progress, table, write_json
 
-PROGRAMS = ["send_plan", "tile_plan_layer0", "pair_list", "tile_plan_layer1", "reduce_plan"]
+PROGRAMS = ["send_plan", "dispatch_layout", "tile_plan_layer0", "pair_list", "tile_plan_layer1",
+            "reduce_plan"]
 GRIDS = {1: (1, 1), 64: (1, 64), 1024: (4, 256), 16: (2, 8)}
 
 
@@ -45,6 +47,7 @@ def run(tokens, ks, experts, world, ps, seed=0):
                          span=span, ratio=span / bound, within_2x=span <= 2 * bound,
                          programs={name: r[name] for name in PROGRAMS},
                          ms_layer0=1e3 * (r["send_plan"]["seconds"] +
+                                          r["dispatch_layout"]["seconds"] +
                                           r["tile_plan_layer0"]["seconds"]),
                          ms_layer1=1e3 * (r["pair_list"]["seconds"] +
                                           r["tile_plan_layer1"]["seconds"] +

@@ -52,11 +52,40 @@ py::tuple send_plan(const I32& ids, int64_t tokens, int32_t k, int32_t num_exper
   return py::make_tuple(bucket_off, send_slot, send_pos);
 }
 
-py::tuple dispatch_layout(const I32& recv_counts, int32_t dest, int32_t world, int32_t el) {
+// dispatch_layout_program on a blocks x threads grid. counts_from (the sources' bucket offsets,
+// one list per source) empty: from recv_counts as given (layer1), checked: a negative count
+// raises. Returns (recv_counts, expert_off, seg_off).
+py::tuple layout_on_grid(I32 recv_counts, const std::vector<I32>& counts_from, int32_t dest,
+                         int32_t world, int32_t el, const Grid& g) {
   I64 expert_off(size_t(el) + 1), seg_off(size_t(el) * (world + 1));
-  comet::build_dispatch_layout(recv_counts.data(), dest, world, el, expert_off.data(),
-                               seg_off.data());
-  return py::make_tuple(expert_off, seg_off);
+  std::vector<const char*> from;
+  for (const I32& bo : counts_from) from.push_back(reinterpret_cast<const char*>(bo.data()));
+  recv_counts.resize(size_t(world) * el);
+  comet::cpu::GridScratch sc(g.size(), g.threads, 1, 0, 0);
+  const comet::PrologueScratch ps = sc.view();
+  const comet::DispatchLayoutArgs a{from.empty() ? nullptr : from.data(), 0, dest, world, el,
+                                    recv_counts.data(), expert_off.data(), seg_off.data(),
+                                    from.empty()};
+  int64_t rows = 0;
+  on_grid(g, [&](comet::cpu::CpuContext& ctx) {
+    const int64_t r = comet::dispatch_layout_program(ctx, ps, a);
+    if (comet::grid_rank(ctx) == 0) rows = r;
+  });
+  TORCH_CHECK_VALUE(rows >= 0, "dispatch_layout: a negative recv_count");
+  return py::make_tuple(recv_counts, expert_off, seg_off);
+}
+
+py::tuple dispatch_layout(const I32& recv_counts, int32_t dest, int32_t world, int32_t el,
+                          int32_t blocks, int32_t threads) {
+  py::tuple t = layout_on_grid(recv_counts, {}, dest, world, el, {blocks, threads});
+  return py::make_tuple(t[1], t[2]);
+}
+
+py::tuple gather_dispatch_layout(const std::vector<I32>& bucket_offs, int32_t dest, int32_t el,
+                                 int32_t blocks, int32_t threads) {
+  TORCH_CHECK_VALUE(!bucket_offs.empty(), "gather_dispatch_layout: no sources");
+  return layout_on_grid({}, bucket_offs, dest, int32_t(bucket_offs.size()), el,
+                        {blocks, threads});
 }
 
 int64_t dispatch_row(const I64& seg_off, int32_t world, int32_t dest, int32_t source, int32_t el,
@@ -175,7 +204,10 @@ void bind_engine(py::module_& m) {
   e.def("send_plan", &send_plan, py::arg("ids"), py::arg("tokens"), py::arg("k"),
         py::arg("num_experts"), py::arg("blocks") = 1, py::arg("threads") = 1,
         py::arg("resident_blocks") = 0);
-  e.def("dispatch_layout", &dispatch_layout);
+  e.def("dispatch_layout", &dispatch_layout, py::arg("recv_counts"), py::arg("dest"),
+        py::arg("world"), py::arg("el"), py::arg("blocks") = 1, py::arg("threads") = 1);
+  e.def("gather_dispatch_layout", &gather_dispatch_layout, py::arg("bucket_offs"),
+        py::arg("dest"), py::arg("el"), py::arg("blocks") = 1, py::arg("threads") = 1);
   e.def("dispatch_row", &dispatch_row);
   e.def("mtiles", &mtiles, py::arg("expert_off"), py::arg("tile_m"), py::arg("blocks") = 1,
         py::arg("threads") = 1, py::arg("resident_blocks") = 0);

@@ -1,4 +1,5 @@
-// comet._C.engine.prologue_bench: runs the engine's multi-block prologue programs (comet/prologue.h)
+// comet._C.engine.prologue_bench: runs the engine's multi-block prologue programs (comet/prologue.h:
+// send plan, pair lists, dispatch layout, tile plans, reduce plan)
 // on a CPU grid of blocks x threads OS threads (the CPU backend's thread teams) for one simulated
 // destination rank of a world of W ranks with random top-k routing, and reports per program the
 // span (the largest number of elements one thread was assigned, from ctx.work()) and the time
@@ -113,6 +114,23 @@ py::dict prologue_bench(int64_t tokens, int32_t k, int32_t experts, int32_t worl
                                src[size_t(s)].bucket[size_t(d * el + e)];
   std::vector<int64_t> eo(size_t(el) + 1), so(size_t(el) * (world + 1));
   const int64_t M = build_dispatch_layout(rc.data(), d, world, el, eo.data(), so.data());
+  {
+    // The begin kernel's layout step: recv_counts gathered from the sources' bucket offsets and
+    // the layout as one scan (checked against the sequential build).
+    std::vector<const char*> from(static_cast<size_t>(world));
+    for (int32_t s = 0; s < world; ++s)
+      from[size_t(s)] = reinterpret_cast<const char*>(src[size_t(s)].bucket.data());
+    std::vector<int32_t> grc(rc.size());
+    std::vector<int64_t> geo(eo.size()), gso(so.size());
+    const DispatchLayoutArgs la{from.data(), 0, d, world, el, grc.data(), geo.data(), gso.data(),
+                                false};
+    GridScratch lg(blocks, threads, 1, 0, 0);
+    const PrologueScratch lps = lg.view();
+    record("dispatch_layout", run_measured(blocks, threads, lps, [&](cpu::CpuContext& ctx) {
+             dispatch_layout_program(ctx, lps, la);
+           }));
+    TORCH_CHECK(grc == rc && geo == eo && gso == so, "prologue_bench: dispatch layout differs");
+  }
   const int64_t cap_tiles = ceil_div(M, tile_m) + el;
   std::vector<MTile> tiles(static_cast<size_t>(cap_tiles));
   std::vector<int64_t> order(static_cast<size_t>(cap_tiles));

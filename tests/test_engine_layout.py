@@ -65,7 +65,11 @@ def test_dispatch_rows_match_the_reference_order(world):
     el = E // W
     pl = plans(W, E, k, ids, grid)
     for d in range(W):
-        expert_off, seg_off = eng.dispatch_layout(recv_counts_for(pl, d, W, el), d, W, el)
+        # The begin kernel's program on the drawn grid: recv_counts gathered from the sources'
+        # bucket offsets and the layout, equal to the layout of the given counts on one thread.
+        counts, expert_off, seg_off = eng.gather_dispatch_layout([p[0] for p in pl], d, el, *grid)
+        assert counts == recv_counts_for(pl, d, W, el)
+        assert (expert_off, seg_off) == eng.dispatch_layout(counts, d, W, el)
         rows = ref.dispatch_rows(ids, E, d)
         assert expert_off[-1] == len(rows)
         position = {}
@@ -78,6 +82,20 @@ def test_dispatch_rows_match_the_reference_order(world):
         assert sorted(position.values()) == list(range(len(rows)))  # every row exactly once
         for r, row in enumerate(rows):
             assert position[(row.source, row.token, row.slot)] == r
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 4), st.sampled_from(GRIDS), st.data())
+def test_dispatch_layout_refuses_a_negative_count(W, el, grid, data):
+    counts = data.draw(st.lists(st.integers(0, 5), min_size=W * el, max_size=W * el))
+    counts[data.draw(st.integers(0, W * el - 1))] = -1
+    d = data.draw(st.integers(0, W - 1))
+    try:
+        eng.dispatch_layout(counts, d, W, el, *grid)
+    except ValueError as e:
+        assert "negative" in str(e)
+    else:
+        raise AssertionError("a negative recv_count was accepted")
 
 
 @settings(max_examples=150, deadline=None)

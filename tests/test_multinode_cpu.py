@@ -80,6 +80,47 @@ def test_node_first_dispatch_sends_a_token_to_a_node_once():
         assert full[r] - empty[r] == expect, (r, full[r], empty[r])
 
 
+def _layer0_link_stats(bufs, ids, xs, w0, E, blocks):
+    """(puts, bytes) each rank's link issued during one moe_layer0 call on `blocks` blocks."""
+    from tests.sim_world import run_threads
+
+    before = [b.link_stats() for b in bufs]
+    run_threads(len(bufs), lambda r, b: torch.ops.comet.moe_layer0(
+        xs[r], w0[r], ids[r], E, b.handle, 1, blocks - 1, 16, 16, None, False, -1), buffers=bufs)
+    return [(a[0] - c[0], a[1] - c[1]) for a, c in zip((b.link_stats() for b in bufs), before)]
+
+
+@pytest.mark.parametrize("blocks,threads", [(2, 4), (3, 5)])
+def test_node_push_puts_runs_of_tokens_not_tokens(blocks, threads):
+    """Every token of node 0 has a slot on node 1: each block's contiguous range of tokens is ONE
+    put per remote node (node_push.h), so layer0's row puts per call are at most blocks x remote
+    nodes however many tokens and threads (the per-thread split put one per thread's share, and
+    on the GPU's wide grids about one per token). Rows and bytes are unchanged."""
+    W, rpn, E, k, H, T = 4, 2, 8, 2, 8, 61
+    bufs = comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=rpn, link_latency_us=0,
+                                        threads_per_block=threads)
+    g = torch.Generator().manual_seed(1)
+    w0 = [torch.randn(E // W, 6, H, generator=g) for _ in range(W)]
+    xs = [torch.randn(T, H, generator=g) for _ in range(W)]
+    ids = [torch.stack([torch.randperm(4, generator=g)[:k] + (4 if r < rpn else 4 * (r // rpn))
+                        for _ in range(T)]) for r in range(W)]
+    _layer0_link_stats(bufs, ids, xs, w0, E, blocks)  # sizes the buffers (growth sends flags)
+    empty = _layer0_link_stats(bufs, [i[:0] for i in ids], [x[:0] for x in xs], w0, E, blocks)
+    full = _layer0_link_stats(bufs, ids, xs, w0, E, blocks)
+    for r in range(rpn):
+        row_puts = full[r][0] - empty[r][0]
+        assert 1 <= row_puts <= blocks * 1, (r, full[r], empty[r])
+        assert full[r][1] - empty[r][1] == T * H * 4 + T * k * 4
+    # Routing with gaps: every third token stays home, so runs break: one put per run inside a
+    # block's range (a block boundary may split a run). Results: the bitwise tests above.
+    for r in range(rpn):
+        ids[r][::3] = torch.randperm(4, generator=g)[:k]
+    gapped = _layer0_link_stats(bufs, ids, xs, w0, E, blocks)
+    for r in range(rpn):
+        runs = (T + 2) // 3  # runs of two tokens between the home tokens 0, 3, 6, ...
+        assert gapped[r][0] - empty[r][0] <= runs + blocks, (r, gapped[r])
+
+
 def test_ranks_per_node_must_divide_the_group():
     with pytest.raises(ValueError, match="ranks_per_node must divide the group size 4, got 3"):
         comet.Buffer.simulated_world(4, ranks_per_node=3)

@@ -48,6 +48,18 @@ std::vector<const char*> source_bases(const SymmHeap& heap, const DataRegions& r
 }
 
 
+// The dispatch layout (and layer0's recv_counts) on the call's grid, as the CUDA begin kernel
+// builds it (dispatch_layout_program). Returns M.
+int64_t dispatch_layout(const SymmHeap& heap, const CpuLaunch& l, const DispatchLayoutArgs& a) {
+  GridScratch scratch(l.n_comm + l.n_gemm, l.threads, 1, 0, 0);
+  int64_t rows = 0;
+  run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+    const int64_t r = dispatch_layout_program(ctx, ps, a);
+    if (grid_rank(ctx) == 0) rows = r;
+  });
+  return rows;
+}
+
 // m-tiles (and layer0's visit order when `order` is given) of a dispatch layout of M rows.
 std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
                               const std::vector<int64_t>& expert_off,
@@ -143,10 +155,11 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
       heap.wait(header_flag(heap.header(d), W, PeerFlag::Data, s), epoch, WaitSite::PeerData, s);
       counts_from[size_t(s)] = mine + reg.bucket_box + size_t(s) * box_row - reg.bucket_off;
     }
-  gather_recv_counts(counts_from.data(), reg.bucket_off, d, W, El, recv_counts);
   expert_off_.resize(size_t(El) + 1);
   seg_off_.resize(size_t(El) * (W + 1));
-  rows_ = build_dispatch_layout(recv_counts, d, W, El, expert_off_.data(), seg_off_.data());
+  rows_ = dispatch_layout(heap, l, DispatchLayoutArgs{counts_from.data(), reg.bucket_off, d, W, El,
+                                                      recv_counts, expert_off_.data(),
+                                                      seg_off_.data(), false});
   mtiles_ = plan_tiles(heap, l, expert_off_, seg_off_, El, rows_, &order_);
 }
 
@@ -240,7 +253,10 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   });
 
   std::vector<int64_t> expert_off(size_t(El) + 1), seg_off(size_t(El) * (W + 1));
-  build_dispatch_layout(p.recv_counts, d, W, El, expert_off.data(), seg_off.data());
+  // (recv_counts is only read when no counts_from is given; checked on the host)
+  int32_t* given = const_cast<int32_t*>(p.recv_counts);
+  dispatch_layout(heap, l, DispatchLayoutArgs{nullptr, 0, d, W, El, given, expert_off.data(),
+                                              seg_off.data(), false});
   std::vector<MTile> mtiles = plan_tiles(heap, l, expert_off, seg_off, El, M, nullptr);
   const int64_t MT = int64_t(mtiles.size());
 

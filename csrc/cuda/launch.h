@@ -11,14 +11,17 @@ namespace comet::gpu {
 // Prologue kernels (prologue.cu):
 //  source:  (p.source_blocks blocks) validate the routing, build the send plan (layer0) or the
 //           (token, destination) pair lists (layer1) in local scratch; skipped when p.ids is null.
-//  begin:   (one block) advance the call counter, wait until every peer finished the previous
-//           call, publish the send plan's bucket offsets, exchange metadata and decide the verdict
-//           on the device, compute the dispatch layout and M (layer0).
+//  begin:   (a grid sized for max(W, E_local*(W+1)) items, usually one block) advance the call
+//           counter, wait until every peer finished the previous call, publish the send plan's
+//           bucket offsets, exchange metadata (a peer per thread) and decide the verdict on the
+//           device, compute the dispatch layout and M (dispatch_layout_program; layer1: from its
+//           recv_counts, checked against h).
 //  publish: (p.plan_blocks blocks) announce this rank's source data, build m-tiles and their
 //           order (layer0), the reduce plan from the peers' pair lists (layer1).
 //  finish:  mark the call done without running the fused kernel (a call rejected on the host).
-// The multi-block ones run the engine's prologue programs (comet/prologue.h) with
-// kPrologueThreads threads per block and at most one block per SM.
+// source, begin and publish run the engine's prologue programs (comet/prologue.h) with
+// kPrologueThreads threads per block, launched cooperatively (their grid barriers need every block
+// resident) with the grid clamped to the kernel's occupancy.
 constexpr int kPrologueThreads = 256;
 void launch_source(const CallParams& p, cudaStream_t stream);
 void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream);

@@ -7,12 +7,17 @@
 //   source kernel  (grid of source_blocks x 256): validates the expert ids (first bad slot into
 //                  DeviceState) and builds this rank's send plan (layer0) or its (token,
 //                  destination) pair lists (layer1) in local scratch;
-//   begin kernel   (one block): call counter, buffer-reuse wait, metadata exchange and verdict,
-//                  layer0's dispatch layout (O(E*W), one thread) and M;
+//   begin kernel   (grid of begin_blocks x 256, usually one block): call counter, buffer-reuse
+//                  wait, metadata exchange and verdict (a peer per thread), the dispatch layout
+//                  and M (dispatch_layout_program: layer0's from the peers' bucket offsets,
+//                  layer1's from the caller's recv_counts, checked against h);
 //   publish kernel (grid of plan_blocks x 256): announces this rank's source data, then m-tiles
 //                  and layer0's order, or layer1's reduce plan from the peers' pair lists.
+//   finish kernel  (one thread): "done with the peers' memory" on this node (the proxy's end kernel
+//                  sends it across nodes).
 // The grids synchronise inside one launch with the engine's grid barrier (parallel.h; state in
-// DeviceState), so the host sizes them to at most one block per SM (all resident).
+// DeviceState), so every such kernel is launched cooperatively (launch_grid_program): the runtime
+// guarantees all its blocks are resident at once, and the grid is clamped to the occupancy.
 //
 // Peers on other nodes (p.topo; null in p.headers / p.datas) are never read: what they announce
 // arrives in this rank's header mailboxes (header_flag(own, W, PeerFlag::.., s), header_meta_box),
@@ -73,6 +78,15 @@ __device__ int32_t verdict(const CallMeta* m, int32_t world) {
         m[s].hidden != m[0].hidden || m[s].cols != m[0].cols || m[s].dtype != m[0].dtype)
       return -1;
   return -2;
+}
+
+// A CallMeta copied a word at a time: a struct copy holds all of it in registers (and spills).
+__device__ void copy_meta(CallMeta* dst, const CallMeta* src) {
+  static_assert(sizeof(CallMeta) % 8 == 0, "CallMeta is copied in 8-byte words");
+  uint64_t* d = reinterpret_cast<uint64_t*>(dst);
+  const uint64_t* s = reinterpret_cast<const uint64_t*>(src);
+#pragma unroll 1
+  for (size_t i = 0; i < sizeof(CallMeta) / 8; ++i) d[i] = s[i];
 }
 
 __device__ void record_overflow(const CallParams& p, int32_t code, int64_t value, int64_t limit) {
@@ -172,113 +186,142 @@ __global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant_
                       p.pair_slot);
 }
 
+// The begin step as a grid program: every loop over peers or layout cells is split over the
+// grid's threads (a thread per peer for the waits, puts and metadata copies; the dispatch layout
+// by dispatch_layout_program), so no thread does O(W x E_local) work. One thread keeps the O(1)
+// state updates, the error text and the O(W) verdict.
 __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__ CallParams p,
                                                          const __grid_constant__ CallMeta meta) {
-  if (threadIdx.x != 0) return;
+  GridContext ctx(p);
+  const PrologueScratch sc = prologue_scratch(p);
   const WaitConfig wc{p.error, p.timeout_ns, p.rank};
   const bool layer0 = p.op == int32_t(OpKind::Layer0);
+  const int32_t W = p.world, El = p.experts_local, d = p.rank;
+  const int64_t g = grid_rank(ctx), P = grid_size(ctx);
   DeviceState* st = p.state;
+  RankHeader* mine = p.headers[d];
+  // Every thread reads the call number before thread 0 advances it (after the barrier below).
   const uint64_t e = st->epoch + 1;
-  st->epoch = e;
-  st->kernel_start = ~0ull;
-  st->kernel_end = 0;
-  CallMeta me = meta;
-  me.epoch = e;
   // Buffer reuse: every peer finished reading (and writing) our memory in the previous call.
-  for (int32_t s = 0; s < p.world; ++s)
-    spin_until(wc, announced(p, s, &RankHeader::done_epoch, PeerFlag::Done), e - 1,
+  for (int64_t s = g; s < W; s += P)
+    spin_until(wc, announced(p, int32_t(s), &RankHeader::done_epoch, PeerFlag::Done), e - 1,
                WaitSite::PeerDone, s);
+  // layer1: the dispatch layout of the caller's recv_counts (its row count is part of the
+  // verdict); -1: a negative count.
+  int64_t rows = 0;
+  if (!layer0 && meta.error == 0)
+    rows = dispatch_layout_program(
+        ctx, sc, DispatchLayoutArgs{nullptr, 0, d, W, El, p.recv_counts, p.expert_off, p.seg_off,
+                                    true});
+  else
+    grid_sync(ctx, sc.bar);
 
-  const char* op_name = layer0 ? "comet.moe_layer0: " : "comet.moe_layer1: ";
-  const unsigned long long bad_slot = p.ids != nullptr ? st->first_bad_id : ~0ull;
-  if (me.error == 0 && bad_slot != ~0ull) {
-    const int64_t i = int64_t(bad_slot);
-    Message(me.message, int(sizeof(me.message)))
-        << op_name << "topk_ids[" << i / p.topk << ", " << i % p.topk << "] = " << int64_t(p.ids[i])
-        << " is not an expert id: valid ids are 0.." << int64_t(p.num_experts - 1)
-        << " and -1 (dropped slot)";
-    me.error = 1;
-  }
-  if (me.error == 0 && !layer0) {
-    int64_t rows = 0;
-    bool negative = false;
-    for (int32_t i = 0; i < p.world * p.experts_local; ++i) {
-      rows += p.recv_counts[i];
-      negative |= p.recv_counts[i] < 0;
+  if (g == 0) {
+    st->epoch = e;
+    st->kernel_start = ~0ull;
+    st->kernel_end = 0;
+    // Written in place: same-node peers read it here, and it is the source of the puts to other
+    // nodes (unchanged until the call ends, when the proxy's quiet has delivered them).
+    CallMeta& me = mine->meta;
+    copy_meta(&me, &meta);
+    me.epoch = e;
+    const char* op_name = layer0 ? "comet.moe_layer0: " : "comet.moe_layer1: ";
+    const unsigned long long bad_slot = p.ids != nullptr ? st->first_bad_id : ~0ull;
+    if (me.error == 0 && bad_slot != ~0ull) {
+      const int64_t i = int64_t(bad_slot);
+      Message(me.message, int(sizeof(me.message)))
+          << op_name << "topk_ids[" << i / p.topk << ", " << i % p.topk
+          << "] = " << int64_t(p.ids[i]) << " is not an expert id: valid ids are 0.."
+          << int64_t(p.num_experts - 1) << " and -1 (dropped slot)";
+      me.error = 1;
     }
-    if (negative || (p.max_rows < 0 ? rows != p.h_rows : rows > p.h_rows)) {
+    if (me.error == 0 && !layer0 && (rows < 0 || (p.max_rows < 0 ? rows != p.h_rows
+                                                                  : rows > p.h_rows))) {
       // With max_rows, h has max_rows rows (checked on the host) and holds the first M of them.
       Message m(me.message, int(sizeof(me.message)));
-      m << op_name << "h has " << p.h_rows << " rows but the layout dispatches " << rows;
+      m << op_name << "h has " << p.h_rows << " rows but the layout dispatches ";
+      if (rows < 0)
+        m << "a negative row count";
+      else
+        m << rows;
       if (p.max_rows >= 0) m << " (more than max_rows = " << p.max_rows << ")";
       m << ": pass the layout moe_layer0 returned with this h";
       me.error = 1;
     }
   }
-  if (me.error == 0 && layer0) {
+  const bool publish_buckets = layer0 && meta.error == 0;
+  if (publish_buckets) {
     // The send plan's bucket offsets are published at once (offset 0 of the data segment, which
     // does not depend on the segment's token capacity) so every destination can size its
     // dispatch layout during this exchange.
-    int32_t* pub = reinterpret_cast<int32_t*>(p.datas[p.rank] + p.regions.bucket_off);
-    for (int32_t i = 0; i <= p.num_experts; ++i) pub[i] = p.bucket[i];
-    // Ranks of other nodes get them in their bucket box for us (capacity-independent too),
-    // before our metadata: the metadata's signal follows them on the link (FIFO per target).
-    for (int32_t r = 0; r < p.world; ++r)
-      if (!p.topo.same_node(p.rank, r))
-        put_signal(p, r, bucket_box_of(p, p.rank), pub, size_t(p.num_experts + 1) * 4, nullptr, 0);
+    int32_t* pub = reinterpret_cast<int32_t*>(p.datas[d] + p.regions.bucket_off);
+    for (int64_t i = g; i <= p.num_experts; i += P) pub[i] = p.bucket[i];
   }
+  grid_sync(ctx, sc.bar);
 
-  // Metadata exchange: same-node peers read our header's meta; every peer on another node gets a
-  // copy in its mailbox for us (from our header: a put's source must be symmetric memory, and
-  // this one stays unchanged until the call ends, when the proxy's quiet has delivered it).
-  RankHeader* mine = p.headers[p.rank];
-  mine->meta = me;
-  flag_release(mine->meta_epoch, e);
-  for (int32_t r = 0; r < p.world; ++r)
-    if (!p.topo.same_node(p.rank, r))
-      put_signal(p, r, header_meta_box(mine, p.world, p.rank), &mine->meta, sizeof(CallMeta),
-                 header_flag(mine, p.world, PeerFlag::Meta, p.rank), e);
-  int64_t max_tokens = 0;
-  for (int32_t s = 0; s < p.world; ++s) {
-    const bool near = p.topo.same_node(p.rank, s);
-    spin_until(wc, announced(p, s, &RankHeader::meta_epoch, PeerFlag::Meta), e,
-               WaitSite::PeerMeta, s);
-    const CallMeta* m = near ? &p.headers[s]->meta : header_meta_box(mine, p.world, s);
-    p.metas[s] = *m;
-    max_tokens = p.metas[s].tokens > max_tokens ? p.metas[s].tokens : max_tokens;
+  // Metadata exchange, a peer per thread. A rank of another node gets (layer0) our bucket offsets
+  // in its bucket box for us, then our metadata in its mailbox: both puts from the same thread,
+  // so the metadata's signal follows the offsets on the link (FIFO per target).
+  if (g == 0) flag_release(mine->meta_epoch, e);
+  for (int64_t r = g; r < W; r += P) {
+    if (p.topo.same_node(d, int32_t(r))) continue;
+    if (publish_buckets)
+      put_signal(p, int32_t(r), bucket_box_of(p, d), p.datas[d] + p.regions.bucket_off,
+                 size_t(p.num_experts + 1) * 4, nullptr, 0);
+    put_signal(p, int32_t(r), header_meta_box(mine, W, d), &mine->meta, sizeof(CallMeta),
+               header_flag(mine, W, PeerFlag::Meta, d), e);
   }
-  const int32_t bad = verdict(p.metas, p.world);
-  st->bad_rank = bad;
-  st->max_tokens = max_tokens;
-  st->rows = 0;
-  st->num_mtiles = 0;
-  st->plan_entries = 0;
-  st->plan_slots = 0;
-  int32_t status = bad == -2 ? int32_t(CallStatus::Ok) : int32_t(CallStatus::Rejected);
+  for (int64_t s = g; s < W; s += P) {
+    const bool near = p.topo.same_node(d, int32_t(s));
+    spin_until(wc, announced(p, int32_t(s), &RankHeader::meta_epoch, PeerFlag::Meta), e,
+               WaitSite::PeerMeta, s);
+    copy_meta(&p.metas[s], near ? &p.headers[s]->meta : header_meta_box(mine, W, int32_t(s)));
+  }
+  grid_sync(ctx, sc.bar);
+
+  if (g == 0) {
+    int64_t max_tokens = 0;
+    for (int32_t s = 0; s < W; ++s)
+      max_tokens = p.metas[s].tokens > max_tokens ? p.metas[s].tokens : max_tokens;
+    const int32_t bad = verdict(p.metas, W);
+    st->bad_rank = bad;
+    st->max_tokens = max_tokens;
+    st->rows = 0;
+    st->num_mtiles = 0;
+    st->plan_entries = 0;
+    st->plan_slots = 0;
+    st->status = bad == -2 ? int32_t(CallStatus::Ok) : int32_t(CallStatus::Rejected);
+  }
+  grid_sync(ctx, sc.bar);
+  int32_t status = st->status;
 
   if (status == int32_t(CallStatus::Ok) && layer0) {
-    const int32_t El = p.experts_local, d = p.rank;
     // Each source's bucket offsets: by pointer on this node, from our bucket box across nodes
     // (p.sources as scratch here: bases whose bucket_off region is the offsets to read; the
     // publish kernel sets the real source bases).
-    for (int32_t s = 0; s < p.world; ++s)
-      p.sources[s] = p.topo.same_node(d, s)
+    for (int64_t s = g; s < W; s += P)
+      p.sources[s] = p.topo.same_node(d, int32_t(s))
                          ? p.datas[s]
-                         : bucket_box_of(p, s) - p.regions.bucket_off;
-    gather_recv_counts(p.sources, p.regions.bucket_off, d, p.world, El, p.recv_counts);
-    const int64_t rows = build_dispatch_layout(p.recv_counts, d, p.world, El, p.expert_off,
-                                               p.seg_off);
-    st->rows = rows;
-    if (p.max_rows >= 0 && rows > p.max_rows) {
-      // Local: this rank skips its GEMM and rows (peers are unaffected) and the next call, or
-      // Buffer.check(), reports it.
-      status = int32_t(CallStatus::RowsOverflow);
-      record_overflow(p, 2, rows, p.max_rows);
+                         : bucket_box_of(p, int32_t(s)) - p.regions.bucket_off;
+    grid_sync(ctx, sc.bar);
+    rows = dispatch_layout_program(
+        ctx, sc, DispatchLayoutArgs{p.sources, p.regions.bucket_off, d, W, El, p.recv_counts,
+                                    p.expert_off, p.seg_off, false});
+    if (g == 0) {
+      st->rows = rows;
+      if (p.max_rows >= 0 && rows > p.max_rows) {
+        // Local: this rank skips its GEMM and rows (peers are unaffected) and the next call, or
+        // Buffer.check(), reports it.
+        status = int32_t(CallStatus::RowsOverflow);
+        record_overflow(p, 2, rows, p.max_rows);
+      }
     }
   }
+  if (g != 0) return;
   if (status == int32_t(CallStatus::Rejected) && p.max_rows >= 0) {
     // No host reads this call's verdict: keep it for the next call / Buffer.check().
     ErrorRecord* er = p.error;
+    const int32_t bad = st->bad_rank;
     if (er != nullptr && atomicCAS(reinterpret_cast<int*>(&er->code), 0, 4) == 0) {
       er->rank = p.rank;
       er->index = bad;
@@ -327,8 +370,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
 
   if (layer1) {
     for (int32_t src = 0; src < W; ++src) ctx.wait(source_ready(p, src), e, WaitSite::PeerData, src);
-    if (grid_rank(ctx) == 0) {
-      build_dispatch_layout(p.recv_counts, d, W, El, p.expert_off, p.seg_off);
+    if (grid_rank(ctx) == 0) {  // (the dispatch layout: built by begin)
       for (int32_t src = 0; src < W; ++src)
         p.plan_sources[src] = plan_source<float>(
             p.topo.nodes() > 1 ? p.sources[src] : p.datas[src], p.regions);
@@ -365,19 +407,59 @@ __global__ void finish_kernel(const __grid_constant__ CallParams p) {
   if (threadIdx.x == 0) flag_release(p.headers[p.rank]->done_epoch, p.state->epoch);
 }
 
+// Blocks of a prologue kernel that can be resident at once on this device (its occupancy with
+// kThreads threads and its static shared memory, times the SMs): the grid barrier needs them all.
+int coresident_blocks(const void* kernel) {
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess)
+    return 1;
+  return per_sm * sms > 1 ? per_sm * sms : 1;
+}
+
+// A prologue kernel with a grid barrier, launched cooperatively: the runtime schedules every block
+// at once (or fails the launch) even while other kernels (the proxy on its side stream, another
+// stream's work) hold SMs, and the grid is clamped to what can be co-resident. The programs take
+// any grid size, and the scratch was sized for the larger `want`. No -rdc is needed: the barrier is
+// the engine's own (parallel.h), not cooperative_groups' grid sync.
+template <class... Args>
+void launch_grid_program(void (*kernel)(Args...), int want, cudaStream_t stream,
+                         const Args&... args) {
+  const int cap = coresident_blocks(reinterpret_cast<const void*>(kernel));
+  const int blocks = want < 1 ? 1 : (want < cap ? want : cap);
+  void* argv[] = {const_cast<void*>(static_cast<const void*>(&args))...};
+  // An error is left for the caller's cudaGetLastError (the runtime records it there too).
+  (void)cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(blocks),
+                                    dim3(kThreads), argv, 0, stream);
+}
+
+// Grid of the begin kernel: its parallel loops are over the W peers and the E_local x (W+1)
+// layout cells (about 16 per thread), within the scratch the op sized for source_blocks (layer1:
+// the larger of the two grids).
+int begin_blocks(const CallParams& p) {
+  const int64_t cells = int64_t(p.experts_local) * (p.world + 1);
+  const int64_t items = cells > p.world ? cells : p.world;
+  const int64_t want = (items + int64_t(kThreads) * 16 - 1) / (int64_t(kThreads) * 16);
+  const int64_t room = p.op == int32_t(OpKind::Layer0)
+                           ? p.source_blocks
+                           : (p.source_blocks > p.plan_blocks ? p.source_blocks : p.plan_blocks);
+  return int(want < room ? want : (room > 1 ? room : 1));
+}
+
 }  // namespace
 
 void launch_source(const CallParams& p, cudaStream_t stream) {
   if (p.ids == nullptr) return;  // rejected on the host: nothing to plan
-  source_kernel<<<p.source_blocks, kThreads, 0, stream>>>(p);
+  launch_grid_program(source_kernel, p.source_blocks, stream, p);
 }
 
 void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream) {
-  begin_kernel<<<1, 32, 0, stream>>>(p, me);
+  launch_grid_program(begin_kernel, begin_blocks(p), stream, p, me);
 }
 
 void launch_publish(const CallParams& p, cudaStream_t stream) {
-  publish_kernel<<<p.plan_blocks, kThreads, 0, stream>>>(p);
+  launch_grid_program(publish_kernel, p.plan_blocks, stream, p);
 }
 
 void launch_finish(const CallParams& p, cudaStream_t stream) {

@@ -1,7 +1,8 @@
 // The multi-block prologue programs (comet/prologue.h) on CPU grids of several shapes, against a
-// sequential oracle written here from DESIGN.md's definitions: identical send plans, m-tiles,
-// layer0 orders and reduce plans (bitwise, element by element) for random worlds including empty
-// ranks, dropped slots and duplicate experts.
+// sequential oracle written here from DESIGN.md's definitions: identical send plans, dispatch
+// layouts (gathered or given recv_counts; negative counts refused), m-tiles, layer0 orders and
+// reduce plans (bitwise, element by element) for random worlds including empty ranks, dropped
+// slots and duplicate experts.
 #include <algorithm>
 #include <random>
 #include <vector>
@@ -108,6 +109,47 @@ int main() {
           rc[s * el + e] = bucket[s][d * el + e + 1] - bucket[s][d * el + e];
       std::vector<int64_t> eo(size_t(el) + 1), so(size_t(el) * (W + 1));
       const int64_t M = build_dispatch_layout(rc.data(), d, W, el, eo.data(), so.data());
+      {
+        // dispatch_layout_program: recv_counts gathered from the sources' bucket offsets (layer0)
+        // and the layout, bit for bit the sequential one; from given counts (layer1) the same,
+        // and a negative count refused when checked. Span: a share of the E_local*(W+1) cells.
+        std::vector<const char*> from(static_cast<size_t>(W));
+        for (int32_t s = 0; s < W; ++s) from[s] = reinterpret_cast<const char*>(bucket[s].data());
+        std::vector<int32_t> grc(rc.size(), -7);
+        std::vector<int64_t> geo(eo.size(), -7), gso(so.size(), -7);
+        DispatchLayoutArgs la{from.data(), 0, d, W, el, grc.data(), geo.data(), gso.data(), false};
+        cpu::GridScratch lsc(g.blocks, g.threads, 1, 0, 0);
+        const PrologueScratch lps = lsc.view();
+        int64_t got[3] = {-7, -7, -7};
+        std::vector<int64_t> work;
+        cpu::run_grid(nullptr, g.blocks, g.threads, 0, [&](cpu::CpuContext& ctx) {
+          const int64_t m0 = dispatch_layout_program(ctx, lps, la);
+          DispatchLayoutArgs given = la;
+          given.counts_from = nullptr;
+          given.check_counts = true;
+          const int64_t m1 = dispatch_layout_program(ctx, lps, given);
+          if (grid_rank(ctx) == 0) {
+            got[0] = m0;
+            got[1] = m1;
+          }
+        }, &work);
+        CHECK(got[0] == M && got[1] == M);
+        CHECK(grc == rc && geo == eo && gso == so);
+        const int64_t cells = int64_t(el) * (W + 1);
+        CHECK(*std::max_element(work.begin(), work.end()) <=
+              2 * (2 * ceil_div(cells, P) + 2 * P / g.threads + 2 * 16 + 8));
+        if (!grc.empty()) {
+          grc[rng() % grc.size()] = -1;
+          DispatchLayoutArgs bad = la;
+          bad.counts_from = nullptr;
+          bad.check_counts = true;
+          cpu::run_grid(nullptr, g.blocks, g.threads, 0, [&](cpu::CpuContext& ctx) {
+            const int64_t m = dispatch_layout_program(ctx, lps, bad);
+            if (grid_rank(ctx) == 0) got[2] = m;
+          });
+          CHECK(got[2] == -1);
+        }
+      }
       const int32_t tm = 1 + rng() % 5;
       // m-tiles: expert-major cuts of tile_m rows
       std::vector<MTile> want_tiles;

@@ -7,17 +7,18 @@
 //   layer0_push_program  1. (grid thread 0) per remote node: the bucket offsets and the node's
 //                           range of the send plan, then signal MirrorMeta: the destinations'
 //                           prologue (dispatch layout) needs only this;
-//                        2. (every thread, its share of the tokens) per remote node: each run of
-//                           consecutive tokens with at least one slot on that node as ONE put of
-//                           their rows: a token crosses to a node once, however many of its slots
-//                           land there;
+//                        2. (every block, a contiguous range of the tokens) per remote node: each
+//                           maximal run of consecutive tokens of the range with at least one slot
+//                           on that node as ONE put of their rows (push_node_rows): a token
+//                           crosses to a node once, however many of its slots land there;
 //                        3. (grid thread 0, after a grid barrier) per remote node: signal
 //                           MirrorRows (ordered after every row put: the link is FIFO per target).
 //   layer1_push_program  (grid thread 0) per remote node: the routing block (ids, bucket
 //                        positions, weights, pair lists) in five puts, then signal MirrorMeta.
 //
-// Work: step 2 is T*k/P slot reads per thread for each remote node plus its runs' puts; steps 1, 3
-// and layer1's are O(nodes) puts on one thread (no loop over tokens).
+// Work: step 2 is T*k/P slot reads per thread for each remote node plus its runs' puts (and at most
+// `threads` shared reads to end a run that crosses threads); steps 1, 3 and layer1's are O(nodes)
+// puts on one thread (no loop over tokens).
 #pragma once
 
 #include "comet/exec_context.h"
@@ -53,6 +54,58 @@ COMET_HD bool token_on(const int32_t* ids, int64_t t, int32_t k, int32_t e0, int
   return false;
 }
 
+// Step 2 for one remote node: the rows of this block's tokens with a slot on [e0, e1), one put per
+// maximal run of such tokens inside the block's contiguous range of tokens, so a put carries as
+// many consecutive rows as the routing allows (a whole block's range when every token goes there)
+// and puts per call are at most blocks x runs, not one per token. The block's range is split over
+// its threads; a run is put by the thread where it starts, which finds where it ends in its own
+// share or, when it reaches the share's end, from the later threads' first token off the node
+// (block_shared(), one value per thread): at most `threads` reads, never a walk over tokens.
+template <class Ctx>
+COMET_HD void push_node_rows(Ctx& ctx, const NodePushArgs& a, int32_t relay, char* mirror,
+                             int32_t e0, int32_t e1) {
+  char* mine = ctx.data(a.rank);
+  const Share blk = share_of(a.tokens, ctx.block(), ctx.blocks());
+  const int32_t nt = ctx.threads();
+  auto share = [&](int32_t u) {
+    const Share s = share_of(blk.size(), u, nt);
+    return Share{blk.begin + s.begin, blk.begin + s.end};
+  };
+  const Share sh = share(ctx.thread());
+  auto on = [&](int64_t tok) { return token_on(a.ids, tok, a.topk, e0, e1); };
+  int64_t* first_off = static_cast<int64_t*>(ctx.block_shared());  // [threads]
+  int64_t off = sh.end;
+  for (int64_t tok = sh.begin; tok < sh.end; ++tok)
+    if (!on(tok)) {
+      off = tok;
+      break;
+    }
+  first_off[ctx.thread()] = off;
+  ctx.sync();
+  int64_t walked = 0;
+  // A run that enters this share from the previous thread's is that thread's to put.
+  bool inherited = sh.size() > 0 && sh.begin > blk.begin && on(sh.begin - 1);
+  int64_t run = -1;  // first token of the run this thread puts
+  for (int64_t tok = sh.begin; tok <= sh.end; ++tok) {
+    if (tok < sh.end && on(tok)) {
+      if (run < 0 && !inherited) run = tok;
+      continue;
+    }
+    inherited = false;
+    if (run < 0) continue;
+    int64_t end = tok;
+    if (tok == sh.end)  // the run reaches the share's end: it goes on to the first token off
+      for (int32_t u = ctx.thread() + 1; u < nt && end == share(u).begin; ++u, ++walked)
+        end = first_off[u];
+    const size_t at = a.regions.x + size_t(run) * size_t(a.row_bytes);
+    ctx.put_signal(relay, mirror + at, mine + at, size_t(end - run) * size_t(a.row_bytes), nullptr,
+                   0);
+    run = -1;
+  }
+  ctx.work((2 * sh.size() + 1) * a.topk + walked);
+  ctx.sync();  // first_off is reused by the next node
+}
+
 template <class Ctx>
 COMET_HD void layer0_push_program(Ctx& ctx, const GridBarrier& bar, const NodePushArgs& a) {
   const NodeTopology& t = a.topo;
@@ -76,24 +129,10 @@ COMET_HD void layer0_push_program(Ctx& ctx, const GridBarrier& bar, const NodePu
     }
     ctx.work(nodes);
   }
-  const Share sh = share_of(a.tokens, grid_rank(ctx), grid_size(ctx));
   for (int32_t b = 0; b < nodes; ++b) {
     if (b == home) continue;
-    const int32_t relay = t.relay(a.rank, b);
-    const int32_t e0 = b * per_node, e1 = e0 + per_node;
-    char* mirror = mirror_in(mine, a, b);
-    int64_t run = -1;  // first token of the current run
-    for (int64_t tok = sh.begin; tok <= sh.end; ++tok) {
-      const bool on = tok < sh.end && token_on(a.ids, tok, a.topk, e0, e1);
-      if (on && run < 0) run = tok;
-      if (!on && run >= 0) {
-        const size_t at = a.regions.x + size_t(run) * size_t(a.row_bytes);
-        ctx.put_signal(relay, mirror + at, mine + at, size_t(tok - run) * size_t(a.row_bytes),
-                       nullptr, 0);
-        run = -1;
-      }
-    }
-    ctx.work(sh.size() * a.topk);
+    const int32_t e0 = b * per_node;
+    push_node_rows(ctx, a, t.relay(a.rank, b), mirror_in(mine, a, b), e0, e0 + per_node);
   }
   grid_sync(ctx, bar);
   if (grid_rank(ctx) == 0) {

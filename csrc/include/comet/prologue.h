@@ -10,7 +10,9 @@
 //                         there (ascending), so a destination builds its reduce plan from the
 //                         pairs it owns instead of scanning every source's whole routing
 //   destination side (after the peers published):
-//     gather_recv_counts + build_dispatch_layout (layout.h): O(E*W), one thread
+//     dispatch_layout_program  recv_counts from every source's bucket offsets (or given: layer1)
+//                         and the dispatch layout of layout.h as one scan over the E_local x (W+1)
+//                         segment cells, parallel: no thread reads W x E_local counts
 //     tile_plan_program   m-tiles and, for layer0, their visit order (tile_order.h)
 //     reduce_plan_program layer1's reduce plan (reduce_plan.h), parallel over entries
 //
@@ -95,7 +97,8 @@ COMET_HD int64_t pair_list_program(Ctx& ctx, const PrologueScratch& s, const int
 // ---- destination side ----
 
 // recv_counts[s*E_local + el]: rows source s sends to this rank's local expert el, read from every
-// source's published bucket offsets (W*E_local reads; one thread).
+// source's published bucket offsets (W*E_local reads on one thread: the sequential oracle of
+// dispatch_layout_program, used where one thread is the point, e.g. max_rows_of_group on the CPU).
 COMET_HD void gather_recv_counts(const char* const* datas, size_t bucket_off_region, int32_t rank,
                                  int32_t world, int32_t experts_local, int32_t* recv_counts) {
   for (int32_t s = 0; s < world; ++s) {
@@ -104,6 +107,66 @@ COMET_HD void gather_recv_counts(const char* const* datas, size_t bucket_off_reg
       recv_counts[s * experts_local + el] =
           bo[rank * experts_local + el + 1] - bo[rank * experts_local + el];
   }
+}
+
+struct DispatchLayoutArgs {
+  // [W] bases whose `bucket_off_region` holds source s's published bucket offsets [E+1] (layer0:
+  // recv_counts is written from them); null: recv_counts is given (layer1) and only read.
+  const char* const* counts_from;
+  size_t bucket_off_region;
+  int32_t rank, world, experts_local;
+  int32_t* recv_counts;  // [W*E_local]
+  int64_t* expert_off;   // out [E_local+1]
+  int64_t* seg_off;      // out [E_local*(W+1)]
+  bool check_counts;     // count negative recv_counts (a malformed layer1 layout)
+};
+
+// build_dispatch_layout (layout.h) as a grid program, bit for bit: cell el*(W+1) + p of seg_off
+// holds the count of ring position p of local expert el (0 in the extra cell p = W), and one
+// exclusive scan over the cells in that order turns them into the segments' first rows, the extra
+// cell into the expert's end row (the next expert's start). Per thread: its share of the cells
+// (one count each, gathered from a source's bucket offsets for layer0), the scan's share, and
+// its share of expert_off. Returns M, or -1 (every thread, layout still written) when
+// check_counts finds a negative count (a grid-wide count over the sort scratch's first P cells).
+template <class Ctx>
+COMET_HD int64_t dispatch_layout_program(Ctx& ctx, const PrologueScratch& s,
+                                         const DispatchLayoutArgs& a) {
+  const int32_t W = a.world, El = a.experts_local, d = a.rank;
+  const int64_t cells = int64_t(El) * (W + 1);
+  const int64_t g = grid_rank(ctx), P = grid_size(ctx);
+  const Share sh = share_of(cells, g, P);
+  int32_t negative = 0;
+  for (int64_t c = sh.begin; c < sh.end; ++c) {
+    const int32_t el = int32_t(c / (W + 1)), pos = int32_t(c % (W + 1));
+    if (pos == W) {
+      a.seg_off[c] = 0;
+      continue;
+    }
+    const int32_t src = ring_source(d, pos, W);
+    int32_t* cnt = a.recv_counts + int64_t(src) * El + el;
+    if (a.counts_from != nullptr) {
+      const int32_t* bo =
+          reinterpret_cast<const int32_t*>(a.counts_from[src] + a.bucket_off_region);
+      *cnt = bo[d * El + el + 1] - bo[d * El + el];
+    }
+    negative += *cnt < 0;
+    a.seg_off[c] = *cnt;
+  }
+  ctx.work(sh.size());
+  grid_sync(ctx, s.bar);
+  const int64_t rows = grid_exclusive_scan(ctx, s.bar, a.seg_off, cells, s.sort.scan);
+  for (int64_t el = g; el <= El; el += P)
+    a.expert_off[el] = el < El ? a.seg_off[el * (W + 1)] : rows;
+  ctx.work(ceil_div(El + 1, P));
+  if (!a.check_counts) {
+    grid_sync(ctx, s.bar);
+    return rows;
+  }
+  s.sort.counts[g] = negative;
+  grid_sync(ctx, s.bar);
+  const int64_t negatives = grid_exclusive_scan(ctx, s.bar, s.sort.counts, P, s.sort.scan);
+  ctx.work(1);
+  return negatives > 0 ? -1 : rows;
 }
 
 struct TilePlanArgs {
