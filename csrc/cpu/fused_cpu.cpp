@@ -51,7 +51,7 @@ std::vector<const char*> source_bases(const SymmHeap& heap, const DataRegions& r
 // The dispatch layout (and layer0's recv_counts) on the call's grid, as the CUDA begin kernel
 // builds it (dispatch_layout_program). Returns M.
 int64_t dispatch_layout(const SymmHeap& heap, const CpuLaunch& l, const DispatchLayoutArgs& a) {
-  GridScratch scratch(l.n_comm + l.n_gemm, l.threads, 1, 0, 0);
+  GridScratch scratch(barrier_grid(l), l.threads, 1, 0, 0);
   int64_t rows = 0;
   run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
     const int64_t r = dispatch_layout_program(ctx, ps, a);
