@@ -51,6 +51,16 @@ else:
         libraries=["rt"])
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
+# Optional parts, pinned as in the Makefile's DEPS: `pip install -e .[hf]` etc. (comet.hf and
+# examples/hf_moe.py need hf, comet.megatron needs megatron, the bench plots need bench).
+EXTRAS = {
+    "hf": ["transformers==5.23.0"],
+    "megatron": ["megatron-core==0.16.1"],
+    "bench": ["matplotlib"],
+    "test": ["pytest", "pytest-timeout", "hypothesis"],
+}
+EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
+
 setup(
     name="comet-moe",
     version="0.1.0",
@@ -58,8 +68,7 @@ setup(
     packages=find_packages(include=["comet", "comet.*"]),
     python_requires=">=3.11",
     install_requires=["torch==2.14.1", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"],
-                    "megatron": ["megatron-core==0.16.1"], "bench": ["matplotlib"]},
+    extras_require=EXTRAS,
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext},
 )

@@ -57,9 +57,7 @@ def _run(rank, world, port, args):
     H = MIXTRAL["hidden"] // args.scale
     F = MIXTRAL["ffn"] // args.scale
     E, k = MIXTRAL["experts"], MIXTRAL["topk"]
-    if E % world:
-        raise SystemExit(f"--world {world} must divide Mixtral's {E} experts")
-    el = E // world
+    el = E // world  # validate_args checked that world divides E
     g = torch.Generator().manual_seed(1234 + rank)
     T = args.tokens + (rank * 17) % 31  # uneven token counts, as a real batch would have
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -74,7 +72,7 @@ def _run(rank, world, port, args):
     # reference stays on the CPU copies.
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)  # validate_args checked one GPU per rank
     dev = torch.device("cuda" if cuda else "cpu")
     xd, w0d, w1d, idsd = (t.to(dev) for t in (x, w0, w1, topk_ids))
     wd = topk_weights.to(dev)
@@ -113,23 +111,72 @@ def _run(rank, world, port, args):
                 scale=float(out_ref.float().abs().max()) if out_ref.numel() else 0.0)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank (uneven around this)")
-    p.add_argument("--scale", type=int, default=16, help="divide Mixtral's hidden/ffn sizes by this")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--iters", type=int, default=3)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m comet.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4,
+                   help=f"ranks W, one process each; must divide Mixtral's {MIXTRAL['experts']} "
+                        f"experts (1, 2, 4 or 8; default 4)")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="tokens per rank, uneven around this (rank r adds (17 r) mod 31; default 256)")
+    p.add_argument("--scale", type=int, default=16,
+                   help="divide Mixtral's hidden size 4096 and ffn 14336 by this; must divide 2048 "
+                        "(default 16)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="element type of x, w0, w1 (default bf16; the CUDA kernels take bf16/fp16)")
+    p.add_argument("--iters", type=int, default=3,
+                   help="timed iterations after one warm-up; the median is printed (default 3)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda when a GPU and comet's CUDA kernels are there (one GPU per "
                         "rank; not run in this project's CI), else the CPU backend")
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds for the whole run before the ranks are stopped (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the arguments and results here")
+    return p
+
+
+def validate_args(p: argparse.ArgumentParser, args) -> None:
+    """Every user mistake is refused here, before any process spawns: p.error prints the usage and
+    one line and exits with status 2 (no traceback)."""
+    E, hidden, ffn = MIXTRAL["experts"], MIXTRAL["hidden"], MIXTRAL["ffn"]
+    if args.world < 1 or E % args.world:
+        p.error(f"--world {args.world}: the ranks must divide Mixtral's {E} experts evenly "
+                f"(choose 1, 2, 4 or 8)")
+    if args.tokens < 0:
+        p.error(f"--tokens {args.tokens}: must be >= 0")
+    if args.scale < 1 or hidden % args.scale or ffn % args.scale:
+        p.error(f"--scale {args.scale}: must divide both the hidden size {hidden} and the ffn "
+                f"size {ffn} (a divisor of 2048)")
+    if args.iters < 1:
+        p.error(f"--iters {args.iters}: must be >= 1")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: must be > 0")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json}: no directory {folder}")
+    from comet import symm_cuda
 
     if args.device == "auto":
-        from comet import symm_cuda
         args.device = "cuda" if symm_cuda.available() and args.dtype != "fp32" else "cpu"
+    elif args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no GPU is visible to torch (torch.cuda.is_available() is "
+                    "False); use --device cpu (the CPU backend)")
+        if not symm_cuda.available():
+            p.error("--device cuda: this build of comet has no CUDA kernels (rebuild with nvcc "
+                    "and COMET_CUDA unset); use --device cpu")
+        if torch.cuda.device_count() < args.world:
+            p.error(f"--device cuda --world {args.world}: one GPU per rank, but only "
+                    f"{torch.cuda.device_count()} visible")
+        if args.dtype == "fp32":
+            p.error("--device cuda --dtype fp32: the CUDA kernels take bf16 or fp16")
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    validate_args(p, args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

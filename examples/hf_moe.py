@@ -8,7 +8,14 @@ import os
 import sys
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:  # an optional dependency: say which extra brings it, no traceback
+    print("examples/hf_moe.py needs transformers (the 'hf' extra): pip install -e '.[hf]' in "
+          "this checkout, or pip install 'comet-moe[hf]' (make setup installs it too)",
+          file=sys.stderr)
+    sys.exit(2)
 
 # Run from a checkout: this repository's comet before any installed one.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
