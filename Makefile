@@ -16,7 +16,7 @@ DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvid
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
 
 .PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu \
-	test-mutants mutants bench clean
+	test-mutants mutants bench docs-check clean
 
 # Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
 $(VENV)/.deps: Makefile
@@ -83,9 +83,15 @@ NGPU ?= 1
 test-gpu: setup
 	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
-# CPU benchmarks (both scripts, full size; --smoke for the CI size): table + bench/results/*.json/png
+# CPU benchmarks (all five scripts, full size, about 5 minutes on 2 cores; --smoke for the CI size,
+# written to bench/results/*_smoke.json): tables + bench/results/*.json/png
 bench: setup
 	$(PY) -m bench
+
+# The README's samples against what the code prints now (the demo's deterministic columns, the
+# benchmark table's single home): fails when a sample goes stale.
+docs-check: setup
+	$(PY) -m pytest tests/test_docs.py -q -p no:cacheprovider
 
 clean:
 	rm -rf build cbuild comet/_C*.so *.egg-info

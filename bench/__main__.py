@@ -1,35 +1,43 @@
-"""The benchmarks (moe_layer, sweep_ncomm, prologue, comm_copy, multinode), one after the other, from one command:
+"""The five CPU benchmarks, one after the other, from one command (what `make bench` runs):
+moe_layer (one MoE layer: sequential vs Tutel-style vs Comet), sweep_ncomm (latency vs the
+comm/GEMM split), prologue (the per-call planning programs), comm_copy (one comm block's row copy)
+and multinode (1 node vs 2 nodes of the CPU analog).
 
-    .venv/bin/python -m bench            # full CPU run (~1-2 min on 2 cores)
-    .venv/bin/python -m bench --smoke    # CI-sized (< 30 s each)
+    .venv/bin/python -m bench            # full CPU run: about 5 minutes on 2 idle cores
+    .venv/bin/python -m bench --smoke    # CI-sized: well under a minute per script
 
-Options given here (--smoke, --out DIR) are passed to every script; run bench/moe_layer.py or
-bench/sweep_ncomm.py directly for their other options. On a GPU run each script under torchrun
-instead (see bench/README.md).
+Each prints a table on stdout (progress on stderr) and writes bench/results/<name>.json (and a
+PNG for moe_layer and sweep_ncomm when matplotlib, the 'bench' extra, is installed); --smoke
+writes <name>_smoke.json/png instead, so it never overwrites a full run's results. The options
+below are passed to every script; run a script alone for its other options (e.g.
+`python bench/moe_layer.py --help`). On a GPU run each script under torchrun instead (see
+bench/README.md).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+SCRIPTS = ("moe_layer", "sweep_ncomm", "prologue", "comm_copy", "multinode")
+
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=None)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="CI-sized runs; results go to <name>_smoke.json/png, a full run's stay")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="directory of the JSON/PNG results (default bench/results)")
     a = p.parse_args(argv)
     extra = (["--smoke"] if a.smoke else []) + (["--out", a.out] if a.out else [])
-    from bench import comm_copy, moe_layer, multinode, prologue, sweep_ncomm
+    import importlib
 
-    rc = moe_layer.main(extra)
-    print()
-    rc = rc or sweep_ncomm.main(extra)
-    print()
-    rc = rc or prologue.main(extra)
-    print()
-    rc = rc or comm_copy.main(extra)
-    print()
-    return rc or multinode.main(extra)
+    rc = 0
+    for i, name in enumerate(SCRIPTS):
+        if i:
+            print()
+        rc = rc or importlib.import_module(f"bench.{name}").main(extra)
+    return rc
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ on a real memory system, not a GPU's rate.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from bench.common import environment, progress, table, write_json
+from bench.common import add_output_args, arg_parser, environment, progress, result_name, \
+    table, write_json
 
 UNROLLS = [1, 2, 4, 8]
 
@@ -44,10 +44,8 @@ def run(row_bytes, threads, rows_per_config, source_bytes, reps):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.comm_copy",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CI size: 16 MiB source, 4 MiB copied")
-    p.add_argument("--out", default=None, help="directory of the JSON result (default bench/results)")
+    p = arg_parser("python -m bench.comm_copy", __doc__)
+    add_output_args(p, "comm_copy", "16 MiB source, 4 MiB copied")
     a = p.parse_args(argv)
     if a.smoke:
         res = run([256, 4096], [1, 2], 4 << 20, 16 << 20, 2)
@@ -61,7 +59,7 @@ def main(argv=None) -> int:
     print("comet comm-block row copy on the CPU backend (one block; random rows of a shared "
           "mapping; this CPU's memory, not a GPU's link)")
     print(table(headers, body))
-    path = write_json("comm_copy_smoke" if a.smoke else "comm_copy",
+    path = write_json(result_name("comm_copy", a.smoke),
                       dict(environment=environment("cpu"), rows=res),
                       None if a.out is None else Path(a.out))
     print(f"wrote {path}")

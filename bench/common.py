@@ -12,6 +12,7 @@ Backends
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -183,6 +184,30 @@ def environment(backend: str) -> Dict[str, Any]:
                 env["cpu_model"] = line.split(":", 1)[1].strip()
                 break
     return env
+
+
+NO_MATPLOTLIB = ("plot skipped: matplotlib is not installed (the 'bench' extra: "
+                 "pip install -e '.[bench]')")
+
+
+def arg_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its whole module doc (usage lines included) as the --help text."""
+    return argparse.ArgumentParser(prog=prog, description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_output_args(p: argparse.ArgumentParser, name: str, smoke_size: str) -> None:
+    """--smoke and --out, alike in every script. A smoke run writes <name>_smoke.*, so it never
+    overwrites a full run's results."""
+    p.add_argument("--smoke", action="store_true",
+                   help=f"CI-sized run ({smoke_size}); writes {name}_smoke.json instead of "
+                        f"{name}.json, so a full run's results are kept")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="directory of the JSON (and PNG) results (default bench/results)")
+
+
+def result_name(name: str, smoke: bool) -> str:
+    return f"{name}_smoke" if smoke else name
 
 
 def write_json(name: str, data: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:

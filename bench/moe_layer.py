@@ -18,14 +18,14 @@ The limit is measured, not modelled: "comm" = the sequential form's three all-to
 (torch matmul); limit = max(comm, GEMM). The cost model's limit (comet.perfmodel, CPU pseudo-spec
 measured on this machine) is stored in the JSON, labelled as model.
 
-Output: a table on stdout, bench/results/moe_layer.json, bench/results/moe_layer.png.
+Output: a table on stdout, bench/results/moe_layer.json, bench/results/moe_layer.png
+(moe_layer_smoke.* with --smoke).
 On the CPU this measures comet's CPU backend (OS threads as thread blocks, POSIX shared memory
 instead of NVLink, a portable fp32 tile GEMM instead of CUTLASS) against torch + gloo: it is not a
 GPU result and must not be quoted as one.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -181,7 +181,7 @@ def render(records) -> str:
 def plot(records, path: Path) -> str:
     plt = C.pyplot()
     if plt is None:
-        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+        return C.NO_MATPLOTLIB
     groups = sorted({r["world"] for r in records})
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
     for ax, W in zip(axes[0], groups):
@@ -212,9 +212,8 @@ def plot(records, path: Path) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (< 30 s)")
+    p = C.arg_parser("bench/moe_layer.py", __doc__)
+    C.add_output_args(p, "moe_layer", "W=2, 64 tokens, H=32, 3 rounds: < 30 s")
     p.add_argument("--models", default="mixtral,qwen2,phi3.5",
                    help="comma-separated: " + ", ".join(C.MODELS))
     p.add_argument("--world", default=None,
@@ -227,13 +226,19 @@ def parse(argv=None):
     p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
     p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES),
                    help="default fp32 on the CPU, bf16 on a GPU")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output directory (default bench/results)")
-    p.add_argument("--name", default="moe_layer", help="basename of the JSON/PNG files")
-    p.add_argument("--timeout", type=float, default=1800.0, help="per world size, seconds")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed rounds before timing (default 3; smoke: 1)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed rounds; the median is shown (default 25; smoke: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of inputs, weights and routing")
+    p.add_argument("--name", default=None,
+                   help="basename of the JSON/PNG files (default moe_layer; smoke: "
+                        "moe_layer_smoke)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds per world size before the ranks are stopped (default 1800; "
+                        "smoke: 120)")
     a = p.parse_args(argv)
+    a.name = a.name or C.result_name("moe_layer", a.smoke)
     gpu = C.on_gpu() and C.under_torchrun()
     if a.smoke:
         a.world = a.world or "2"

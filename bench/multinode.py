@@ -16,15 +16,14 @@ speed.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import CPU_LABEL, environment, launch, measure, ms, progress, shape_of, table, \
-    write_json
+from bench.common import CPU_LABEL, add_output_args, arg_parser, environment, launch, measure, ms, \
+    progress, result_name, shape_of, table, write_json
 
 MODELS = ["mixtral", "qwen2"]
 
@@ -98,15 +97,15 @@ def run(models, world, tokens, scale, latency_us, gbps, warmup, iters, threads=N
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.multinode",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CI size")
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--latency-us", type=float, default=10.0)
+    p = arg_parser("python -m bench.multinode", __doc__)
+    add_output_args(p, "multinode", "Mixtral only, 64 tokens per rank, 3 rounds")
+    p.add_argument("--world", type=int, default=4,
+                   help="ranks, split into 1 node and into 2 nodes (even; default 4)")
+    p.add_argument("--latency-us", type=float, default=10.0,
+                   help="the link proxy's latency per put, microseconds (default 10)")
     p.add_argument("--gbps", type=float, default=0.0, help="link GB/s (0: memcpy speed)")
     p.add_argument("--threads-per-block", type=int, default=None,
                    help="threads per CPU block (default: the buffer's, $COMET_CPU_BLOCK_THREADS)")
-    p.add_argument("--out", default=None, help="directory of the JSON result (default bench/results)")
     a = p.parse_args(argv)
     if a.world < 2 or a.world % 2:
         p.error(f"--world must be even and >= 2 (two nodes), got {a.world}")
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
           "metadata); flat L0 rows: the rows a flat dispatch would send for the same routing; "
           "node-reduced: layer1 sends one partial row per (token, node); puts/call: requests this "
           "rank's link proxy issued per call (row runs, send plan, routing, metadata and flags)")
-    path = write_json("multinode_smoke" if a.smoke else "multinode",
+    path = write_json(result_name("multinode", a.smoke),
                       dict(environment=environment("cpu"), label=label, smoke=a.smoke,
                            latency_us=a.latency_us, gbps=a.gbps,
                            threads_per_block=a.threads_per_block, rows=rows),

@@ -17,12 +17,12 @@ not a GPU's prologue time (see README for the GPU launch shape and the expected 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from bench.common import environment, progress, table, write_json
+from bench.common import add_output_args, arg_parser, environment, progress, result_name, \
+    table, write_json
 
 PROGRAMS = ["send_plan", "dispatch_layout", "tile_plan_layer0", "pair_list", "tile_plan_layer1",
             "reduce_plan"]
@@ -56,9 +56,8 @@ def run(tokens, ks, experts, world, ps, seed=0):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.prologue", description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CI size: T=256, P in {1, 16}")
-    p.add_argument("--out", default=None, help="directory of the JSON result (default bench/results)")
+    p = arg_parser("python -m bench.prologue", __doc__)
+    add_output_args(p, "prologue", "T=256, P in {1, 16}")
     a = p.parse_args(argv)
     if a.smoke:
         rows = run([256], [2, 8], [8, 64], 8, [1, 16])
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
     print(table(headers, body))
     bad = [r for r in rows if not r["within_2x"]]
     print(f"span within 2x of T*k/P + E*W: {len(rows) - len(bad)}/{len(rows)} rows")
-    path = write_json("prologue_smoke" if a.smoke else "prologue",
+    path = write_json(result_name("prologue", a.smoke),
                       dict(environment=environment("cpu"), rows=rows),
                       None if a.out is None else Path(a.out))
     print(f"wrote {path}")

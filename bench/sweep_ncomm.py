@@ -20,13 +20,13 @@ Marked choices:
 * model: comet.perfmodel.choose_n_comm with the CPU pseudo-spec measured on this machine
   (a model, not a measurement; its predicted curve is drawn on a second axis).
 
-Output: table on stdout, bench/results/sweep_ncomm.json, bench/results/sweep_ncomm.png.
+Output: table on stdout, bench/results/sweep_ncomm.json, bench/results/sweep_ncomm.png
+(sweep_ncomm_smoke.* with --smoke).
 On the CPU, B threads per rank share the machine's cores with the other ranks: the curve is the
 CPU backend's, not a GPU's.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -174,7 +174,7 @@ def render(r) -> str:
 def plot(r, path: Path, backend: str) -> str:
     plt = C.pyplot()
     if plt is None:
-        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+        return C.NO_MATPLOTLIB
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     ns = r["n_values"]
     model = r["perfmodel"] or {}
@@ -218,31 +218,38 @@ def plot(r, path: Path, backend: str) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (< 30 s)")
-    p.add_argument("--model", default="mixtral", choices=sorted(C.MODELS))
+    p = C.arg_parser("bench/sweep_ncomm.py", __doc__)
+    C.add_output_args(p, "sweep_ncomm", "64 tokens, H=32, 4 blocks, 3 rounds: < 30 s")
+    p.add_argument("--model", default="mixtral", choices=sorted(C.MODELS),
+                   help="model shape, scaled on the CPU (default mixtral)")
     p.add_argument("--world", type=int, default=None, help="ranks (default 2; GPU: 8)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 512)")
     p.add_argument("--blocks", type=int, default=None,
                    help="CPU: threads per rank n_comm + n_gemm (default 8)")
     p.add_argument("--scale", type=int, default=None, help="divide H and ffn (default per model)")
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
-    p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES))
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None, help="override H (after scaling)")
+    p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
+    p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES),
+                   help="default fp32 on the CPU, bf16 on a GPU")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed rounds before timing (default 2; smoke: 1)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed rounds; the median is shown (default 20; smoke: 3)")
     p.add_argument("--no-tune", dest="tune", action="store_false",
                    help="do not run the autotuner (the ops then take the cache or the model)")
-    p.add_argument("--tune-iters", type=int, default=None)
+    p.add_argument("--tune-iters", type=int, default=None,
+                   help="timed calls per candidate in the tuner (default 10; smoke: 1)")
     p.add_argument("--cache-dir", default=None,
                    help="tuning cache (default <out>/tune-cache, i.e. "
                         "bench/results/tune-cache)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output directory (default bench/results)")
-    p.add_argument("--name", default="sweep_ncomm")
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of inputs, weights and routing")
+    p.add_argument("--name", default=None,
+                   help="basename of the JSON/PNG files (default sweep_ncomm; smoke: "
+                        "sweep_ncomm_smoke)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds before the ranks are stopped (default 1800; smoke: 120)")
     a = p.parse_args(argv)
+    a.name = a.name or C.result_name("sweep_ncomm", a.smoke)
     gpu = C.on_gpu() and C.under_torchrun()
     if a.smoke:
         a.tokens = a.tokens or 64

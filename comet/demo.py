@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ranks W, one process each; must divide Mixtral's {MIXTRAL['experts']} "
                         f"experts (1, 2, 4 or 8; default 4)")
     p.add_argument("--tokens", type=int, default=256,
-                   help="tokens per rank, uneven around this (rank r adds (17 r) mod 31; default 256)")
+                   help="tokens per rank, uneven around this (rank r adds (17 r) mod 31; "
+                        "default 256)")
     p.add_argument("--scale", type=int, default=16,
                    help="divide Mixtral's hidden size 4096 and ffn 14336 by this; must divide 2048 "
                         "(default 16)")

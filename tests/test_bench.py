@@ -4,6 +4,8 @@ arguments override it, the cache written by measured tuning round-trips into the
 and the profiling hooks are registered and measure the real ops."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -193,7 +195,7 @@ def _png_ok(path: pathlib.Path, stdout: str):
 
 def test_moe_layer_smoke(tmp_path):
     proc, elapsed = _run("moe_layer.py", tmp_path)
-    data = json.loads((tmp_path / "moe_layer.json").read_text())
+    data = json.loads((tmp_path / "moe_layer_smoke.json").read_text())
     assert data["smoke"] and "not GPU results" in data["label"]
     assert data["environment"]["backend"] == "cpu"
     recs = data["results"]
@@ -215,14 +217,15 @@ def test_moe_layer_smoke(tmp_path):
             launch = r["comet_launch"][layer]
             assert launch["n_comm"] >= 1 and launch["source"] == "model"
     assert "Comet" in proc.stdout and "Mixtral-8x7B" in proc.stdout and "NOT GPU" in proc.stdout
-    _png_ok(tmp_path / "moe_layer.png", proc.stdout)
+    _png_ok(tmp_path / "moe_layer_smoke.png", proc.stdout)
+    assert not (tmp_path / "moe_layer.json").exists()  # a full run's results are kept
     print(f"moe_layer.py --smoke: {elapsed:.1f} s")
 
 
 def test_sweep_ncomm_smoke(tmp_path):
     cache = tmp_path / "tune-cache"
     proc, elapsed = _run("sweep_ncomm.py", tmp_path, "--cache-dir", str(cache))
-    data = json.loads((tmp_path / "sweep_ncomm.json").read_text())
+    data = json.loads((tmp_path / "sweep_ncomm_smoke.json").read_text())
     r = data["result"]
     assert data["smoke"] and "not GPU results" in data["label"]
     assert r["blocks"] == 4 and r["n_values"] == [1, 2, 3]
@@ -241,7 +244,8 @@ def test_sweep_ncomm_smoke(tmp_path):
     assert sorted(e["config"]["n_comm"] for e in entries.values()) == \
         sorted(r["tuner_choice"].values())
     assert "tuner" in proc.stdout and "NOT GPU" in proc.stdout
-    _png_ok(tmp_path / "sweep_ncomm.png", proc.stdout)
+    _png_ok(tmp_path / "sweep_ncomm_smoke.png", proc.stdout)
+    assert not (tmp_path / "sweep_ncomm.json").exists()
     print(f"sweep_ncomm.py --smoke: {elapsed:.1f} s")
 
 
@@ -292,3 +296,48 @@ def test_multinode_bench_smoke(tmp_path, capsys):
     assert red["link_bytes_layer0"] == two["link_bytes_layer0"]
     assert 0 < red["link_bytes_layer1"] <= two["link_bytes_layer1"]
     assert all(r["layer0_s"] > 0 and r["layer1_s"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The command lines: every option explained, the whole description shown
+# ------------------------------------------------------------------------------------------------
+
+
+def _parser_of(main, monkeypatch) -> argparse.ArgumentParser:
+    """The parser a script's main() builds (caught at parse_args, before anything runs)."""
+    got = []
+
+    def grab(self, args=None, namespace=None):
+        got.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(SystemExit):
+        main([])
+    return got[0]
+
+
+@pytest.mark.parametrize("name", ["__main__", "moe_layer", "sweep_ncomm", "prologue", "comm_copy",
+                                  "multinode"])
+def test_every_bench_option_has_help_and_the_description_is_whole(name, monkeypatch):
+    module = importlib.import_module(f"bench.{name}")
+    parser = _parser_of(module.main, monkeypatch)
+    assert not [a.dest for a in parser._actions if not a.help]
+    assert parser.description == module.__doc__  # usage lines included, nothing cut
+    assert isinstance(parser.formatter_class("x"), argparse.RawDescriptionHelpFormatter)
+    if name != "__main__":
+        smoke = next(a for a in parser._actions if a.dest == "smoke")
+        assert "_smoke.json" in smoke.help
+
+
+def test_bench_runs_every_script_and_the_docs_count_them():
+    from bench import __main__ as bench_main
+
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__", "__main__", "common",
+                                                                 "baselines"}
+    assert set(bench_main.SCRIPTS) == scripts
+    count = {4: "four", 5: "five", 6: "six", 7: "seven"}[len(scripts)]
+    assert f"The {count} CPU benchmarks" in bench_main.__doc__
+    readme = (ROOT / "bench" / "README.md").read_text()
+    assert f"{count.capitalize()} scripts" in readme and f"all {count}" in readme
+    assert all(f"bench/{s}.py" in readme for s in scripts)
