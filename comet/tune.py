@@ -86,11 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--not-gated", action="store_true", help="N0 = ffn instead of 2 * ffn")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--profile", dest="profile", action="store_true", default=None,
-                   help="measure on the GPU (default when a GPU is present)")
+                   help="measure candidate configs on the real ops and store the winners (default "
+                        "on a GPU; on the CPU backend only when given). Progress, the number of "
+                        "candidates and an estimate of the time left go to stderr")
     g.add_argument("--no-profile", dest="profile", action="store_false",
                    help="cost model only")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls per candidate when profiling (default 2)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed calls per candidate; the median counts (default 5)")
     p.add_argument("--cache-dir", default=None,
                    help=f"tuning cache directory (default ${tn.CACHE_ENV} or ~/.cache/comet)")
     return p
@@ -116,6 +120,39 @@ def resolve_model(args) -> Dict[str, object]:
                          f"(missing {missing})")
     model["name"] = name
     return model
+
+
+def _launch_rank() -> int:
+    """This process's rank under torchrun (its RANK variable), before any process group exists:
+    only rank 0 prints, so W ranks print one table, not W."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
+# The CPU backend's portable fixed-order tile GEMM, per GEMM thread, as measured by bench/moe_layer
+# ("Comet W=1") on the 2-core development machine: 10-12 GFLOP/s. Only a rough estimate of how long
+# profiling takes; other CPUs differ (the tuner re-estimates from the first measured call).
+CPU_TILE_GEMM_FLOPS = 10e9
+
+
+def call_estimate(key: tn.TuneKey, shape: pm.MoEShape, max_blocks: Optional[int] = None) -> float:
+    """Rough seconds of one profiled op call: the cost model's fused time on a GPU; on the CPU the
+    GEMM's FLOPs per rank at CPU_TILE_GEMM_FLOPS per GEMM thread (the cost model's CPU pseudo-spec
+    counts torch's matmul, several times faster than the CPU backend's tile GEMM)."""
+    spec = pm.get_spec(key.arch, key.sm_count)
+    if key.arch != "cpu" and spec is not None:
+        n = pm.choose_n_comm(shape, spec, key.layer, max_blocks=max_blocks)
+        return pm.predict(shape, spec, n, key.layer, n_blocks=max_blocks)["fused"]
+    n_out, k_red = pm.gemm_dims(shape, key.layer)
+    flops = 2.0 * sum(pm.expert_rows(shape)) * n_out * k_red
+    threads = max(1, min(key.sm_count - 1, (os.cpu_count() or 1) // max(1, key.W)))
+    return flops / (CPU_TILE_GEMM_FLOPS * threads)
 
 
 def _cuda_available() -> bool:
@@ -212,8 +249,9 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
     return "\n".join([head, _table(headers, rows), foot, *notes])
 
 
-def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
-    """Measure both layers through comet.tuner.PROFILERS; returns an exit code."""
+def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) -> int:
+    """Measure both layers through comet.tuner.PROFILERS; returns an exit code. ``say`` prints
+    (a no-op on ranks other than 0)."""
     missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
     if missing:
         try:  # the ops module registers the hooks when it is imported with its extension built
@@ -221,13 +259,13 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
 
             importlib.import_module("comet.ops")
         except Exception as e:  # noqa: BLE001
-            print(f"profiling needs the compiled ops: importing comet.ops failed ({e!r}); "
-                  f"showing the cost model only.")
+            say(f"profiling needs the compiled ops: importing comet.ops failed ({e!r}); "
+                f"showing the cost model only.")
             return 1
         missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
         if missing:
-            print(f"profiling needs the compiled ops: no profiler registered for {missing} "
-                  f"in comet.tuner.PROFILERS; showing the cost model only.")
+            say(f"profiling needs the compiled ops: no profiler registered for {missing} "
+                f"in comet.tuner.PROFILERS; showing the cost model only.")
             return 1
     import torch.distributed as dist
 
@@ -235,11 +273,11 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
             dist.init_process_group("nccl" if _cuda_available() else "gloo")
         elif args.world != 1:
-            print(f"profiling needs {args.world} ranks: launch with torchrun --nproc-per-node "
-                  f"{args.world} -m comet.tune ...; showing the cost model only.")
+            say(f"profiling needs {args.world} ranks: launch with torchrun --nproc-per-node "
+                f"{args.world} -m comet.tune ...; showing the cost model only.")
             return 1
     if dist.is_initialized() and dist.get_world_size() != args.world:
-        print(f"--world {args.world} but the process group has {dist.get_world_size()} ranks")
+        say(f"--world {args.world} but the process group has {dist.get_world_size()} ranks")
         return 2
     n0, n1 = layer_dims(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -249,28 +287,37 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner) -> int:
                          node_reduce=args.node_reduce and layer == 1)
         shape = key.shape(args.tokens)
         cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
-                         warmup=args.warmup, iters=args.iters)
+                         warmup=args.warmup, iters=args.iters,
+                         estimate_call_s=call_estimate(key, shape, args.max_blocks))
         if rank == 0:
             band = f" band={cfg.band_n}" if layer == 1 else ""
-            print(f"layer{layer}: measured best n_comm={cfg.n_comm} tile={cfg.tile_m}x{cfg.tile_n}"
-                  f"{band} (stored in {tuner.cache.path(arch)})")
+            say(f"layer{layer}: measured best n_comm={cfg.n_comm} tile={cfg.tile_m}x{cfg.tile_n}"
+                f"{band} (stored in {tuner.cache.path(arch)})")
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # a user mistake: one line and status 2 (parser.error), no traceback
     try:
         args.dtype = tn.normalize_dtype(args.dtype)
     except ValueError as e:
-        raise SystemExit(str(e))
+        parser.error(str(e))
     if args.world < 1 or args.tokens < 0:
-        raise SystemExit("--world must be >= 1 and --tokens >= 0")
-    model = resolve_model(args)
+        parser.error(f"--world must be >= 1 and --tokens >= 0 (got {args.world}, {args.tokens})")
+    try:
+        model = resolve_model(args)
+    except SystemExit as e:
+        parser.error(str(e.code))
     if int(model["E"]) % args.world:
-        raise SystemExit(f"--world {args.world} must divide the expert count E={model['E']}")
+        parser.error(f"--world {args.world} must divide the expert count E={model['E']}")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1
                                             or args.world % args.ranks_per_node):
-        raise SystemExit(f"--ranks-per-node {args.ranks_per_node} must divide --world {args.world}")
+        parser.error(f"--ranks-per-node {args.ranks_per_node} must divide --world {args.world}")
+    if args.warmup < 0 or args.iters < 1:
+        parser.error(f"--warmup must be >= 0 and --iters >= 1 (got {args.warmup}, {args.iters})")
+    say = print if _launch_rank() == 0 else _quiet  # under torchrun, rank 0 alone prints
     tuner = tn.Tuner(args.cache_dir)
 
     has_gpu = _cuda_available()
@@ -280,31 +327,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             gpus = [local_arch]
         else:
             if has_gpu:
-                print(f"(local GPU {local_arch!r} is not in the model's table; modelling h800)")
+                say(f"(local GPU {local_arch!r} is not in the model's table; modelling h800)")
             else:
-                print("(no GPU here; modelling h800 -- choose another with --gpu)")
+                say("(no GPU here; modelling h800 -- choose another with --gpu)")
             gpus = ["h800"]
     elif args.gpu.lower() == "all":
         gpus = list(pm.GPUS)
     else:
         gpus = [args.gpu]
 
-    for i, g in enumerate(gpus):
+    specs = []
+    for g in gpus:
         sms = args.sm_count if args.sm_count else (local_sms if has_gpu and g == local_arch else None)
-        spec = pm.get_spec(g, sms)
-        if spec is None:
-            raise SystemExit(f"unknown --gpu {g!r}; choose from {', '.join(pm.GPUS)}, cpu, all")
+        specs.append(pm.get_spec(g, sms))
+        if specs[-1] is None:
+            parser.error(f"unknown --gpu {g!r}; choose from {', '.join(pm.GPUS)}, cpu, all")
+    for i, spec in enumerate(specs):
         if i:
-            print()
-        print(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
-                          args.tile, tuner, ranks_per_node=args.ranks_per_node,
-                          node_first=not args.flat, node_reduce=args.node_reduce))
+            say()
+        say(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
+                        args.tile, tuner, ranks_per_node=args.ranks_per_node,
+                        node_first=not args.flat, node_reduce=args.node_reduce))
 
     # Profile by default on a GPU; on the CPU backend only when asked (--profile).
     profile = args.profile if args.profile is not None else has_gpu
     if profile:
-        print()
-        rc = _profile(args, model, local_arch, args.sm_count or local_sms, tuner)
+        say()
+        rc = _profile(args, model, local_arch, args.sm_count or local_sms, tuner, say=say)
         # failing to profile is an error only when profiling was asked for explicitly
         return rc if args.profile else 0
     return 0

@@ -453,15 +453,46 @@ def _band_text(config: Config) -> str:
     return "" if config.band_n == 1 else f" band={config.band_n}"
 
 
-class _Progress:
-    """A one-line text progress bar on stderr (rewritten in place on a terminal)."""
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
-    def __init__(self, total: int, label: str, enabled: bool, stream=None):
-        self.total, self.label, self.enabled = total, label, enabled
+
+class _Progress:
+    """A one-line text progress bar on stderr (rewritten in place on a terminal), with the time
+    left: announced before the first call (the caller's estimate per call, if any), re-estimated
+    from the first call's time, then from the candidates done so far."""
+
+    def __init__(self, total: int, label: str, enabled: bool, stream=None, calls: int = 1):
+        self.total, self.label, self.enabled, self.calls = total, label, enabled, calls
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.best = math.inf
         self.t0 = time.monotonic()
+        self.calls_done = 0
+
+    def _say(self, line: str) -> None:
+        if self.enabled:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def start(self, warmup: int, iters: int, estimate_call_s: Optional[float]) -> None:
+        est = ("" if estimate_call_s is None else
+               f"; roughly {_duration(estimate_call_s * self.calls * self.total)} in all "
+               f"({estimate_call_s * 1e3:.3g} ms per call, an estimate)")
+        self._say(f"[comet tune] {self.label}: {self.total} candidates x {self.calls} calls "
+                  f"({warmup} warm-up + {iters} timed){est}")
+
+    def call_done(self, seconds: float) -> None:
+        """After every op call; the first one sets the estimate (a slow shape shows it at once)."""
+        self.calls_done += 1
+        if self.calls_done == 1 and self.total * self.calls > 1:
+            left = seconds * (self.total * self.calls - 1)
+            self._say(f"[comet tune] {self.label}: first call {seconds:.3g} s, about "
+                      f"{_duration(left)} left")
 
     def update(self, i: int, config: Config, seconds: float) -> None:
         if not self.enabled:
@@ -472,9 +503,11 @@ class _Progress:
         bar = "#" * filled + "." * (width - filled)
         t = "failed" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f} ms"
         b = "-" if not math.isfinite(self.best) else f"{self.best * 1e3:.3f} ms"
+        elapsed = time.monotonic() - self.t0
+        left = elapsed / i * (self.total - i)
         line = (f"[comet tune] {self.label} [{bar}] {i}/{self.total} n_comm={config.n_comm} "
                 f"tile={config.tile_m}x{config.tile_n}{_band_text(config)}: {t} (best {b}, "
-                f"{time.monotonic() - self.t0:.1f} s)")
+                f"{elapsed:.1f} s, ~{_duration(left)} left)")
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         self.stream.flush()
 
@@ -622,10 +655,13 @@ class Tuner:
         iters: int = 3,
         progress: bool = True,
         store: bool = True,
+        estimate_call_s: Optional[float] = None,
     ) -> Config:
         """Measure ``candidates`` with ``run_fn`` and return the winner (same on every rank).
 
-        See the module doc for the protocol.  Every rank remembers the winner (later
+        See the module doc for the protocol. With ``progress`` rank 0 reports on stderr: the
+        number of candidates and calls first (with ``estimate_call_s``, a rough total), the time
+        left after the first call, then a line per candidate.  Every rank remembers the winner (later
         :meth:`choose` calls return it) and, unless ``store`` is false, writes it to its cache
         (ranks sharing a file write the same entry under the lock; ranks on other nodes get it
         too).  Raises RuntimeError if every candidate failed.
@@ -640,10 +676,19 @@ class Tuner:
         nodes = "" if key.ranks_per_node == key.W else f" ({key.W // key.ranks_per_node} nodes)"
         label = f"layer{key.layer} {key.arch} W={key.W}{nodes} E={key.E} k={key.k} H={key.H} " \
                 f"N={key.N} T<={key.tokens} {key.dtype}"
-        bar = _Progress(len(configs), label, enabled=progress and rank == 0)
+        bar = _Progress(len(configs), label, enabled=progress and rank == 0, calls=warmup + iters)
+        bar.start(warmup, iters, estimate_call_s)
+
+        def reported(cfg):
+            t0 = time.monotonic()
+            try:
+                return run_fn(cfg)
+            finally:
+                bar.call_done(time.monotonic() - t0)
+
         times: List[float] = []
         for i, cfg in enumerate(configs):
-            t = self._measure(cfg, run_fn, warmup, iters)
+            t = self._measure(cfg, reported, warmup, iters)
             times.append(t)
             bar.update(i + 1, cfg, t)
         if info is not None:

@@ -498,6 +498,72 @@ def test_cli_profiling_path(capsys, cache_env, monkeypatch):
     assert sorted(e["config"]["n_comm"] for e in entries.values()) == [3, 4]
 
 
+def test_cli_under_torchrun_prints_on_rank_0_only(tmp_path):
+    """torchrun starts W copies; the model table comes once (rank 0), not W times."""
+    args = ["--model", "mixtral", "--world", "2", "--gpu", "h800"]
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_RANK="1", RANK="1")
+    other = subprocess.run([sys.executable, "-m", "comet.tune", *args], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120,
+                           env=dict(env, COMET_CACHE_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""))
+    assert other.returncode == 0, other.stderr
+    assert other.stdout == "" and other.stderr == ""
+    first = subprocess.run([sys.executable, "-m", "comet.tune", *args], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120,
+                           env=dict(env, RANK="0", LOCAL_RANK="0", COMET_CACHE_DIR=str(tmp_path),
+                                    CUDA_VISIBLE_DEVICES=""))
+    assert first.returncode == 0 and first.stdout.count("Cost model, not measured") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "mixtral", "--world", "3"], "--world 3 must divide the expert count E=8"),
+    (["--model", "mixtral", "--world", "0"], "--world must be >= 1"),
+    (["--model", "nope", "--world", "8"], "unknown --model 'nope'"),
+    (["--model", "custom", "--world", "8"], "--model custom needs"),
+    (["--model", "mixtral", "--world", "8", "--gpu", "x100"], "unknown --gpu 'x100'"),
+    (["--model", "mixtral", "--world", "8", "--iters", "0"], "--iters >= 1"),
+    (["--model", "mixtral", "--world", "8", "--dtype", "int3"], "int3"),
+])
+def test_cli_user_mistakes_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert message in out.err and out.out == ""
+
+
+def test_cli_profile_reports_candidates_estimate_and_time_left(capsys, cache_env):
+    """--profile on the CPU backend at a tiny shape (seconds): before measuring, the number of
+    candidates and calls with a rough total; after the first call, the time left; then a line per
+    candidate with the time left; on stderr, the tables and results on stdout."""
+    assert cli.main(["--model", "custom", "--hidden", "32", "--ffn", "24", "--experts", "4",
+                     "--topk", "2", "--tokens", "32", "--dtype", "fp32", "--gpu", "cpu",
+                     "--world", "1", "--sm-count", "4", "--profile", "--warmup", "1",
+                     "--iters", "1"]) == 0
+    out = capsys.readouterr()
+    assert "layer0: measured best" in out.out and "layer1: measured best" in out.out
+    err = out.err.splitlines()
+    for layer in (0, 1):
+        mine = [line for line in err if line.startswith(f"[comet tune] layer{layer} ")]
+        head = mine[0]
+        n = int(head.split(": ")[1].split(" candidates")[0])
+        assert " calls (1 warm-up + 1 timed); roughly " in head and "in all" in head, head
+        assert "first call" in mine[1] and "left" in mine[1], mine[1]
+        steps = [line for line in mine if f"/{n} n_comm=" in line]
+        assert len(steps) == n and all("left)" in line for line in steps)
+        assert steps[-1].endswith("~0 s left)")
+
+
+def test_call_estimate_is_rough_but_scales_with_the_work():
+    key = tn.TuneKey("cpu", 2, "fp32", 1, 8, 2, 4096, 28672, 4096, 0)
+    full = cli.call_estimate(key, key.shape())
+    # full Mixtral on 2 CPU threads: 2 * 8192 * 28672 * 4096 FLOP at ~10 GFLOP/s: minutes a call
+    assert 60 < full < 600
+    small = tn.TuneKey("cpu", 2, "fp32", 1, 8, 2, 128, 896, 512, 0)
+    assert cli.call_estimate(small, small.shape()) < full / 1000
+    gpu = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 28672, 4096, 0)
+    assert 0 < cli.call_estimate(gpu, gpu.shape()) < 0.1  # the cost model's fused time
+
+
 # ----------------------------------------------------------------------------------------------
 # layer1's band width in the config
 # ----------------------------------------------------------------------------------------------
