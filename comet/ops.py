@@ -248,11 +248,31 @@ def _buffer_for(buffer, group, t):
     NVSHMEM one of comet.symm_cuda when this build has CUDA kernels)."""
     if buffer is not None:
         return buffer
-    if isinstance(t, torch.Tensor) and t.device.type == "cuda" and _C.with_cuda:
+    # A plain dict read, which torch.compile traces (and guards on); the lookup that may create
+    # the buffer is not traced (_group_buffer_key).
+    return _GROUP_BUFFERS[_group_buffer_key(group, t.device if isinstance(t, torch.Tensor)
+                                            else None)]
+
+
+# (backend, buffer handle) -> the buffer of a group, filled by _group_buffer_key.
+_GROUP_BUFFERS: dict = {}
+
+
+# Under torch.compile this runs while tracing instead of being traced (the registries' locks and
+# the collective creation on first use cannot be), and its result is a constant of the graph:
+# the calls without buffer= compile with fullgraph=True. A graph keeps the buffer it was traced
+# with; a group's buffer lives as long as the process.
+@torch.compiler.assume_constant_result
+def _group_buffer_key(group, device) -> tuple:
+    if device is not None and device.type == "cuda" and _C.with_cuda:
         from comet import symm_cuda
 
-        return symm_cuda.buffer_for(group, t.device)
-    return symm.buffer_for(group)
+        buf, backend = symm_cuda.buffer_for(group, device), "cuda"
+    else:
+        buf, backend = symm.buffer_for(group), "cpu"
+    key = (backend, int(buf.handle))
+    _GROUP_BUFFERS[key] = buf  # the same object for the same key: no lock needed
+    return key
 
 
 def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) -> torch.device:
