@@ -252,26 +252,30 @@ MAX_ROWS_DISAGREE = (r"comet\.moe_layer{layer}: ranks disagree on max_rows \(-1:
                      r"takes it from layer0's layout\): rank 0 has {a}, rank 1 has {b}")
 
 
+def _bounded_call(r, bound, buf=None):
+    """Rank r's layer0 call with max_rows=bound: (its error, seconds it took, whether a good call
+    afterwards works). buf None: the default group's buffer."""
+    a = _layer0_args(r)
+    start = time.monotonic()
+    try:
+        comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf, max_rows=bound,
+                         **a)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    took = time.monotonic() - start
+    a = _layer0_args(r)  # the buffer serves the next (agreeing) call
+    y0, _ = comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf, **a)
+    return err, took, y0.shape[1] == N0
+
+
 @pytest.mark.parametrize("bounds", [(40, None), (40, 30), (None, 40)])
 def test_max_rows_disagreeing_raises_on_every_rank_at_once(bounds):
     bufs = comet.Buffer.simulated_world(W, timeout=20)
 
-    def rank(r, buf):
-        a = _layer0_args(r)
-        start = time.monotonic()
-        try:
-            comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf,
-                             max_rows=bounds[r], **a)
-            err = None
-        except ValueError as e:
-            err = str(e)
-        took = time.monotonic() - start
-        a = _layer0_args(r)  # the buffer serves the next (agreeing) call
-        y0, _ = comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf, **a)
-        return err, took, y0.shape[1] == N0
-
     a, b = (-1 if v is None else v for v in bounds)
-    for err, took, ok in run_threads(W, rank, buffers=bufs):
+    for err, took, ok in run_threads(W, lambda r, buf: _bounded_call(r, bounds[r], buf),
+                                     buffers=bufs):
         assert err and re.search(MAX_ROWS_DISAGREE.format(layer=0, a=a, b=b), err), err
         assert took < 10 and ok
 
@@ -293,18 +297,7 @@ def test_layer1_max_rows_disagreeing_raises_on_every_rank():
 
 
 def _dist_max_rows(rank, world):
-    a = _layer0_args(rank)
-    start = time.monotonic()
-    try:
-        comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"),
-                         max_rows=40 if rank == 0 else None, **a)
-        err = None
-    except ValueError as e:
-        err = str(e)
-    took = time.monotonic() - start
-    a = _layer0_args(rank)
-    y0, _ = comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), **a)
-    return err, took, y0.shape[1] == N0
+    return _bounded_call(rank, 40 if rank == 0 else None)
 
 
 def test_max_rows_disagreeing_across_processes():

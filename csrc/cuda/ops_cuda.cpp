@@ -68,7 +68,7 @@ std::string describe_error(const ErrorRecord& e) {
       if (e.index >= 0)
         m << "rank " << e.index << ": " << e.message;
       else
-        m << "ranks disagree on the call (op, shapes, dtype or group)";
+        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group)";
       break;
     case kErrRingFull:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
