@@ -10,7 +10,8 @@ command; skips without a GPU):
 * max_rows as the ops' argument: padded outputs, the argument winning over the buffer setting
   (Buffer.capturable) and the setting as the fallback, CUDA-graph capture with the argument
   alone (with biases and transposed weights too), a bound that is too small reported by
-  Buffer.check() with the buffer usable afterwards, h not padded to max_rows raising;
+  Buffer.check() with the buffer usable afterwards, h not padded to max_rows raising, a bound
+  on one rank only rejected on every rank;
 * autograd on CUDA in bf16: layer0 -> activation -> layer1 forward and backward against the
   reference's autograd gradients (dx, dw0, dw1, dtopk_weights; db0, db1 with the options), the
   backward's own calls (transposed weights, virtual-token rows, max_rows) running on the GPU.
@@ -387,3 +388,30 @@ def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
     _buffer().check()
     check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False,
                     rows=int(layout.recv_counts.sum()))
+
+
+def test_max_rows_on_one_rank_only_raises_on_every_rank(world):
+    """Rank 0 passes max_rows, the others none: max_rows is in the call metadata, so the call is
+    rejected everywhere. The ranks without a bound read the verdict back and raise at once, naming
+    both values; rank 0 (no read-back) reports it after its next call, as any rejected call without
+    host synchronisation; then every rank runs clean. (Written, never run: no GPU here.)"""
+    rank, w = world
+    if w < 2:
+        pytest.skip("needs a peer")
+    case = cases_for(w)[0]
+    inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
+    run_layers(case, rank, inputs, biases, bias=False, transposed=False)  # eager: sizes the buffer
+    x, w0, _w1, tid, _tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
+    bound = bound_for(case)
+    if rank == 0:
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts, max_rows=bound)  # no read-back
+        with pytest.raises(ValueError, match="earlier call.*max_rows"):
+            comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+    else:
+        with pytest.raises(ValueError,
+                           match=f"ranks disagree on max_rows .*rank 0 has {bound}, rank 1 has -1"):
+            comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+    y0, layout, h, out = run_layers(case, rank, inputs, biases, bias=False, transposed=False)
+    _buffer().check()
+    check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False)
