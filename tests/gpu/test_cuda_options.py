@@ -358,10 +358,9 @@ def test_autograd_bf16_matches_reference(world, case, opts):
     assert torch.all(grads[3][ids < 0] == 0), "dropped slots must get zero weight gradient"
 
 
-def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
-    """A call with max_rows (no host synchronisation) that one rank's bad input rejects: the ranks
-    that could not know raise after their NEXT call, which itself runs (so the peers are not
-    rejected in turn and the ranks do not take turns failing); the call after that is clean."""
+def _sized_pair(world):
+    """A group of at least 2 ranks whose buffer an eager call has sized: (rank, world size, case,
+    inputs, biases, this rank's (x, w0, topk_ids), a max_rows bound for the case)."""
     rank, w = world
     if w < 2:
         pytest.skip("needs a peer")
@@ -369,7 +368,14 @@ def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
     inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
     run_layers(case, rank, inputs, biases, bias=False, transposed=False)  # eager: sizes the buffer
     x, w0, _w1, tid, _tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
-    bound = bound_for(case)
+    return rank, w, case, inputs, biases, (x, w0, tid), bound_for(case)
+
+
+def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
+    """A call with max_rows (no host synchronisation) that one rank's bad input rejects: the ranks
+    that could not know raise after their NEXT call, which itself runs (so the peers are not
+    rejected in turn and the ranks do not take turns failing); the call after that is clean."""
+    rank, w, case, inputs, biases, (x, w0, tid), bound = _sized_pair(world)
     bad = x.to(torch.float32) if rank == 1 else x  # rank 1's host check rejects its own call
     if rank == 1:
         with pytest.raises(TypeError):
@@ -395,14 +401,7 @@ def test_max_rows_on_one_rank_only_raises_on_every_rank(world):
     rejected everywhere. The ranks without a bound read the verdict back and raise at once, naming
     both values; rank 0 (no read-back) reports it after its next call, as any rejected call without
     host synchronisation; then every rank runs clean. (Written, never run: no GPU here.)"""
-    rank, w = world
-    if w < 2:
-        pytest.skip("needs a peer")
-    case = cases_for(w)[0]
-    inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
-    run_layers(case, rank, inputs, biases, bias=False, transposed=False)  # eager: sizes the buffer
-    x, w0, _w1, tid, _tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
-    bound = bound_for(case)
+    rank, w, case, inputs, biases, (x, w0, tid), bound = _sized_pair(world)
     if rank == 0:
         comet.moe_layer0(x, w0, tid, num_experts=case.experts, max_rows=bound)  # no read-back
         with pytest.raises(ValueError, match="earlier call.*max_rows"):
