@@ -1,7 +1,8 @@
 """torch.compile(fullgraph=True) on the calls exactly as README writes them, without buffer=:
-the ops (group=None: a world of one here, the default gloo group of 2 processes there), a default
-comet.nn.MoE and a transformers model with experts_implementation="comet". The group's buffer is
-looked up outside the traced region (comet/ops.py: _group_buffer_key); results equal eager."""
+the ops (group=None: a world of one here, the default gloo group of 2 processes there; and an
+explicit group), a default comet.nn.MoE and a transformers model with
+experts_implementation="comet". The group's buffer is looked up outside the traced region
+(comet/ops.py: _group_buffer_key); results equal eager."""
 import pytest
 import torch
 
@@ -84,10 +85,21 @@ def test_hf_model_compiles_fullgraph():
 
 
 def _dist_compiled(rank, world, with_hf):
+    import torch.distributed as dist
+
     args = _inputs(rank, world)
     eager = _readme_api(*args)
     compiled = torch.compile(_readme_api, fullgraph=True, backend="aot_eager")(*args)
     again = torch.compile(_readme_api, fullgraph=True, backend="aot_eager")(*args)
+    # an explicit group (a ProcessGroup is opaque to torch.compile: looked up by its name)
+    group = dist.new_group(list(range(world)))
+
+    def on_group(x, w0, w1, topk_ids, topk_weights):
+        y0, layout = comet.moe_layer0(x, w0, topk_ids, num_experts=E, group=group)
+        return comet.moe_layer1(ref.swiglu(y0), w1, topk_weights, layout, group=group)
+
+    grouped = torch.compile(on_group, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(grouped, on_group(*args)) and torch.equal(grouped, eager)
     # transformers with torch.distributed up but unsharded experts: comet.hf's private world of one
     hf = not with_hf or _hf_compiled_matches_eager()
     return bool(torch.equal(compiled, eager) and torch.equal(again, eager) and hf)
