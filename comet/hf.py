@@ -123,10 +123,16 @@ def _call_args(module, x: torch.Tensor) -> dict:
         raise NotImplementedError(
             f"comet.hf: unsharded experts on {x.device} in a process where torch.distributed is "
             "initialised; call comet.hf.shard_experts(model, group) to run them expert-parallel")
+    return dict(group=None, buffer=_local[_local_buffer_key()])  # a dict read: compiles
+
+
+# Runs while tracing under torch.compile instead of being traced (the lock cannot be).
+@torch.compiler.assume_constant_result
+def _local_buffer_key() -> str:
     with _local_lock:
         if "cpu" not in _local:
             _local["cpu"] = symm.Buffer.simulated_world(1)[0]
-        return dict(group=None, buffer=_local["cpu"])
+    return "cpu"
 
 
 def set_max_rows(model: nn.Module, max_rows) -> nn.Module:

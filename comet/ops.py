@@ -248,11 +248,47 @@ def _buffer_for(buffer, group, t):
     NVSHMEM one of comet.symm_cuda when this build has CUDA kernels)."""
     if buffer is not None:
         return buffer
-    if isinstance(t, torch.Tensor) and t.device.type == "cuda" and _C.with_cuda:
+    # A plain dict read, which torch.compile traces (and guards on); the lookup that may create
+    # the buffer is not traced (_group_buffer_key).
+    return _GROUP_BUFFERS[_group_buffer_key(_group_name(group), t.device
+                                            if isinstance(t, torch.Tensor) else None)]
+
+
+def _group_name(group) -> str | None:
+    """The group's name, which torch.compile can hand to _group_buffer_key as a constant (a
+    ProcessGroup object it cannot: it traces one as an opaque fake)."""
+    if group is None:
+        return None
+    if torch.compiler.is_compiling():
+        # ranks and tag are what dynamo evaluates at trace time for a ProcessGroup (their group:
+        # the first with these members and tag, the same members for comet's buffer)
+        c10d = torch.distributed.distributed_c10d
+        return c10d._resolve_group_name_by_ranks_and_tag(
+            torch.distributed.get_process_group_ranks(group), c10d._get_group_tag(group))
+    return group.group_name
+
+
+# (backend, buffer handle) -> the buffer of a group, filled by _group_buffer_key.
+_GROUP_BUFFERS: dict = {}
+
+
+# Under torch.compile this runs while tracing instead of being traced (the registries' locks and
+# the collective creation on first use cannot be), and its result is a constant of the graph:
+# the calls without buffer= compile with fullgraph=True. A graph keeps the buffer it was traced
+# with; a group's buffer lives as long as the process.
+@torch.compiler.assume_constant_result
+def _group_buffer_key(group_name, device) -> tuple:
+    group = None if group_name is None else \
+        torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    if device is not None and device.type == "cuda" and _C.with_cuda:
         from comet import symm_cuda
 
-        return symm_cuda.buffer_for(group, t.device)
-    return symm.buffer_for(group)
+        buf, backend = symm_cuda.buffer_for(group, device), "cuda"
+    else:
+        buf, backend = symm.buffer_for(group), "cpu"
+    key = (backend, int(buf.handle))
+    _GROUP_BUFFERS[key] = buf  # the same object for the same key: no lock needed
+    return key
 
 
 def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) -> torch.device:

@@ -19,6 +19,7 @@ std::string fail_call(int64_t handle, int32_t op, const std::string& message) {
   me.op = op;
   me.world = heap->world();
   me.group_hash = heap->group_hash();
+  me.max_rows = -1;
   me.error = 1;
   std::strncpy(me.message, message.c_str(), sizeof(me.message) - 1);
   const uint64_t e = heap->begin_call(me);

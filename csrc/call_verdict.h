@@ -37,6 +37,8 @@ inline std::string call_verdict(const CallMeta* metas, int32_t world, int32_t ra
     else if (m.cols != m0.cols)
       differ(m0.op == 0 ? "N0 (rows of w0)" : "N1 (columns of h and w1)", m0.cols, m.cols);
     else if (m.dtype != m0.dtype) differ("the dtype", kDtypes[m0.dtype & 3], kDtypes[m.dtype & 3]);
+    else if (m.max_rows != m0.max_rows)
+      differ("max_rows (-1: none; layer1 takes it from layer0's layout)", m0.max_rows, m.max_rows);
     else continue;
     return msg.str();
   }

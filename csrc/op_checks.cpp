@@ -213,7 +213,7 @@ ScalarKind scalar_kind(at::ScalarType t) {
 
 CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
-                        const CheckResult& check) {
+                        int64_t max_rows, const CheckResult& check) {
   CallMeta m{};
   m.op = int32_t(op);
   m.world = world;
@@ -224,6 +224,7 @@ CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t nu
   m.cols = int32_t(cols);
   m.dtype = check.ok() ? dtype : -1;
   m.tokens = tokens;
+  m.max_rows = max_rows;
   m.error = check.code;
   std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
   return m;

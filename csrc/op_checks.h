@@ -107,6 +107,7 @@ ScalarKind scalar_kind(at::ScalarType t);
 // dtype is a ScalarKind value (ignored, -1, when the check failed). Shared by both backends.
 CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
+                        int64_t max_rows,
                         const CheckResult& check);  // for a dtype that passed the checks
 
 }  // namespace comet

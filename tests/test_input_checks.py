@@ -9,12 +9,14 @@ import dataclasses
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import comet
+from tests.dist_utils import run_ranks
 from tests.sim_world import run_threads
 
 W, E, K, H, N0, N1, T = 2, 4, 2, 8, 6, 5, 5
@@ -241,3 +243,64 @@ def test_every_check_has_a_test():
     r = subprocess.run([sys.executable, str(root / "tools" / "check_coverage.py")],
                        capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# max_rows shapes every rank's outputs and decides whether all raise on overflow, so it travels in
+# the call metadata: a rank passing another bound (or none) makes every rank raise at once, with
+# both values, instead of one rank raising and its peers waiting out the timeout later.
+MAX_ROWS_DISAGREE = (r"comet\.moe_layer{layer}: ranks disagree on max_rows \(-1: none; layer1 "
+                     r"takes it from layer0's layout\): rank 0 has {a}, rank 1 has {b}")
+
+
+def _bounded_call(r, bound, buf=None):
+    """Rank r's layer0 call with max_rows=bound: (its error, seconds it took, whether a good call
+    afterwards works). buf None: the default group's buffer."""
+    a = _layer0_args(r)
+    start = time.monotonic()
+    try:
+        comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf, max_rows=bound,
+                         **a)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    took = time.monotonic() - start
+    a = _layer0_args(r)  # the buffer serves the next (agreeing) call
+    y0, _ = comet.moe_layer0(a.pop("x"), a.pop("w0"), a.pop("topk_ids"), buffer=buf, **a)
+    return err, took, y0.shape[1] == N0
+
+
+@pytest.mark.parametrize("bounds", [(40, None), (40, 30), (None, 40)])
+def test_max_rows_disagreeing_raises_on_every_rank_at_once(bounds):
+    bufs = comet.Buffer.simulated_world(W, timeout=20)
+
+    a, b = (-1 if v is None else v for v in bounds)
+    for err, took, ok in run_threads(W, lambda r, buf: _bounded_call(r, bounds[r], buf),
+                                     buffers=bufs):
+        assert err and re.search(MAX_ROWS_DISAGREE.format(layer=0, a=a, b=b), err), err
+        assert took < 10 and ok
+
+
+def test_layer1_max_rows_disagreeing_raises_on_every_rank():
+    """Rank 1 drops the bound of layer0's layout (and unpads h to match): its input is
+    consistent, but its peers' h has max_rows rows; both raise."""
+    def drop_bound(args, buf):
+        lay = args["layout"]
+        rows = int(lay.recv_counts.sum())
+        return {**args, "layout": dataclasses.replace(lay, max_rows=-1),
+                "h": args["h"][:rows].contiguous()}
+
+    (err0, ok0), (err1, ok1) = _run(1, drop_bound, dict(max_rows=40))
+    for err in (err0, err1):
+        assert err is not None and re.search(
+            MAX_ROWS_DISAGREE.format(layer=1, a=40, b=-1), str(err)), err
+    assert ok0 and ok1
+
+
+def _dist_max_rows(rank, world):
+    return _bounded_call(rank, 40 if rank == 0 else None)
+
+
+def test_max_rows_disagreeing_across_processes():
+    for err, took, ok in run_ranks(_dist_max_rows, W, timeout=120):
+        assert err and re.search(MAX_ROWS_DISAGREE.format(layer=0, a=40, b=-1), err), err
+        assert took < 10 and ok

@@ -35,9 +35,10 @@ std::shared_ptr<SymmHeap> heap_or_throw(int64_t handle) {
 
 CallMeta make_meta(OpKind op, const SymmHeap& heap, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, const at::Tensor& act, int64_t tokens,
-                   const CheckResult& check) {
+                   int64_t max_rows, const CheckResult& check) {
   return make_call_meta(op, heap.world(), heap.group_hash(), num_experts, topk, hidden, cols,
-                        check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1, tokens, check);
+                        check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1, tokens,
+                        max_rows, check);
 }
 
 // Exchanges metadata; raises (on every rank alike) if any rank's input was bad or ranks disagree.
@@ -105,7 +106,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer0, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? x.size(1) : 0, ok ? w0_out(w0, w0_transposed) : 0, x,
-                                ok ? x.size(0) : 0, check);
+                                ok ? x.size(0) : 0, max_rows, check);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer0");
   if (n_gemm == 0) n_gemm = 1;
   int64_t too_many = -1;  // the group's largest M when it exceeds max_rows
@@ -195,7 +196,7 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0, h,
-                                ok ? topk_ids.size(0) : 0, check);
+                                ok ? topk_ids.size(0) : 0, max_rows, check);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {

@@ -68,7 +68,7 @@ std::string describe_error(const ErrorRecord& e) {
       if (e.index >= 0)
         m << "rank " << e.index << ": " << e.message;
       else
-        m << "ranks disagree on the call (op, shapes, dtype or group)";
+        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group)";
       break;
     case kErrRingFull:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
@@ -260,9 +260,9 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
 
 CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
-                   const CheckResult& check) {
+                   int64_t max_rows, const CheckResult& check) {
   return make_call_meta(op, b.world(), b.group_hash(), num_experts, topk, hidden, cols, dtype,
-                        tokens, check);
+                        tokens, max_rows, check);
 }
 
 // One workspace allocation per call, carved into 256-byte aligned pieces.
@@ -493,7 +493,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
-  const CallMeta me = make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, check);
+  const CallMeta me =
+      make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, max_rows, check);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok));
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology());
@@ -644,7 +645,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
-  const CallMeta me = make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, check);
+  const CallMeta me =
+      make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, max_rows, check);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
   set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology());
@@ -753,7 +755,7 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   b.claim_stream(stream);
   const CheckResult check{1, message};
   const OpKind kind = op == 0 ? OpKind::Layer0 : OpKind::Layer1;
-  const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, check);
+  const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, -1, check);
   CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0, b.max_rows());
   p.regions = data_regions(kind, 0, 0, 1, b.world(), b.world(), 2, 4);
   Carver ws;

@@ -10,7 +10,8 @@ command; skips without a GPU):
 * max_rows as the ops' argument: padded outputs, the argument winning over the buffer setting
   (Buffer.capturable) and the setting as the fallback, CUDA-graph capture with the argument
   alone (with biases and transposed weights too), a bound that is too small reported by
-  Buffer.check() with the buffer usable afterwards, h not padded to max_rows raising;
+  Buffer.check() with the buffer usable afterwards, h not padded to max_rows raising, a bound
+  on one rank only rejected on every rank;
 * autograd on CUDA in bf16: layer0 -> activation -> layer1 forward and backward against the
   reference's autograd gradients (dx, dw0, dw1, dtopk_weights; db0, db1 with the options), the
   backward's own calls (transposed weights, virtual-token rows, max_rows) running on the GPU.
@@ -357,10 +358,9 @@ def test_autograd_bf16_matches_reference(world, case, opts):
     assert torch.all(grads[3][ids < 0] == 0), "dropped slots must get zero weight gradient"
 
 
-def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
-    """A call with max_rows (no host synchronisation) that one rank's bad input rejects: the ranks
-    that could not know raise after their NEXT call, which itself runs (so the peers are not
-    rejected in turn and the ranks do not take turns failing); the call after that is clean."""
+def _sized_pair(world):
+    """A group of at least 2 ranks whose buffer an eager call has sized: (rank, world size, case,
+    inputs, biases, this rank's (x, w0, topk_ids), a max_rows bound for the case)."""
     rank, w = world
     if w < 2:
         pytest.skip("needs a peer")
@@ -368,7 +368,14 @@ def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
     inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
     run_layers(case, rank, inputs, biases, bias=False, transposed=False)  # eager: sizes the buffer
     x, w0, _w1, tid, _tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
-    bound = bound_for(case)
+    return rank, w, case, inputs, biases, (x, w0, tid), bound_for(case)
+
+
+def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
+    """A call with max_rows (no host synchronisation) that one rank's bad input rejects: the ranks
+    that could not know raise after their NEXT call, which itself runs (so the peers are not
+    rejected in turn and the ranks do not take turns failing); the call after that is clean."""
+    rank, w, case, inputs, biases, (x, w0, tid), bound = _sized_pair(world)
     bad = x.to(torch.float32) if rank == 1 else x  # rank 1's host check rejects its own call
     if rank == 1:
         with pytest.raises(TypeError):
@@ -387,3 +394,23 @@ def test_failure_without_host_sync_is_reported_once_not_in_turns(world):
     _buffer().check()
     check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False,
                     rows=int(layout.recv_counts.sum()))
+
+
+def test_max_rows_on_one_rank_only_raises_on_every_rank(world):
+    """Rank 0 passes max_rows, the others none: max_rows is in the call metadata, so the call is
+    rejected everywhere. The ranks without a bound read the verdict back and raise at once, naming
+    both values; rank 0 (no read-back) reports it after its next call, as any rejected call without
+    host synchronisation; then every rank runs clean. (Written, never run: no GPU here.)"""
+    rank, w, case, inputs, biases, (x, w0, tid), bound = _sized_pair(world)
+    if rank == 0:
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts, max_rows=bound)  # no read-back
+        with pytest.raises(ValueError, match="earlier call.*max_rows"):
+            comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+    else:
+        with pytest.raises(ValueError,
+                           match=f"ranks disagree on max_rows .*rank 0 has {bound}, rank 1 has -1"):
+            comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+    y0, layout, h, out = run_layers(case, rank, inputs, biases, bias=False, transposed=False)
+    _buffer().check()
+    check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False)

@@ -27,6 +27,8 @@ struct CallMeta {
   int32_t error;        // nonzero: this rank's input was rejected; text in message
   int64_t tokens;       // T on this rank
   int64_t data_bytes;   // data segment bytes this rank's call needs
+  int64_t max_rows;     // the call's bound on dispatched rows (-1: none); shapes every rank's
+                        // outputs and whether all raise on overflow, so it must agree
   char message[240];
 };
 
