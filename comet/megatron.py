@@ -25,7 +25,33 @@ Megatron's probs keeps working.
 Expert weights are read from Megatron's own expert module on every forward, whichever it is:
 SequentialMLP (local_experts[i].linear_fc1/fc2.weight), GroupedMLP (weight1/weight2 in
 Megatron's grouped-GEMM layout) or TEGroupedMLP (linear_fc1/fc2.weight{i}); a checkpoint of
-Megatron's layer loads unchanged.
+Megatron's layer loads unchanged. SequentialMLP / TEGroupedMLP weights are stacked once per forward
+(dispatch and combine share the stack). With ``cache_expert_weights=True`` the stacks are also kept
+between forwards, keyed by each parameter's identity, storage and autograd version counter: any
+in-place update through the parameter (a torch optimizer's step, load_state_dict) invalidates them.
+It is off by default because writes that bypass the version counter are invisible to it --
+``param.data.copy_(...)`` and writes into a buffer the parameter aliases through ``param.data =``,
+which is how megatron-core 0.16.1's mixed-precision and distributed optimizers update the model
+parameters (optimizer.py, distrib_optimizer.py): with those, a cached stack would go stale.
+
+What is built: everything MoELayer.__init__ builds (router, experts, shared experts) except the
+token dispatcher, which Comet never uses (and whose alltoall flavour creates a class-wide CUDA
+stream); ``token_dispatcher`` is None. With moe_shared_expert_overlap set, the shared experts are
+built as without it (upstream's overlap variant creates a class-wide CUDA stream for the dispatcher
+side overlap, unused here).
+
+Upstream fixes carried (megatron-core 0.16.1, applied only where upstream itself fails):
+* moe_utils.te_general_gemm is defined as None when Transformer Engine is absent: upstream imports
+  the name only with TE, yet its router gating tests ``te_general_gemm is not None``, a NameError on
+  every router forward without TE (GPU or CPU, Megatron's own layer too). None selects upstream's
+  own torch path; nothing changes where TE is installed. Set at import of comet.megatron.
+* On a machine without CUDA, the layer's router computes its gating with upstream's own
+  router_gating_linear in place: upstream's Router.gating moves a CPU router weight to
+  torch.cuda.current_device() on every call, which raises there. Only that router instance is
+  changed, and only when torch.cuda.is_available() is False.
+Still upstream's on CPU: the router's expert-bias and global-aux-loss buffers
+(moe_router_enable_expert_bias, a global aux loss) are allocated on torch.cuda.current_device() at
+construction, so those options need a GPU.
 
 ``comet_moe_spec(spec)`` switches a layer or block spec (e.g. from get_gpt_layer_local_spec,
 get_gpt_layer_with_transformer_engine_spec or get_gpt_decoder_block_spec) to CometMoELayer, so a
@@ -54,13 +80,19 @@ quantization, FP8/FP4, biases in the experts, probs applied on the input.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import threading
+import types
 
 import torch
 from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
+from megatron.core.transformer.moe import moe_utils as _mcore_moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_capacity
+from megatron.core.transformer.moe.moe_utils import (get_capacity, get_default_pg_collection,
+                                                     router_gating_linear)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 import comet
@@ -69,6 +101,54 @@ from comet import nn as comet_nn
 from comet import sidestream
 
 __all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
+
+# megatron-core 0.16.1 bug (see the module docstring): without Transformer Engine, moe_utils lacks
+# te_general_gemm, which RouterGatingLinearFunction reads -> NameError. None = upstream's torch path.
+if not hasattr(_mcore_moe_utils, "te_general_gemm"):
+    _mcore_moe_utils.te_general_gemm = None
+
+# The names MoELayer.__init__ builds its token dispatcher from (module globals of moe_layer.py)
+_DISPATCHER_NAMES = ("MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher",
+                     "MoEFlexTokenDispatcher")
+_DISPATCHER_LOCK = threading.Lock()
+
+
+class _NoTokenDispatcher:
+    """Built by MoELayer.__init__ in place of upstream's token dispatcher for a CometMoELayer:
+    takes the dispatcher's arguments and builds nothing (set_shared_experts is its only other use
+    during construction)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def set_shared_experts(self, shared_experts):
+        pass
+
+
+@contextlib.contextmanager
+def _without_token_dispatcher():
+    """MoELayer.__init__ picks its dispatcher class by config.moe_token_dispatcher_type from
+    moe_layer's module globals; swap them for _NoTokenDispatcher while it runs (the only way to
+    reuse upstream's constructor for everything else). Unknown types still get upstream's error.
+    Another thread building an upstream MoELayer at the same moment would see the swap: don't."""
+    with _DISPATCHER_LOCK:
+        saved = {name: getattr(_mcore_moe_layer, name) for name in _DISPATCHER_NAMES}
+        try:
+            for name in _DISPATCHER_NAMES:
+                setattr(_mcore_moe_layer, name, _NoTokenDispatcher)
+            yield
+        finally:
+            for name, cls in saved.items():
+                setattr(_mcore_moe_layer, name, cls)
+
+
+def _gating_without_cuda(router, input):
+    """Router.gating of megatron-core 0.16.1 minus its move of a CPU weight to
+    torch.cuda.current_device() (which raises without CUDA): the same router dtype choice and the
+    same upstream router_gating_linear."""
+    router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+        router.config.moe_router_dtype, input.dtype)
+    return router_gating_linear(input, router.weight, router.bias, router_dtype)
 
 
 def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
@@ -116,12 +196,28 @@ class CometMoELayer(MoELayer):
     the ops' buffer of Megatron's expert-parallel group on the tokens' backend - the NVSHMEM one
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
     overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
-    ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring)."""
+    ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring),
+    ``cache_expert_weights`` (keep stacked SequentialMLP weights between forwards; see the module
+    docstring for when that is safe)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
-                 buffer=None, n_comm=None, tile=None, delay_wgrad=None, max_rows=None):
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         pg_collection=pg_collection)
+                 buffer=None, n_comm=None, tile=None, delay_wgrad=None, max_rows=None,
+                 cache_expert_weights=False):
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        build_config = config
+        if config.moe_shared_expert_overlap:  # see the module docstring: the same experts
+            build_config = copy.copy(config)
+            build_config.moe_shared_expert_overlap = False
+        with _without_token_dispatcher():
+            super().__init__(config=build_config, submodules=submodules,
+                             layer_number=layer_number, pg_collection=pg_collection)
+        self.config = config
+        self.shared_expert_overlap = config.moe_shared_expert_overlap
+        self.token_dispatcher = None  # never built: Comet's ops dispatch and combine
+        self.expt_tp_group = pg_collection.expt_tp
+        if not torch.cuda.is_available():  # see the module docstring
+            self.router.gating = types.MethodType(_gating_without_cuda, self.router)
         self._check_supported()
         self.comet_buffer = buffer
         self.comet_launch = dict(n_comm=n_comm, tile=tile)
@@ -131,11 +227,13 @@ class CometMoELayer(MoELayer):
         self.comet_max_rows = max_rows
         self._hidden_shape = None
         self._shared = None  # shared experts: (input, ready event), then their pending output
+        self.cache_expert_weights = bool(cache_expert_weights)
+        self._weights = None  # (key, (w0, w1, transposed)): see _expert_weights
 
     def _check_supported(self):
         c = self.config
         problems = []
-        if mcore_utils.get_pg_size(self.token_dispatcher.tp_group) != 1:
+        if mcore_utils.get_pg_size(self.expt_tp_group) != 1:
             problems.append("expert tensor parallelism (expert_tensor_parallel_size > 1)")
         if mcore_utils.get_pg_size(self.attn_tp_group) != 1:
             problems.append("tensor parallelism (tensor_model_parallel_size > 1)")
@@ -158,14 +256,24 @@ class CometMoELayer(MoELayer):
 
     def _defer(self):
         if self.wgrad_queue is None:
-            import contextlib
-
             return contextlib.nullcontext()
         return cag.defer_weight_grads(self.wgrad_queue)
 
     def _expert_weights(self, dtype):
+        """(w0, w1, transposed) in `dtype`, differentiable. Stacked (or cast) at most once per
+        forward: dispatch stores them, combine reuses them (the parameters cannot change in
+        between), and with cache_expert_weights later forwards too while the key holds: the
+        parameters' identity, storage and version counter (bumped by any in-place write through
+        the parameter), the dtype and the grad mode (a no_grad stack has no graph)."""
+        params = tuple(self.experts.parameters())
+        key = (dtype, torch.is_grad_enabled(),
+               tuple((id(p), p.data_ptr(), p._version) for p in params))
+        if self._weights is not None and self._weights[0] == key:
+            return self._weights[1]
         w0, w1, t = expert_weights(self.experts, self.num_local_experts, self.config.hidden_size)
-        return w0.to(dtype).contiguous(), w1.to(dtype).contiguous(), t
+        weights = (w0.to(dtype).contiguous(), w1.to(dtype).contiguous(), t)
+        self._weights = (key, weights)
+        return weights
 
     def _row_bound(self, tokens: int):
         """layer0's max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
@@ -225,6 +333,8 @@ class CometMoELayer(MoELayer):
     def dispatch(self, hidden_states, probs):
         """Dispatch fused with the first expert GEMM (comet.moe_layer0)."""
         topk_ids, topk_weights = probs
+        if not self.cache_expert_weights:
+            self._weights = None  # a fresh stack for this forward
         w0, _, transposed = self._expert_weights(hidden_states.dtype)
         with self._defer():
             y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
@@ -248,6 +358,8 @@ class CometMoELayer(MoELayer):
         (comet.moe_layer1); the result is already on each token's home rank."""
         h, layout, topk_weights = output
         _, w1, transposed = self._expert_weights(h.dtype)
+        if not self.cache_expert_weights:
+            self._weights = None  # this forward's stack: not kept past it
         if topk_weights.dtype not in (torch.float32, h.dtype):
             topk_weights = topk_weights.float()
         with self._defer():

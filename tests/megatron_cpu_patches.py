@@ -1,12 +1,15 @@
-"""Patches that let upstream megatron-core 0.16 run its MoE layer on CPU (gloo), for the tests
-only: comet.megatron itself never needs them.
+"""Patches that let upstream megatron-core 0.16's own MoELayer run on CPU (gloo): for the tests'
+reference only. comet.megatron's CometMoELayer builds and runs on CPU without any of them (it
+builds no token dispatcher and carries its own narrow fixes for the router, see comet/megatron.py);
+test_megatron.py checks that in processes where this module is never imported.
 
 What upstream assumes a GPU for, and what replaces it here:
 * MoEAlltoAllTokenDispatcher creates a class-wide torch.cuda.Stream for its device-to-host copies
   and synchronises through it (_maybe_dtoh_and_synchronize): a placeholder stream, and a CPU
   version that converts the split sizes to numpy as upstream does, without streams.
 * moe_utils.RouterGatingLinearFunction tests `te_general_gemm is not None`, a name only defined
-  when Transformer Engine imports (NameError without it): defined as None, the torch.mm path.
+  when Transformer Engine imports (NameError without it): defined as None, the torch.mm path
+  (importing comet.megatron does the same; repeated here so the reference never depends on it).
 * Router.gating moves a CPU router weight to torch.cuda.current_device(), and the all-to-all
   mapping allocates its output on torch.cuda.current_device(): current_device() answers "cpu".
 * SharedExpertMLP creates a class-wide torch.cuda.Stream when moe_shared_expert_overlap is set
