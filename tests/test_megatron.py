@@ -5,8 +5,12 @@ gradient; with token dropping (capacity factor); deferred expert weight gradient
 1 rank and expert parallelism over 2 ranks; shared experts (plain, gated, Megatron's overlap flag),
 computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
-Upstream needs a few CPU patches (tests/megatron_cpu_patches.py); comet.megatron needs none.
-Skipped when megatron-core is not installed."""
+Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to serve as the
+reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_patches builds and
+runs CometMoELayer on 1 and 2 CPU ranks in processes that never import the patches, and
+test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
+Also: the stacked SequentialMLP weights (once per forward; kept between forwards with
+cache_expert_weights=True until an in-place update). Skipped when megatron-core is not installed."""
 import pytest
 import torch
 
@@ -72,7 +76,7 @@ def _run(layer, x, v):
 def _compare(upstream, ours, x, v, tag, atol=2e-6, rtol=1e-5, deferred=False):
     out_u, dx_u, grads_u = _run(upstream, x, v)
     out_c, dx_c, grads_c = _run(ours, x, v)
-    assert not hasattr(ours.token_dispatcher, "hidden_shape"), "Megatron's dispatcher was used"
+    assert ours.token_dispatcher is None, "Megatron's token dispatcher was built"
     assert out_u.abs().max() > 0.1, "weights too small for a meaningful comparison"
     torch.testing.assert_close(out_c, out_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} out: {m}")
     torch.testing.assert_close(dx_c, dx_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} dx: {m}")
@@ -124,6 +128,7 @@ def _one_rank_checks(rank, world):
     diffs["deferred"] = _compare(upstream, ours, x, v, "deferred", deferred=True)
 
     diffs.update(_shared_expert_checks(x, v))
+    diffs["cache"] = _stacked_weight_checks(x, v)
     diffs["gpt"] = _gpt_model_check()
     return diffs
 
@@ -162,6 +167,35 @@ def _shared_expert_checks(x, v):
     diffs["shared_overlap"] = _compare(upstream, ours, x, v, "shared_overlap")
     return diffs
 
+
+def _stacked_weight_checks(x, v):
+    """SequentialMLP weights are stacked once per forward (dispatch and combine share it); with
+    cache_expert_weights=True once across forwards until an in-place update (an SGD step), and
+    output and gradients match upstream before and after the step (a stale stack would not)."""
+    import comet.megatron as cm
+
+    calls = []
+    real = cm.expert_weights
+    cm.expert_weights = lambda *a: calls.append(1) or real(*a)
+    try:
+        _, plain = _layers(_config())
+        for _ in range(2):
+            plain(x)
+        assert len(calls) == 2, calls  # one stack per forward, not two
+        calls.clear()
+        upstream, ours = _layers(_config(), cache_expert_weights=True)
+        diff = _compare(upstream, ours, x, v, "cache 1")
+        _compare(upstream, ours, x, v, "cache 2")  # the gradients accumulate on both sides
+        assert len(calls) == 1, calls  # the second forward reused the stack
+        before = ours(x)[0].detach()
+        for layer in (upstream, ours):  # a small step: lr 0.5 gives |dx| ~ 6e4 (fp32 ulps > atol)
+            torch.optim.SGD(layer.parameters(), lr=0.02).step()
+        _compare(upstream, ours, x, v, "cache after step")
+        assert len(calls) == 2, calls  # the step invalidated it
+        assert not torch.allclose(ours(x)[0], before), "the step should change the output"
+    finally:
+        cm.expert_weights = real
+    return diff
 
 
 def _gpt_model_check():
@@ -203,7 +237,7 @@ def _gpt_model_check():
 def test_matches_megatron_moe_layer_one_rank():
     diffs = run_ranks(_one_rank_checks, 1, timeout=150)[0]
     assert set(diffs) == {"dropless", "capacity", "sigmoid", "bf16", "deferred", "shared",
-                          "shared_gate", "shared_overlap", "gpt"}
+                          "shared_gate", "shared_overlap", "cache", "gpt"}
     print(diffs)
 
 
@@ -318,3 +352,67 @@ def _capacity_bound_checks(rank, world):
 
 def test_capacity_factor_takes_the_sync_free_path():
     run_ranks(_capacity_bound_checks, 2, timeout=150)
+
+
+def _unpatched_checks(rank, world):
+    """CometMoELayer from README's spec on CPU with upstream unpatched (this process never imports
+    tests/megatron_cpu_patches.py): it builds (no token dispatcher, no CUDA stream even with
+    moe_shared_expert_overlap) and runs forward + backward; upstream's own layer does not build."""
+    import sys
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.spec_utils import build_module
+
+    from comet.megatron import CometMoELayer, comet_moe_spec
+
+    assert not torch.cuda.is_available()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world,
+                                             create_gloo_process_groups=False)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    g = torch.Generator().manual_seed(31 + rank)
+    x = torch.randn(5, 2, H, generator=g)
+    v = torch.randn(5, 2, H, generator=g)
+    for over in ({}, dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True),
+                 dict(moe_expert_capacity_factor=0.5)):
+        layer = build_module(comet_moe_spec(spec).submodules.mlp, config=_config(**over))
+        assert type(layer) is CometMoELayer and layer.token_dispatcher is None
+        out, grads = _run(layer, x, v)[::2]
+        assert torch.isfinite(out).all() and out.abs().max() > 0.1, over
+        assert all(g is not None and g.abs().max() > 0 for g in grads.values()), over
+    assert SharedExpertMLP.stream is None  # upstream's overlap stream was never created
+    try:
+        build_module(spec.submodules.mlp, config=_config())  # upstream's own MoELayer
+        upstream_builds = True
+    except Exception:  # its alltoall dispatcher creates a CUDA stream
+        upstream_builds = False
+    assert "tests.megatron_cpu_patches" not in sys.modules
+    return upstream_builds
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_comet_layer_runs_without_upstream_patches(world):
+    assert run_ranks(_unpatched_checks, world, timeout=150) == [False] * world
+
+
+def test_readme_megatron_example_runs_as_written():
+    """README's Megatron code block, verbatim, in a fresh process on one gloo rank (CPU)."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    from tests.dist_utils import free_port
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Megatron-core"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "comet_moe_spec" in code and "get_gpt_layer_local_spec" in code
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code + "\nprint('README example ran')"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "README example ran" in done.stdout, done.stderr[-3000:]
