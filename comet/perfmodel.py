@@ -21,8 +21,8 @@ Traffic (:func:`remote_rows`, :func:`local_rows`), uniform routing, top-k over d
   token has at least one slot on a given rank, i.e. ``R1 = T * d`` with ``d`` the expected number of
   distinct remote ranks per token.  Comm blocks also read all ``M = T * k`` GEMM output rows and
   write the ``T * p_hit`` local partials (HBM); the home rank finally sums its partials (HBM).
-* ANCHORS.md's "comm ~ 2 * T * d * H * bytes / link_bw" is the two layers together: ``R0 + R1`` is
-  ``2 * T * d`` when a token's slots land on distinct ranks.
+* The "2 * T * d * H * bytes / link_bw" of docs/peers.md ("The limit of overlap") is the two
+  layers together: ``R0 + R1`` is ``2 * T * d`` when a token's slots land on distinct ranks.
 * Measured counts replace the expectations: ``MoEShape.remote_rows`` (rows this rank moves over the
   links for the layer) and ``MoEShape.expert_rows`` (GEMM rows per local expert).
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from comet import perfmodel as pm  # noqa: E402
 
-PRESETS = {  # H, ffn, E, k (ANCHORS.md), gated FFN: N0 = 2 * ffn, N1 = ffn
+PRESETS = {  # H, ffn, E, k (docs/peers.md), gated FFN: N0 = 2 * ffn, N1 = ffn
     "mixtral": (4096, 14336, 8, 2),
     "qwen2": (2048, 1408, 64, 4),
     "phi3.5": (4096, 6400, 16, 2),

@@ -1,6 +1,6 @@
 // The CPU backend's fused layers (csrc/cpu/fused_cpu.h) without torch: ranks as threads of this
 // process over real symmetric heaps, blocks as thread teams of 1, 2 and 4 threads. Checks every
-// output against a sequential fp64 oracle written from DESIGN.md's semantics, and that team sizes,
+// output against a sequential fp64 oracle written from docs/design.md's semantics, and that team sizes,
 // block splits and random delays never change a bit. Small on purpose: the ThreadSanitizer build
 // runs it too (make test-tsan).
 #include <cmath>
