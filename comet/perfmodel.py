@@ -203,7 +203,7 @@ DEFAULT_TILE: Tuple[int, int] = (128, 128)
 COPY_UNROLL = 4
 
 # The per-call prologue and the combine launch (seconds), estimated from the kernels' structure
-# (csrc/cuda/prologue.cu, combine.cu; README "The per-call prologue"), not measured:
+# (csrc/cuda/prologue.cu, combine.cu; docs/design.md, "The per-call prologue"), not measured:
 #   layer0: source kernel (send plan: count, scan (2 grid barriers), offsets, scatter: ~5 grid
 #           barriers), begin kernel (metadata exchange: ~2 peer round trips), publish kernel
 #           (m-tiles + layer0 order: ~6 grid barriers): 3 launches, ~11 grid barriers;

@@ -67,7 +67,7 @@ void check_oracle(const Problem& p, const std::vector<Result>& res) {
   }
 }
 
-// layer1's reduction order exactly as README states it ("The layer1 reduction order";
+// layer1's reduction order exactly as docs/design.md states it ("The layer1 reduction order";
 // tests/layer1_order.py is the same statement in Python), in fp32, compared bit for bit: the
 // GEMM's dot product in 8 ascending lanes combined as a fixed tree; each sending rank's partial
 // over its slots in ascending slot; node-reduced (reduce_rpn > 0), a node's partials summed in
