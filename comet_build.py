@@ -1,7 +1,7 @@
 """The CUDA part of comet's build: setup.py imports `cuda_extension` and `build_ext_class` from here
 when csrc/cuda/*.cu exists, nvcc is found and torch is a CUDA build. No GPU is needed to build.
 
-What it adds to the CPU extension (see ../shared/TOOLCHAIN.md for why each flag is there):
+What it adds to the CPU extension (docs/toolchain.md says why each flag is there):
   - csrc/cuda/*.cu compiled by nvcc for every architecture of COMET_CUDA_ARCHS (default "80;90a";
     sm_90a is required for the TMA/wgmma path, sm_80 for the mma.sync path). -DNDEBUG and no
     -rdc: ptxas serialises wgmma and ignores setmaxnreg otherwise. The kernels are torch-free.
@@ -204,7 +204,7 @@ def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_
     cuda_cpp = sorted(os.path.relpath(p, root)
                       for p in glob.glob(os.path.join(root, "csrc", "cuda", "*.cpp")))
     nv_inc, nv_lib = nvshmem_dirs()
-    cu13 = _nvidia_dir("cu13", "include")  # headers /usr/local/cuda lacks (TOOLCHAIN.md)
+    cu13 = _nvidia_dir("cu13", "include")  # headers /usr/local/cuda lacks (docs/toolchain.md)
     incs = list(include_dirs_) + [os.path.join(root, "csrc", "cuda")] + cutlass_include_dirs()
     cxx = list(cxx_flags) + ["-DCOMET_WITH_CUDA", f"-I{nv_inc}"]
     cccl = os.path.join(os.environ["CUDA_HOME"], "include", "cccl")  # cuda/std/*, NVSHMEM needs it

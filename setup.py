@@ -1,6 +1,6 @@
 """Builds comet._C: the CPU backend always, the CUDA kernels when nvcc and a CUDA build of torch are
 present (COMET_CUDA=0 skips them, COMET_CUDA_ARCHS picks the targets, default "80;90a").
-No GPU is needed to build. See ../shared/TOOLCHAIN.md for why each flag is here."""
+No GPU is needed to build. docs/toolchain.md says why each flag is here."""
 import glob
 import os
 import shutil
@@ -9,7 +9,7 @@ import sys
 from setuptools import find_packages, setup
 
 # torch.utils.cpp_extension reads CUDA_HOME when imported; without it, it may settle on /usr/local and
-# then find no cuda_runtime.h (TOOLCHAIN.md). Default to the toolkit nvcc lives in.
+# then find no cuda_runtime.h (docs/toolchain.md). Default to the toolkit nvcc lives in.
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 

@@ -35,7 +35,7 @@ from comet.profiling import Timer  # noqa: E402  (the tuner's timer: benchmarks 
 
 RESULTS = ROOT / "bench" / "results"
 
-# ANCHORS.md, "Model shapes used by the Comet evaluation": hidden H, ffn per expert (gated), E, k.
+# docs/peers.md, "Model shapes of the Comet evaluation": hidden H, ffn per expert (gated), E, k.
 # `scale` divides H and ffn for the CPU runs (every scaled model gets H = 128).
 MODELS: Dict[str, Dict[str, Any]] = {
     "mixtral": dict(title="Mixtral-8x7B", H=4096, ffn=14336, E=8, k=2, scale=32),

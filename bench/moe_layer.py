@@ -7,7 +7,7 @@ max(comm alone, GEMM alone) and every method's ratio to it.
     torchrun --nproc-per-node 8 bench/moe_layer.py --world 8 --tokens 4096 --scale 1 --dtype bf16
                                                    # GPU (untested: no GPU where this was written)
 
-Shapes: Mixtral-8x7B, Qwen2-MoE and Phi-3.5-MoE from ANCHORS.md, H and ffn divided by --scale
+Shapes: Mixtral-8x7B, Qwen2-MoE and Phi-3.5-MoE from docs/peers.md, H and ffn divided by --scale
 (default per model: 32, 16, 32, so H = 128) on the CPU; --tokens per rank. Every rank checks
 that the three methods give the same output (and the torch.distributed reference once) before
 anything is timed. Timing: --warmup untimed rounds, then --iters rounds, one call of each method

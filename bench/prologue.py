@@ -13,7 +13,7 @@ layer1's pair lists, m-tile plan and reduce plan. `span` is the largest number o
 counters, scan steps) any one thread of a program was assigned, counted by the context
 (ctx.work); the bound is T*k/P + E*W, and every program must stay within 2x of it. Times are this
 CPU's, with P OS threads on its cores: they show the structure (barrier count, work per thread),
-not a GPU's prologue time (see README for the GPU launch shape and the expected cost).
+not a GPU's prologue time (see docs/design.md, "The per-call prologue", for the GPU launch shape and the expected cost).
 """
 from __future__ import annotations
 

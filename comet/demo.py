@@ -21,7 +21,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-MIXTRAL = dict(hidden=4096, ffn=14336, experts=8, topk=2)  # ../shared/ANCHORS.md
+MIXTRAL = dict(hidden=4096, ffn=14336, experts=8, topk=2)  # the Mixtral-8x7B shape of docs/peers.md
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 

@@ -21,8 +21,8 @@ Traffic (:func:`remote_rows`, :func:`local_rows`), uniform routing, top-k over d
   token has at least one slot on a given rank, i.e. ``R1 = T * d`` with ``d`` the expected number of
   distinct remote ranks per token.  Comm blocks also read all ``M = T * k`` GEMM output rows and
   write the ``T * p_hit`` local partials (HBM); the home rank finally sums its partials (HBM).
-* ANCHORS.md's "comm ~ 2 * T * d * H * bytes / link_bw" is the two layers together: ``R0 + R1`` is
-  ``2 * T * d`` when a token's slots land on distinct ranks.
+* The "2 * T * d * H * bytes / link_bw" of docs/peers.md ("The limit of overlap") is the two
+  layers together: ``R0 + R1`` is ``2 * T * d`` when a token's slots land on distinct ranks.
 * Measured counts replace the expectations: ``MoEShape.remote_rows`` (rows this rank moves over the
   links for the layer) and ``MoEShape.expert_rows`` (GEMM rows per local expert).
 
@@ -203,7 +203,7 @@ DEFAULT_TILE: Tuple[int, int] = (128, 128)
 COPY_UNROLL = 4
 
 # The per-call prologue and the combine launch (seconds), estimated from the kernels' structure
-# (csrc/cuda/prologue.cu, combine.cu; README "The per-call prologue"), not measured:
+# (csrc/cuda/prologue.cu, combine.cu; docs/design.md, "The per-call prologue"), not measured:
 #   layer0: source kernel (send plan: count, scan (2 grid barriers), offsets, scatter: ~5 grid
 #           barriers), begin kernel (metadata exchange: ~2 peer round trips), publish kernel
 #           (m-tiles + layer0 order: ~6 grid barriers): 3 launches, ~11 grid barriers;

@@ -4,8 +4,8 @@ This module *defines* the semantics that the fused operators (``torch.ops.comet.
 ``torch.ops.comet.moe_layer1``) and every backend must reproduce.  It is written for clarity, not
 speed, and it needs nothing but torch.
 
-Terms (see DESIGN.md, section "Semantics")
-------------------------------------------
+Terms (see docs/design.md, section "Semantics")
+-----------------------------------------------
 * ``W`` ranks (the expert-parallel group), ``E`` experts, ``E_local = E // W`` experts per rank.
   ``W`` must divide ``E``.  Expert ``e`` lives on rank ``e // E_local`` as local expert
   ``e % E_local``.

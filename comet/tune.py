@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import perfmodel as pm
 from . import tuner as tn
 
-# Model shapes of the Comet evaluation (ANCHORS.md): hidden H, ffn per expert, experts E, topk k;
+# Model shapes of the Comet paper's evaluation (docs/peers.md): hidden H, ffn per expert, experts E, topk k;
 # all three use a gated FFN, so layer0 produces N0 = 2 * ffn columns and layer1 reduces N1 = ffn.
 MODELS: Dict[str, Dict[str, object]] = {
     "mixtral": dict(H=4096, ffn=14336, E=8, k=2, gated=True, title="Mixtral-8x7B"),

@@ -1,4 +1,4 @@
-"""layer1's reduction order, written down once more from README ("The layer1 reduction order") and
+"""layer1's reduction order, written down once more from docs/design.md ("The layer1 reduction order") and
 nothing else: an fp32 implementation in plain torch element-wise ops (every op one IEEE rounding,
 no fused multiply-add), independent of the engine's code, so that a test can demand the op's bits.
 

@@ -1,5 +1,5 @@
 """moe_layer1 bit for bit against tests/layer1_order.py, an independent fp32 statement of its
-reduction order (README "The layer1 reduction order"): the other bitwise tests compare the op
+reduction order (docs/design.md, "The layer1 reduction order"): the other bitwise tests compare the op
 with itself, so an order changed everywhere at once (the home's partials added in reverse, the
 slots of a partial in another order) would pass them; it cannot pass this.
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from comet import perfmodel as pm  # noqa: E402
 
-PRESETS = {  # H, ffn, E, k (ANCHORS.md), gated FFN: N0 = 2 * ffn, N1 = ffn
+PRESETS = {  # H, ffn, E, k (docs/peers.md), gated FFN: N0 = 2 * ffn, N1 = ffn
     "mixtral": (4096, 14336, 8, 2),
     "qwen2": (2048, 1408, 64, 4),
     "phi3.5": (4096, 6400, 16, 2),
@@ -351,7 +351,7 @@ def test_partial_bytes_follow_the_op_dtype():
 @pytest.mark.parametrize("model", ["mixtral", "qwen2", "phi3.5"])
 def test_fused_beats_unfused_on_h800_for_the_paper_shapes(model):
     """With the calibrated per-block rate, the prologue and the combine kernel, the chosen split
-    is predicted faster than all-to-all-then-GEMM for both layers (README's table)."""
+    is predicted faster than all-to-all-then-GEMM for both layers (docs/tuning.md's table)."""
     spec = pm.GPUS["h800"]
     for layer in (0, 1):
         shape = preset_shape(model, layer)
@@ -618,13 +618,13 @@ def test_multi_node_fused_beats_unfused_for_the_paper_shapes():
                 assert p["fused"] < p["baseline"], (model, nf, layer, p)
 
 
-def test_readme_table_across_nodes_is_the_models():
-    """README's "What the cost model predicts across nodes" rows (both tables) are this model's
+def test_docs_table_across_nodes_is_the_models():
+    """docs/tuning.md's "What the cost model predicts across nodes" rows (both tables) are this model's
     output."""
     import pathlib
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### What the cost model predicts across nodes", 1)[1].split("\n## ", 1)[0]
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
+    section = text.split("\n## What the cost model predicts across nodes", 1)[1].split("\n## ", 1)[0]
     titles = {"Mixtral-8x7B": "mixtral", "Qwen2-MoE": "qwen2", "Phi-3.5-MoE": "phi3.5"}
     spec = pm.GPUS["h800"]
     seen = reduced = 0

@@ -1,5 +1,5 @@
 """comet.symm.required_bytes (the symmetric data bytes a configuration needs, from the layout code
-the kernels use), Buffer.reserve, README's table of it, and the stream rule of the CUDA buffers
+the kernels use), Buffer.reserve, docs/gpu.md's table of it, and the stream rule of the CUDA buffers
 (comet/stream_rule.h, a pure function checked here with made-up stream ids)."""
 import pathlib
 
@@ -115,7 +115,7 @@ def test_required_bytes_rejects_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------------
-# README's "Symmetric memory" table
+# docs/gpu.md's "Symmetric memory" table
 # ------------------------------------------------------------------------------------------------
 
 # The paper's shapes (4096 tokens per rank, 8 ranks, bf16) and the issue's large example.
@@ -132,7 +132,7 @@ def _mib(b: int) -> str:
     return f"{b / (1 << 20):.1f}"
 
 
-def readme_table_rows() -> list[str]:
+def symmetric_memory_table_rows() -> list[str]:
     rows = []
     for name, H, ffn, E, k in PAPER_SHAPES:
         T = 8192 if "8192" in name else 4096
@@ -145,13 +145,13 @@ def readme_table_rows() -> list[str]:
     return rows
 
 
-def test_readme_symmetric_memory_table_is_the_functions():
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### Symmetric memory", 1)[1].split("\n## ", 1)[0]
+def test_docs_symmetric_memory_table_is_the_functions():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text()
+    section = text.split("\n## Symmetric memory", 1)[1].split("\n## ", 1)[0]
     table = [line.strip() for line in section.splitlines()
              if line.startswith("| ") and line.split("|")[1].strip()[:1].isalpha()
              and not line.startswith("| model")]
-    assert table == readme_table_rows()
+    assert table == symmetric_memory_table_rows()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // Instantiations of the sm_90a-path fused kernel of layer1 (bf16 and fp16, B K-major or MN-major);
 // see fused_sm90.cuh.
 // Keep NVSHMEM device calls (and anything needing -rdc) out of this file: ptxas serialises wgmma
-// and ignores setmaxnreg under -rdc (TOOLCHAIN.md).
+// and ignores setmaxnreg under -rdc (docs/toolchain.md).
 #include "fused_sm90.cuh"
 
 namespace comet::gpu {

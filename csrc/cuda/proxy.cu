@@ -2,7 +2,7 @@
 //
 // THE ONLY TRANSLATION UNIT THAT CALLS NVSHMEM ON THE DEVICE: compiled with -rdc=true and
 // device-linked with libnvshmem_device.a on its own (comet_build.py), so the fused GEMM kernels'
-// translation units stay non-rdc (ptxas serialises wgmma under -rdc: TOOLCHAIN.md). The kernels
+// translation units stay non-rdc (ptxas serialises wgmma under -rdc: docs/toolchain.md). The kernels
 // that want a put only store a request into the buffer's ring (put_ring.cuh); this kernel issues
 // them, in ring order, one thread:
 //   data, no signal   nvshmem_putmem_nbi

@@ -2,7 +2,7 @@
 // (producers: GpuContext::put_signal in any kernel of a call) and the proxy kernel that issues the
 // NVSHMEM calls (csrc/cuda/proxy.cu, the only -rdc translation unit). Why a ring: NVSHMEM device
 // calls need -rdc and a device link, and -rdc in the fused kernels' TUs makes ptxas serialise
-// wgmma (TOOLCHAIN.md); the producers only store a 64-byte request into global memory.
+// wgmma (docs/toolchain.md); the producers only store a 64-byte request into global memory.
 //
 // A request names memory by (segment, offset) against this rank's own header / data segment,
 // which is how NVSHMEM's symmetric addresses work: the proxy re-forms `base + offset` with the

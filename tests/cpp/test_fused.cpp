@@ -1,6 +1,6 @@
 // The CPU backend's fused layers (csrc/cpu/fused_cpu.h) without torch: ranks as threads of this
 // process over real symmetric heaps, blocks as thread teams of 1, 2 and 4 threads. Checks every
-// output against a sequential fp64 oracle written from DESIGN.md's semantics, and that team sizes,
+// output against a sequential fp64 oracle written from docs/design.md's semantics, and that team sizes,
 // block splits and random delays never change a bit. Small on purpose: the ThreadSanitizer build
 // runs it too (make test-tsan).
 #include <cmath>
@@ -67,7 +67,7 @@ void check_oracle(const Problem& p, const std::vector<Result>& res) {
   }
 }
 
-// layer1's reduction order exactly as README states it ("The layer1 reduction order";
+// layer1's reduction order exactly as docs/design.md states it ("The layer1 reduction order";
 // tests/layer1_order.py is the same statement in Python), in fp32, compared bit for bit: the
 // GEMM's dot product in 8 ascending lanes combined as a fixed tree; each sending rank's partial
 // over its slots in ascending slot; node-reduced (reduce_rpn > 0), a node's partials summed in

@@ -1,5 +1,5 @@
 // The multi-block prologue programs (comet/prologue.h) on CPU grids of several shapes, against a
-// sequential oracle written here from DESIGN.md's definitions: identical send plans, dispatch
+// sequential oracle written here from docs/design.md's definitions: identical send plans, dispatch
 // layouts (gathered or given recv_counts; negative counts refused), m-tiles, layer0 orders and
 // reduce plans (bitwise, element by element) for random worlds including empty ranks, dropped
 // slots and duplicate experts.

@@ -1,4 +1,4 @@
-"""What the CUDA kernels promise beyond "close to the reference" (README: fixed reduction order),
+"""What the CUDA kernels promise beyond "close to the reference" (docs/design.md: fixed reduction order),
 checked so that a plausible bug fails (written, never run: no GPU here; skips without one):
 
 - bitwise determinism run to run and across n_comm 1 / 4 / 16 (the comm/GEMM split);

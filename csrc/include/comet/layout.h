@@ -1,4 +1,4 @@
-// The dispatch layout of DESIGN.md, in one place for the CPU backend, the CUDA kernels and the tests.
+// The dispatch layout of docs/design.md, in one place for the CPU backend, the CUDA kernels and the tests.
 //
 // Source side (rank s): every (token t, slot j) with a valid expert id becomes one row. The send
 // plan buckets them by global expert (counting sort, stable in (t, j) order), so the rows that

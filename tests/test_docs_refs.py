@@ -1,0 +1,94 @@
+"""The repository is self-contained: no file refers to notes outside it (the sibling "shared"
+directory, or design / anchor / toolchain notes kept there), and every relative link of the
+Markdown documentation (README.md, docs/, bench/README.md) reaches a file of the repository and,
+when it names a section, a heading of that file."""
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Spelled in pieces so that this file does not match itself.
+OUTSIDE_NOTES = re.compile("|".join([
+    r"\.\./" + "shared",
+    r"\b" + "DESIGN" + r"\.md",
+    r"\b" + "ANCHORS" + r"\.md",
+    r"\b" + "TOOLCHAIN" + r"\.md",
+]))
+
+
+def repo_files():
+    """Tracked files plus untracked ones git does not ignore (what a commit would hold)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
+
+
+def markdown_files():
+    return [ROOT / "README.md", ROOT / "bench" / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_no_reference_outside_the_repository():
+    hits = []
+    for path in repo_files():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE_NOTES.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
+    assert not hits, "references to notes outside the repository:\n" + "\n".join(hits)
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a Markdown heading: lower case, punctuation other than '-' and '_'
+    dropped, spaces turned into '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set:
+    found, in_code = set(), False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            found.add(github_anchor(line.lstrip("#")))
+    return found
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_markdown_links_resolve():
+    assert (ROOT / "docs").is_dir()
+    bad = []
+    for md in markdown_files():
+        in_code = False
+        for n, line in enumerate(md.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code:
+                continue
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):  # http(s), mailto: not checked here
+                    continue
+                file_part, _, anchor = target.partition("#")
+                dest = (md.parent / file_part).resolve() if file_part else md
+                where = f"{md.relative_to(ROOT)}:{n}: {target}"
+                if ROOT not in dest.parents and dest != ROOT:
+                    bad.append(f"{where} (outside the repository)")
+                elif not dest.exists():
+                    bad.append(f"{where} (no such file)")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                    bad.append(f"{where} (no such heading)")
+    assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_github_anchor_rule():
+    assert github_anchor("The layer1 reduction order") == "the-layer1-reduction-order"
+    assert github_anchor("Megatron-core (optional: `pip install megatron-core==0.16.1`)") == \
+        "megatron-core-optional-pip-install-megatron-core0161"
