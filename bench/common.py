@@ -206,6 +206,19 @@ def add_output_args(p: argparse.ArgumentParser, name: str, smoke_size: str) -> N
                    help="directory of the JSON (and PNG) results (default bench/results)")
 
 
+def add_shape_and_timing_args(p: argparse.ArgumentParser, *, warmup: int, iters: int) -> None:
+    """--hidden, --ffn, --dtype, --warmup and --iters, alike in the layer benchmarks (the
+    defaults of the rounds are each script's own)."""
+    p.add_argument("--hidden", type=int, default=None, help="override H (after scaling)")
+    p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default fp32 on the CPU, bf16 on a GPU")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed rounds before timing (default {warmup}; smoke: 1)")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed rounds; the median is shown (default {iters}; smoke: 3)")
+
+
 def result_name(name: str, smoke: bool) -> str:
     return f"{name}_smoke" if smoke else name
 

@@ -222,14 +222,7 @@ def parse(argv=None):
     p.add_argument("--scale", type=int, default=None,
                    help="divide H and ffn by this (default per model on the CPU: 32/16/32; "
                         "use 1 on a GPU)")
-    p.add_argument("--hidden", type=int, default=None, help="override H (after scaling)")
-    p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
-    p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES),
-                   help="default fp32 on the CPU, bf16 on a GPU")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed rounds before timing (default 3; smoke: 1)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="timed rounds; the median is shown (default 25; smoke: 3)")
+    C.add_shape_and_timing_args(p, warmup=3, iters=25)
     p.add_argument("--seed", type=int, default=0, help="seed of inputs, weights and routing")
     p.add_argument("--name", default=None,
                    help="basename of the JSON/PNG files (default moe_layer; smoke: "

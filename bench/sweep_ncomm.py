@@ -227,14 +227,7 @@ def parse(argv=None):
     p.add_argument("--blocks", type=int, default=None,
                    help="CPU: threads per rank n_comm + n_gemm (default 8)")
     p.add_argument("--scale", type=int, default=None, help="divide H and ffn (default per model)")
-    p.add_argument("--hidden", type=int, default=None, help="override H (after scaling)")
-    p.add_argument("--ffn", type=int, default=None, help="override ffn (after scaling)")
-    p.add_argument("--dtype", default=None, choices=sorted(C.DTYPES),
-                   help="default fp32 on the CPU, bf16 on a GPU")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed rounds before timing (default 2; smoke: 1)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="timed rounds; the median is shown (default 20; smoke: 3)")
+    C.add_shape_and_timing_args(p, warmup=2, iters=20)
     p.add_argument("--no-tune", dest="tune", action="store_false",
                    help="do not run the autotuner (the ops then take the cache or the model)")
     p.add_argument("--tune-iters", type=int, default=None,
