@@ -118,7 +118,9 @@ def rebuild_cpp(copy: Path, mutated: str) -> None:
         if target in deps or src == target:
             out = copy / "mutant_objs" / Path(obj).name
             out.parent.mkdir(exist_ok=True)
-            cflags = var["cflags"].replace(root, str(copy))
+            # Only the repository's sources move to the copy: the include paths of a venv
+            # inside the repository (.venv/.../torch/include) stay where they are.
+            cflags = var["cflags"].replace(f"{root}/csrc", f"{copy}/csrc")
             cmd = (f"{var['cxx']} {cflags} -c {src.replace(root, str(copy))} -o {out} "
                    f"{var['post_cflags']}")
             subprocess.run(cmd, shell=True, check=True, cwd=copy, capture_output=True)
