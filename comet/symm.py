@@ -163,10 +163,9 @@ class Buffer:
         """Grows the data segment once to what calls of both layers with up to `tokens` tokens
         per rank need (required_bytes), so such calls never grow it (collective: every rank of
         the group, between calls; in a simulated world each rank's thread)."""
-        need = required_bytes(tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts,
-                              world=self.world, dtype=dtype, ranks_per_node=self.ranks_per_node,
-                              node_reduce=self.node_reduce)
-        _C.heap_reserve(self.handle, need)
+        _C.heap_reserve(self.handle, required_bytes_of(self, tokens=tokens, hidden=hidden,
+                                                       topk=topk, num_experts=num_experts,
+                                                       dtype=dtype))
 
     @property
     def capacity_bytes(self) -> int:
@@ -186,6 +185,15 @@ class Buffer:
         return (f"comet.Buffer(rank={self.rank}, world={self.world}, "
                 f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
                 f"handle={self.handle})")
+
+
+def required_bytes_of(buf, *, tokens: int, hidden: int, topk: int, num_experts: int,
+                      dtype=None) -> int:
+    """required_bytes for buffer `buf`'s group (its world, ranks_per_node and node_reduce): what
+    reserve() grows to, on either backend."""
+    return required_bytes(tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts,
+                          world=buf.world, dtype=dtype, ranks_per_node=buf.ranks_per_node,
+                          node_reduce=buf.node_reduce)
 
 
 def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, world: int,

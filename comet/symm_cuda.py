@@ -284,9 +284,8 @@ class Buffer:
                 dtype=torch.bfloat16) -> None:
         """Room for calls of both layers with up to `tokens` tokens per rank (collective):
         comet.symm.required_bytes for this buffer's group."""
-        self.reserve_bytes(symm.required_bytes(
-            tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts, world=self.world,
-            dtype=dtype, ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce))
+        self.reserve_bytes(symm.required_bytes_of(self, tokens=tokens, hidden=hidden, topk=topk,
+                                                  num_experts=num_experts, dtype=dtype))
 
     def close(self) -> None:
         """Frees the NVSHMEM memory (collective: every rank calls it)."""
