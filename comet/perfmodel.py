@@ -975,11 +975,15 @@ def gemm_tiles(shape: MoEShape, layer: int, tile=DEFAULT_TILE) -> Tuple[int, int
     return per_col, math.ceil(n_out / tn)
 
 
+def _sm_flops(shape: MoEShape, spec: GpuSpec) -> float:
+    """FLOP/s one SM's GEMM sustains in the shape's dtype (the tensor-core rate for 16-bit)."""
+    return spec.peak_flops(shape.dtype_bytes) * spec.gemm_eff / spec.sm_count
+
+
 def _tile_seconds(shape: MoEShape, spec: GpuSpec, layer: int, tile) -> float:
     tm, tn = _tile(tile)
     _, k_red = gemm_dims(shape, layer)
-    per_sm = spec.peak_flops(shape.dtype_bytes) * spec.gemm_eff / spec.sm_count
-    return 2.0 * tm * tn * k_red / per_sm
+    return 2.0 * tm * tn * k_red / _sm_flops(shape, spec)
 
 
 # Share of the L2 that the operand a band reuses may hold; the rest is for the A rows and output
@@ -1368,7 +1372,7 @@ def weight_grad_time(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TI
         return 0.0
     out_rows, out_cols = (shape.N, shape.H) if layer == 0 else (shape.H, shape.N)
     tiles_per_expert = math.ceil(out_rows / tm) * math.ceil(out_cols / tn)
-    per_sm = spec.peak_flops(shape.dtype_bytes) * spec.gemm_eff / spec.sm_count
+    per_sm = _sm_flops(shape, spec)
     tile_s = [2.0 * tm * tn * r / per_sm for r in rows]
     compute = max(sum(tile_s) * tiles_per_expert / spec.sm_count, max(tile_s))
     out = shape.dtype_bytes if out_bytes is None else int(out_bytes)
