@@ -16,7 +16,7 @@ DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvid
         nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
 
 .PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu \
-	test-mutants mutants bench docs-check clean
+	test-mutants mutants bench docs docs-check clean
 
 # Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
 $(VENV)/.deps: Makefile
@@ -90,6 +90,11 @@ bench: setup
 
 # The README's samples against what the code prints now (the demo's deterministic columns, the
 # benchmark table's single home): fails when a sample goes stale.
+# Rewrite every generated figure of the docs (the demo sample, the model tables) from the code;
+# docs-check only compares (the test suite runs the same check).
+docs: setup
+	$(PY) tools/doc_figures.py
+
 docs-check: setup
 	$(PY) -m pytest tests/test_docs.py -q -p no:cacheprovider
 

@@ -11,7 +11,7 @@ destination, in batches of 128 rows (one m-tile's row origins at a time, as comm
 best of 3 repetitions. What it measures is this CPU's memory system: an out-of-order core already
 overlaps independent loads of a loop, so the unroll matters less here than on a GPU, where each
 thread issues its loads in order and a block's copy rate is (bytes in flight) / (round trip) -
-the relation comet/perfmodel.py uses for the GPU. It shows the structure runs and what it does
+the relation comet/tune/perfmodel.py uses for the GPU. It shows the structure runs and what it does
 on a real memory system, not a GPU's rate.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from comet.profiling import Timer  # noqa: E402  (the tuner's timer: benchmarks and tuning measure alike)
+from comet.tune.profiling import Timer  # noqa: E402  (the tuner's timer: benchmarks and tuning measure alike)
 
 RESULTS = ROOT / "bench" / "results"
 

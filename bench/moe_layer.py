@@ -15,7 +15,7 @@ per round after a barrier; a call's time is the max over ranks; the median over 
 
 The limit is measured, not modelled: "comm" = the sequential form's three all-to-alls alone
 (counts, dispatch, combine; gloo on the CPU), "GEMM" = its grouped GEMMs + activation alone
-(torch matmul); limit = max(comm, GEMM). The cost model's limit (comet.perfmodel, CPU pseudo-spec
+(torch matmul); limit = max(comm, GEMM). The cost model's limit (comet.tune.perfmodel, CPU pseudo-spec
 measured on this machine) is stored in the JSON, labelled as model.
 
 Output: a table on stdout, bench/results/moe_layer.json, bench/results/moe_layer.png
@@ -43,10 +43,10 @@ def _body(rank: int, world: int, cfg: dict):
     import torch.distributed as dist
 
     from bench import baselines as B
-    from comet import ops
-    from comet import perfmodel as pm
+    from comet.layers import ops
+    from comet.tune import perfmodel as pm
     from comet import reference as ref
-    from comet import tuner as tn
+    from comet.tune import tuner as tn
 
     dev = C.device()
     dtype = C.DTYPES[cfg["dtype"]]

@@ -12,12 +12,12 @@ forward (layer0 -> SwiGLU -> layer1), round-robin, each call after a barrier, ma
 median over --iters rounds.
 
 Marked choices:
-* tuner: comet.tuner.profile on the real ops through the profiling hooks (its own measurements,
+* tuner: comet.tune.tuner.profile on the real ops through the profiling hooks (its own measurements,
   synthetic routing, candidates 1..B-1), stored in the tuning cache (--cache-dir, default
   <out>/tune-cache = bench/results/tune-cache, so that a benchmark does not change your
   ~/.cache/comet; pass --cache-dir ~/.cache/comet to keep the winners); then the
   ops' default launch config is read back from that cache (shows the round trip);
-* model: comet.perfmodel.choose_n_comm with the CPU pseudo-spec measured on this machine
+* model: comet.tune.perfmodel.choose_n_comm with the CPU pseudo-spec measured on this machine
   (a model, not a measurement; its predicted curve is drawn on a second axis).
 
 Output: table on stdout, bench/results/sweep_ncomm.json, bench/results/sweep_ncomm.png
@@ -45,9 +45,9 @@ def _body(rank: int, world: int, cfg: dict):
 
     import comet
     from bench import baselines as B
-    from comet import ops
-    from comet import perfmodel as pm
-    from comet import tuner as tn
+    from comet.layers import ops
+    from comet.tune import perfmodel as pm
+    from comet.tune import tuner as tn
 
     dev = C.device()
     dtype = C.DTYPES[cfg["dtype"]]
@@ -298,8 +298,8 @@ def main(argv=None) -> int:
     print(render(r))
     tc, mc = r["tuner_choice"], (r["perfmodel"] or {}).get("choice", {})
     d = r["ops_default"]
-    print(f"tuner (measured, comet.tuner.profile): {tc or 'not run (--no-tune)'}; "
-          f"model (comet.perfmodel, not measured): {mc or '-'}; ops default now: "
+    print(f"tuner (measured, comet.tune.tuner.profile): {tc or 'not run (--no-tune)'}; "
+          f"model (comet.tune.perfmodel, not measured): {mc or '-'}; ops default now: "
           + ", ".join(f"{k} n_comm={v['n_comm']} ({v['source']})" for k, v in d.items()))
     print(f"median over {a.iters} rounds of the max over ranks; times in ms; cache: {a.cache_dir}")
     print(f"json: {jp}")

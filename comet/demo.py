@@ -156,7 +156,7 @@ def validate_args(p: argparse.ArgumentParser, args) -> None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             p.error(f"--json {args.json}: no directory {folder}")
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     if args.device == "auto":
         args.device = "cuda" if symm_cuda.available() and args.dtype != "fp32" else "cpu"

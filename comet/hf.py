@@ -53,7 +53,7 @@ from torch import nn
 
 import comet
 from comet import nn as comet_nn
-from comet import symm
+from comet.buffers import symm
 
 __all__ = ["NAME", "register", "experts_forward", "comet_weights", "shard_experts",
            "is_experts_module", "set_max_rows"]

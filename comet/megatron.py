@@ -19,7 +19,7 @@ dicts and checkpoints are unchanged), the shared experts module -- and replaces 
 
 The probabilities are applied in layer1's fp32 reduce (Megatron's experts apply them after the
 activation, before fc2: the same function, fc2 being linear and bias-free). Gradients flow to the
-router through the weights (comet.autograd), so the aux-loss and z-loss machinery attached to
+router through the weights (comet.layers.autograd), so the aux-loss and z-loss machinery attached to
 Megatron's probs keeps working.
 
 Expert weights are read from Megatron's own expert module on every forward, whichever it is:
@@ -65,7 +65,7 @@ dispatcher, which Comet does not use).
 
 Deferred weight gradients: with ``delay_wgrad=True`` (default: config.delay_wgrad_compute) the
 expert weight gradients of a backward are recorded and applied by ``backward_dw()``, as Megatron's
-schedules expect (comet.autograd.defer_weight_grads).
+schedules expect (comet.layers.autograd.defer_weight_grads).
 
 Sync-free path: with config.moe_expert_capacity_factor set, Megatron's router drops every slot
 beyond an expert's capacity C = get_capacity(T k, E, factor) on each rank, which bounds the rows a
@@ -96,9 +96,9 @@ from megatron.core.transformer.moe.moe_utils import (get_capacity, get_default_p
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 import comet
-from comet import autograd as cag
+from comet.layers import autograd as cag
 from comet import nn as comet_nn
-from comet import sidestream
+from comet.layers import sidestream
 
 __all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
 

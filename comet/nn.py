@@ -17,13 +17,13 @@
 * Experts: gated SwiGLU, `silu(x W_gate^T) * (x W_up^T) W_down^T`. Rank r of a W-rank group holds
   experts [r*E/W, (r+1)*E/W): w0 [E/W, 2F, H] (gate rows first, then up rows) and w1 [E/W, H, F].
   layer0 = dispatch + W0 GEMM, the SwiGLU runs on the dispatched rows, layer1 = W1 GEMM + weighted
-  top-k reduce + combine (comet.moe_layer0/1); both ops are differentiable (comet.autograd).
+  top-k reduce + combine (comet.moe_layer0/1); both ops are differentiable (comet.layers.autograd).
 * Shared expert (optional, `shared_ffn_hidden_size=S`; DeepSeek-MoE / Qwen2-MoE style): a SwiGLU
   MLP every token passes through, `silu(x Ws_gate^T) * (x Ws_up^T) Ws_down^T` with shared_w0 [2S, H]
   (gate rows first) and shared_w1 [H, S], replicated on every rank, optionally scaled per token by
   `sigmoid(x shared_gate^T)` (`shared_expert_gate=True`, shared_gate [1, H], as Qwen2-MoE's
   shared_expert_gate). It is computed after moe_layer0 is issued and before moe_layer1, and added
-  to the routed output: on CUDA on a side stream (comet.sidestream), overlapping the routed
+  to the routed output: on CUDA on a side stream (comet.layers.sidestream), overlapping the routed
   path's dispatch and GEMMs; on the CPU in between the two ops. The result equals computing it
   separately and adding it.
 * Expert parameters carry `param.comet_expert_parallel = True` (and `allreduce = False`, the flag
@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import comet
-from comet import sidestream, symm
+from comet.layers import sidestream
+from comet.buffers import symm
 
 __all__ = ["MoE", "WORST_CASE", "allreduce_gradients", "drop_over_capacity", "expert_capacity",
            "load_balancing_loss", "swiglu", "worst_case_rows"]

@@ -1,5 +1,5 @@
 // comet._C's Python surface besides the ops: creating, connecting and releasing symmetric heaps.
-// comet/symm.py drives these steps with group barriers in between.
+// comet/buffers/symm.py drives these steps with group barriers in between.
 #include <torch/extension.h>
 
 #include <cstring>

@@ -226,7 +226,7 @@ void bind_engine(py::module_& m) {
   });
   // comet/symm_layout.h: the data segment bytes of one call (op 0: layer0, 1: layer1) on a group
   // of `world` ranks in nodes of `ranks_per_node` (0: one node); what both backends size their
-  // segment by (comet.symm.required_bytes).
+  // segment by (comet.buffers.symm.required_bytes).
   e.def(
       "region_bytes",
       [](int32_t op, int64_t tokens, int32_t hidden, int32_t topk, int32_t experts, int32_t world,

@@ -1,5 +1,5 @@
 // The operator schemas: the one place torch.ops.comet.* is defined. Kernels live per backend
-// (cpu/ops_cpu.cpp, cuda/), fake kernels and autograd are registered from Python (comet/ops.py).
+// (cpu/ops_cpu.cpp, cuda/), fake kernels and autograd are registered from Python (comet/layers/ops.py).
 //
 // moe_layer0 also returns `a`, the dispatched token rows [M, H] (the shared tensor its GEMM
 // reads): backward needs them for the weight gradient and they exist anyway.

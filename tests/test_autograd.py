@@ -1,4 +1,4 @@
-"""Autograd of torch.ops.comet.moe_layer0/1 (comet/autograd.py).
+"""Autograd of torch.ops.comet.moe_layer0/1 (comet/layers/autograd.py).
 
 * the virtual-token trick the backward relies on (rows of a [T*k, 1] call come out in the real
   dispatch order, with the same send positions and counts);
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import comet
-import comet.autograd as cag
+import comet.layers.autograd as cag
 from comet import reference as ref
 from tests.cases import E6_ON_3, TOL, Case, cases_for, make_inputs
 from tests.dist_utils import run_ranks

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import comet
-from comet import ops
+from comet.layers import ops
 from comet import reference as ref
-from comet import tuner as tn
+from comet.tune import tuner as tn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_default_is_the_cost_model_without_a_cache(tuning):
     assert source == "model"
     # The expected split from the cost model's predictions themselves (not tuner.choose, the
     # code under test): the n_comm with the least predicted fused time over all 6 blocks.
-    from comet import perfmodel as pm
+    from comet.tune import perfmodel as pm
 
     spec = pm.get_spec("cpu", 6)
     fused = {n: pm.predict(key.shape(), spec, n, 0, ops.CPU_TILE, n_blocks=6)["fused"]
@@ -150,7 +150,7 @@ def test_launch_config_is_cheap(tuning):
 
 
 def test_profiling_hooks_measure_the_real_ops_and_round_trip(tuning):
-    from comet import profiling
+    from comet.tune import profiling
 
     assert tn.PROFILERS["layer0"] is profiling.layer0_profiler
     assert tn.PROFILERS["layer1"] is profiling.layer1_profiler

@@ -2,7 +2,7 @@
 the ops (group=None: a world of one here, the default gloo group of 2 processes there; and an
 explicit group), a default comet.nn.MoE and a transformers model with
 experts_implementation="comet". The group's buffer is looked up outside the traced region
-(comet/ops.py: _group_buffer_key); results equal eager."""
+(comet/layers/ops.py: _group_buffer_key); results equal eager."""
 import pytest
 import torch
 

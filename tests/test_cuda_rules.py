@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comet
-import comet.autograd as cag
+import comet.layers.autograd as cag
 from tests import test_autograd as ta
 from tests import test_op_options as to
 from tests.cases import E6_ON_3, cases_for, make_inputs

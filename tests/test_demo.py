@@ -65,7 +65,7 @@ def test_device_cuda_without_a_gpu_is_one_clear_line(monkeypatch, capsys):
 
 def test_device_cuda_needs_a_gpu_per_rank_and_a_half_dtype(monkeypatch, capsys):
     """What a machine with 2 GPUs and a CUDA build would refuse (faked: no GPU here)."""
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     _no_spawn(monkeypatch)
     monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: True)

@@ -1,16 +1,18 @@
-"""The README's samples against what the code prints now (`make docs-check` runs this file), so a
+"""The docs' samples and tables against what the code prints now (`make docs-check` runs this file), so a
 sample cannot go stale:
 
-* the demo's sample output: a fresh run of `make demo`'s command prints the same lines, every column
-  but the two timing columns (the demo is deterministic: fixed seeds, fixed reduction order);
+* every figure tools/doc_figures.py makes: the demo's sample output (a fresh run of `make demo`'s
+  command prints the same lines, every column but the two timing columns: the demo is
+  deterministic), the cost model's tables and the symmetric memory table;
 * the CPU benchmark table has one home, bench/README.md; README.md links to it instead of keeping
   a second copy of a different run.
 """
+import importlib.util
 import pathlib
 import re
-import shlex
-import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -20,44 +22,38 @@ DOCS = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.m
                                                                 *sorted((ROOT / "docs").glob("*.md"))]}
 
 
-def _demo_command() -> list:
-    """`make demo`'s arguments to comet.demo, read from the Makefile (the command README documents)."""
-    make = (ROOT / "Makefile").read_text()
-    recipe = re.search(r"^demo:.*\n\t(.*)$", make, re.M).group(1)
-    args = shlex.split(recipe)
-    assert args[:3] == ["$(PY)", "-m", "comet.demo"], recipe
-    return args[3:]
+def _figures():
+    """tools/doc_figures.py, the one place that makes every figure of the docs."""
+    spec = importlib.util.spec_from_file_location("doc_figures", ROOT / "tools" / "doc_figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _readme_demo_sample() -> list:
-    block = re.search(r"```\n(comet\.demo: .*?)```", README, re.S)
-    assert block, "README.md has no comet.demo sample block"
-    return block.group(1).strip().splitlines()
+FIG = _figures()
 
 
-TIMING_COLUMNS = (3, 4)  # layer0 ms, layer1 ms: the machine's, not the code's
+@pytest.mark.parametrize("name", list(FIG.FIGURES))
+def test_docs_figure_is_what_the_code_makes(name):
+    """Each figure between its markers (the demo's sample, the model tables, the symmetric memory
+    table) equals what tools/doc_figures.py generates now; `make docs` rewrites a stale one."""
+    diff = FIG.stale(name)
+    assert not diff, ("stale figure; run `python tools/doc_figures.py --only " + name + "`:\n"
+                      + "\n".join(diff))
 
 
-def _comparable(lines: list) -> list:
-    out = []
-    for line in lines:
-        cells = line.split()
-        if cells and cells[0].isdigit():  # a rank's row
-            cells = [c for i, c in enumerate(cells) if i not in TIMING_COLUMNS]
-        out.append(" ".join(cells))
-    return out
+def test_figure_check_notices_a_changed_cell():
+    """The check is not vacuous: one changed digit in a table is reported."""
+    lines = FIG.FIGURES["model-one-node"].make()
+    assert FIG.stale("model-one-node", lines) == []
+    bad = lines[:2] + [lines[2].replace("|", "| 9", 2)] + lines[3:]
+    assert FIG.stale("model-one-node", bad)
 
 
-def test_readme_demo_sample_is_what_the_demo_prints():
-    args = _demo_command()
-    p = subprocess.run([sys.executable, "-m", "comet.demo", *args, "--device", "cpu"],
-                       cwd=str(ROOT), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
-    printed = [line for line in p.stdout.strip().splitlines() if line]
-    sample = _readme_demo_sample()
-    assert len(printed) == len(sample), (printed, sample)
-    assert _comparable(printed) == _comparable(sample), \
-        "README.md's demo sample is stale; the demo now prints:\n" + "\n".join(printed)
+def test_demo_figure_is_make_demos_command():
+    assert FIG.FIGURES["demo"].path == "README.md"
+    assert FIG.demo_command()[:2] == ["--world", "4"], FIG.demo_command()
 
 
 def test_the_cpu_benchmark_table_lives_in_bench_readme_only():

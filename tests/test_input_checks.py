@@ -1,4 +1,4 @@
-"""Every input check of the ops (csrc/op_checks.cpp, comet/ops.py) triggered once: on a simulated
+"""Every input check of the ops (csrc/op_checks.cpp, comet/layers/ops.py) triggered once: on a simulated
 group of 2 ranks rank 1 passes the bad input, rank 0 a good one; both must raise, rank 1 with the
 check's message (the offending value in it), rank 0 naming rank 1; the buffer serves the next call.
 

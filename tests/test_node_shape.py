@@ -1,5 +1,5 @@
-"""comet.node_shape: the nodes of a CUDA buffer's group, inferred from who reaches whom by pointer
-(every rank's nvshmem_ptr row, gathered by comet.symm_cuda.Buffer). Pure Python: no GPU needed.
+"""comet.buffers.node_shape: the nodes of a CUDA buffer's group, inferred from who reaches whom by pointer
+(every rank's nvshmem_ptr row, gathered by comet.buffers.symm_cuda.Buffer). Pure Python: no GPU needed.
 Also the host-side pieces of the inter-node transport's build and static check that need no GPU:
 the proxy is the only -rdc source, and check_ptxas keeps NVSHMEM's own functions' spills apart."""
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from comet.node_shape import ranks_per_node
+from comet.buffers.node_shape import ranks_per_node
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -30,7 +30,7 @@ def _compare_all_cases(rank, world, cases):
             torch.testing.assert_close(out, out_ref, **TOL[dtype])
             errors[(case.name, str(dtype))] = float((out.float() - out_ref.float()).abs().max()) \
                 if out.numel() else 0.0
-    buf = comet.symm.buffer_for(None)  # the settings the calls ran with, as the buffer reports them
+    buf = comet.buffers.symm.buffer_for(None)  # the settings the calls ran with, as the buffer reports them
     return {"errors": errors, "ranks_per_node": buf.ranks_per_node, "node_reduce": buf.node_reduce,
             "link_puts": buf.link_stats()[0]}
 
@@ -147,7 +147,7 @@ def _two_groups(rank, world):
 
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     mine = groups[rank // 2]
-    buf = comet.symm.buffer_for(mine)
+    buf = comet.buffers.symm.buffer_for(mine)
     assert (buf.rank, buf.world) == (rank % 2, 2)
     errs = []
     for i, case in enumerate(cases_for(2)):

@@ -1,4 +1,4 @@
-"""Tests of comet.perfmodel: the cost model behind the comm/GEMM split."""
+"""Tests of comet.tune.perfmodel: the cost model behind the comm/GEMM split."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 
-from comet import perfmodel as pm  # noqa: E402
+from comet.tune import perfmodel as pm  # noqa: E402
 
 PRESETS = {  # H, ffn, E, k (docs/peers.md), gated FFN: N0 = 2 * ffn, N1 = ffn
     "mixtral": (4096, 14336, 8, 2),
@@ -616,53 +616,6 @@ def test_multi_node_fused_beats_unfused_for_the_paper_shapes():
                                    "ranks_per_node": P, "node_first": nf})
                 p = pm.predict(s, spec, pm.choose_n_comm(s, spec, layer), layer)
                 assert p["fused"] < p["baseline"], (model, nf, layer, p)
-
-
-def test_docs_table_across_nodes_is_the_models():
-    """docs/tuning.md's "What the cost model predicts across nodes" rows (both tables) are this model's
-    output."""
-    import pathlib
-
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
-    section = text.split("\n## What the cost model predicts across nodes", 1)[1].split("\n## ", 1)[0]
-    titles = {"Mixtral-8x7B": "mixtral", "Qwen2-MoE": "qwen2", "Phi-3.5-MoE": "phi3.5"}
-    spec = pm.GPUS["h800"]
-    seen = reduced = 0
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not cells or cells[0] not in titles:
-            continue
-        nodes, rpn = (int(x) for x in cells[1].split(" x "))
-        if not cells[2].startswith("layer"):  # the node-reduced table (layer1)
-            r = {}
-            for red in (False, True):
-                s = pm.MoEShape(**{**preset_shape(titles[cells[0]], 1, W=nodes * rpn).__dict__,
-                                   "ranks_per_node": rpn, "node_reduce": red})
-                r[red] = pm.predict(s, spec, pm.choose_n_comm(s, spec, 1), 1)
-            ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
-            pair = lambda key, f: f"{f(r[False][key])} / {f(r[True][key])}"  # noqa: E731
-            assert cells[2] == pair("inter_rows", lambda x: f"{x:.0f}")
-            assert cells[3] == pair("n_comm", str)
-            assert cells[4] == pair("combine", ms)
-            assert cells[5] == pair("fused", ms) and cells[6] == pair("baseline", ms)
-            reduced += 1
-            continue
-        layer = int(cells[2][-1])
-        r = {}
-        for nf in (False, True):
-            s = pm.MoEShape(**{**preset_shape(titles[cells[0]], layer, W=nodes * rpn).__dict__,
-                               "ranks_per_node": rpn, "node_first": nf})
-            r[nf] = pm.predict(s, spec, pm.choose_n_comm(s, spec, layer), layer)
-        ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
-        pair = lambda key, f: f"{f(r[False][key])} / {f(r[True][key])}"  # noqa: E731
-        assert cells[3] == pair("inter_rows", lambda x: f"{x:.0f}")
-        assert cells[4] == pair("n_comm", str)
-        assert cells[5] == pair("intra", ms) and cells[6] == pair("inter", ms)
-        assert cells[7] == ms(r[True]["gemm"])
-        assert cells[8] == pair("fused", ms) and cells[9] == pair("baseline", ms)
-        assert cells[10] == f"{r[True]['baseline'] / r[True]['fused']:.2f}x"
-        seen += 1
-    assert seen == 6 and reduced == 3
 
 
 # --------------------------------------------------------------------------------------------------

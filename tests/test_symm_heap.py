@@ -1,13 +1,12 @@
-"""comet.symm.required_bytes (the symmetric data bytes a configuration needs, from the layout code
-the kernels use), Buffer.reserve, docs/gpu.md's table of it, and the stream rule of the CUDA buffers
+"""comet.buffers.symm.required_bytes (the symmetric data bytes a configuration needs, from the layout code
+the kernels use), Buffer.reserve and the stream rule of the CUDA buffers
 (comet/stream_rule.h, a pure function checked here with made-up stream ids)."""
-import pathlib
 
 import pytest
 import torch
 
 import comet
-from comet import symm
+from comet.buffers import symm
 from comet._native import _C
 from tests.cases import Case, h_from_y0, make_inputs
 from tests.sim_world import run_threads
@@ -112,46 +111,6 @@ def test_required_bytes_rejects_bad_arguments():
             symm.required_bytes(**{**ok, name: bad})
     with pytest.raises(ValueError, match="ranks_per_node=3"):
         symm.required_bytes(**ok, ranks_per_node=3)
-
-
-# ------------------------------------------------------------------------------------------------
-# docs/gpu.md's "Symmetric memory" table
-# ------------------------------------------------------------------------------------------------
-
-# The paper's shapes (4096 tokens per rank, 8 ranks, bf16) and the issue's large example.
-PAPER_SHAPES = [
-    ("Mixtral-8x7B", 4096, 14336, 8, 2),
-    ("Qwen2-MoE", 2048, 1408, 64, 4),
-    ("Phi-3.5-MoE", 4096, 6400, 16, 2),
-    ("k=8, H=7168 (8192 tokens)", 7168, 2048, 256, 8),
-]
-LAYOUTS = [("1 x 8", None, False), ("2 x 4", 4, False), ("2 x 4, node_reduce", 4, True)]
-
-
-def _mib(b: int) -> str:
-    return f"{b / (1 << 20):.1f}"
-
-
-def symmetric_memory_table_rows() -> list[str]:
-    rows = []
-    for name, H, ffn, E, k in PAPER_SHAPES:
-        T = 8192 if "8192" in name else 4096
-        for nodes, rpn, reduce in LAYOUTS:
-            per_op = [symm.required_bytes(tokens=T, hidden=H, topk=k, num_experts=E, world=8,
-                                          ranks_per_node=rpn, node_reduce=reduce, op=op)
-                      for op in (0, 1)]
-            rows.append(f"| {name} | {H} | {ffn} | {E} | {k} | {nodes} | {_mib(per_op[0])} | "
-                        f"{_mib(per_op[1])} | {max(per_op)} |")
-    return rows
-
-
-def test_docs_symmetric_memory_table_is_the_functions():
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text()
-    section = text.split("\n## Symmetric memory", 1)[1].split("\n## ", 1)[0]
-    table = [line.strip() for line in section.splitlines()
-             if line.startswith("| ") and line.split("|")[1].strip()[:1].isalpha()
-             and not line.startswith("| model")]
-    assert table == symmetric_memory_table_rows()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests of comet.tuner (keys, cache, choice, measured tuning across ranks) and the comet.tune CLI."""
+"""Tests of comet.tune.tuner (keys, cache, choice, measured tuning across ranks) and the comet.tune CLI."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-from comet import perfmodel as pm  # noqa: E402
-from comet import tuner as tn  # noqa: E402
-from comet import tune as cli  # noqa: E402
+from comet.tune import perfmodel as pm  # noqa: E402
+from comet.tune import tuner as tn  # noqa: E402
+from comet.tune import cli as cli  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from tests.dist_utils import run_ranks
@@ -479,10 +479,10 @@ def test_cli_across_nodes(tmp_path, capsys, cache_env):
 def test_cli_profiling_path(capsys, cache_env, monkeypatch):
     # no hooks: says so, keeps the model table
     monkeypatch.setattr(tn, "PROFILERS", {})
-    monkeypatch.setitem(sys.modules, "comet.ops", types.ModuleType("comet.ops"))
+    monkeypatch.setitem(sys.modules, "comet.layers.ops", types.ModuleType("comet.layers.ops"))
     assert cli.main(["--model", "mixtral", "--world", "1", "--gpu", "cpu", "--profile"]) == 1
     assert "profiling needs the compiled ops" in capsys.readouterr().out
-    # fake hooks (what comet.ops registers): measured winners are stored under the local arch
+    # fake hooks (what comet.layers.ops registers): measured winners are stored under the local arch
     calls = []
 
     def factory(key, shape, group):

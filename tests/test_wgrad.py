@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 import comet  # noqa: F401  (registers the ops)
-import comet.autograd as cag
+import comet.layers.autograd as cag
 
 # recv_counts [W=2, E_local=4]: expert 2 receives no rows, 22 rows in all.
 COUNTS = torch.tensor([[3, 0, 0, 5], [4, 1, 0, 9]], dtype=torch.int32)

@@ -1,7 +1,7 @@
 """Lists the ops' input checks and fails if one has no test.
 
 A check is a message: every string literal of the checks in csrc/op_checks.cpp (from Checker's
-methods to check_layer1) and every fail_call message in comet/ops.py. A check counts as tested
+methods to check_layer1) and every fail_call message in comet/layers/ops.py. A check counts as tested
 when its literal text appears in an expected message of the tests (tests/*.py, regex escapes
 removed); tests/test_input_checks.py triggers each one on a group of ranks. The few that cannot be
 triggered from a test are listed in UNREACHABLE with the reason.
@@ -38,7 +38,7 @@ def op_check_literals() -> list[str]:
 
 
 def ops_py_literals() -> list[str]:
-    src = (ROOT / "comet" / "ops.py").read_text()
+    src = (ROOT / "comet" / "layers" / "ops.py").read_text()
     out = []
     for call in re.finditer(r"fail_call\(\s*\w+,\s*((?:f?\"[^\"]*\"\s*)+)\)", src):
         for lit in re.finditer(r'f?"([^"]*)"', call.group(1)):
@@ -64,7 +64,7 @@ def tests_text() -> dict[str, str]:
 
 def main() -> int:
     checks = [("csrc/op_checks.cpp", lit) for lit in op_check_literals()] + \
-             [("comet/ops.py", lit) for lit in ops_py_literals()]
+             [("comet/layers/ops.py", lit) for lit in ops_py_literals()]
     texts = tests_text()
     missing = 0
     seen = set()

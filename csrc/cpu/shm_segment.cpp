@@ -12,7 +12,7 @@ namespace comet::cpu {
 
 namespace {
 [[noreturn]] void fail(const std::string& what, const std::string& name) {
-  throw std::runtime_error("comet.symm: " + what + " '" + name + "': " + std::strerror(errno));
+  throw std::runtime_error("comet.buffers.symm: " + what + " '" + name + "': " + std::strerror(errno));
 }
 
 char* map_fd(int fd, size_t bytes, const std::string& name) {

@@ -26,14 +26,14 @@ SymmHeap::SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_h
       peer_headers_(world > 0 ? world : 0), headers_(world > 0 ? world : 0, nullptr),
       peer_data_(world > 0 ? world : 0), data_(world > 0 ? world : 0, nullptr) {
   if (world < 1 || rank < 0 || rank >= world)
-    throw std::invalid_argument("comet.symm: rank " + std::to_string(rank) +
+    throw std::invalid_argument("comet.buffers.symm: rank " + std::to_string(rank) +
                                 " outside a group of " + std::to_string(world));
   if (ranks_per_node == 0) ranks_per_node = world;
   if (ranks_per_node < 1 || world % ranks_per_node != 0)
-    throw std::invalid_argument("comet.symm: ranks_per_node=" + std::to_string(ranks_per_node) +
+    throw std::invalid_argument("comet.buffers.symm: ranks_per_node=" + std::to_string(ranks_per_node) +
                                 " does not divide the group size " + std::to_string(world));
   if (link.latency_us < 0 || link.gbps < 0)
-    throw std::invalid_argument("comet.symm: link latency and bandwidth must be >= 0 (got " +
+    throw std::invalid_argument("comet.buffers.symm: link latency and bandwidth must be >= 0 (got " +
                                 std::to_string(link.latency_us) + " us, " +
                                 std::to_string(link.gbps) + " GB/s)");
   topo_ = NodeTopology{world, ranks_per_node};
@@ -257,7 +257,7 @@ std::shared_ptr<SymmHeap> find_heap(int64_t handle) {
   auto it = g_heaps.find(handle);
   if (it == g_heaps.end())
     throw std::invalid_argument("comet: no live buffer with handle " + std::to_string(handle) +
-                                " (closed, or not created by comet.symm)");
+                                " (closed, or not created by comet.buffers.symm)");
   return it->second;
 }
 

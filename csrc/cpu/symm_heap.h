@@ -1,4 +1,4 @@
-// The CPU backend of comet.symm: per rank a fixed header segment and a growable data segment, both
+// The CPU backend of comet.buffers.symm: per rank a fixed header segment and a growable data segment, both
 // mapped by every rank of the same node (one-sided reads and writes, NVSHMEM's model on one node),
 // plus the per-call protocol every op runs before its kernel:
 //
@@ -64,7 +64,7 @@ class SymmHeap {
   char* data(int32_t r) const { return data_[r]; }
   const NodeTopology& topology() const { return topo_; }
   // layer1's partials summed per sending node (comet/topology.h); set before the first call, the
-  // same on every rank (comet/symm.py checks).
+  // same on every rank (comet/buffers/symm.py checks).
   void set_node_reduce(bool on) { topo_.node_reduce = on ? 1 : 0; }
   bool reachable(int32_t r) const { return topo_.same_node(rank_, r); }
   // The link to other nodes; null on one node.

@@ -27,7 +27,7 @@ enum class CallStatus : int32_t {
   RowsOverflow = 2,  // this rank received more rows than max_rows (local; reported later)
 };
 
-// Benchmark modes (comet.symm_cuda.Buffer.bench_mode): the fused kernels with either side idle
+// Benchmark modes (comet.buffers.symm_cuda.Buffer.bench_mode): the fused kernels with either side idle
 // but the readiness protocol intact, so the two sides' times can be measured apart.
 enum class BenchMode : int32_t { Fused = 0, CommOnly = 1, GemmOnly = 2 };
 

@@ -1,4 +1,4 @@
-// The GPU side of comet.symm: one CudaBuffer per expert-parallel group owns the rank's symmetric
+// The GPU side of comet.buffers.symm: one CudaBuffer per expert-parallel group owns the rank's symmetric
 // header and data segment on the NVSHMEM heap, the peer pointer tables the kernels use (from
 // nvshmem_ptr), the per-buffer device state (call counter, self-resetting counters) and the pinned
 // host memory the ops read (the call summary of eager calls, the error record kernels write).
@@ -56,13 +56,13 @@ class CudaBuffer {
   // reach()[r]: rank r's header and data are reachable by pointer from this rank.
   const std::vector<uint8_t>& reach() const { return reach_; }
   // Nodes (comet/topology.h). Set once after construction from every rank's reach() (comet/
-  // symm_cuda.py gathers them: comet/node_shape.py); checked against this rank's own reach().
+  // symm_cuda.py gathers them: comet/buffers/node_shape.py); checked against this rank's own reach().
   // With more than one node it allocates the put ring and the PE table the proxy uses.
   void set_ranks_per_node(int32_t n);
   int32_t ranks_per_node() const { return ranks_per_node_; }
   NodeTopology topology() const { return NodeTopology{world_, ranks_per_node_, node_reduce_}; }
   // layer1's partials summed per sending node (comet/topology.h); set once before the first call,
-  // the same on every rank (comet/symm_cuda.py checks).
+  // the same on every rank (comet/buffers/symm_cuda.py checks).
   void set_node_reduce(bool on) { node_reduce_ = on ? 1 : 0; }
   bool multi_node() const { return ranks_per_node_ < world_; }
   // Mirror slots a relay holds (DataRegions.mirror): one per other node.

@@ -11,7 +11,7 @@
 //   fused:   the persistent kernel: n_comm comm blocks + n_gemm GEMM blocks, laid out by
 //            comet/block_roles.h (sm_90a TMA/wgmma or sm_80 cp.async/mma.sync path)
 //
-// With max_rows (the ops' argument, else the buffer's setting: comet.symm_cuda.Buffer.capturable)
+// With max_rows (the ops' argument, else the buffer's setting: comet.buffers.symm_cuda.Buffer.capturable)
 // nothing reads back: the row-indexed outputs hold max_rows rows (rows >= M unspecified,
 // M = recv_counts.sum()), layer1's h has max_rows rows, the ops are CUDA-graph capturable, and
 // errors found on the device are reported by the next call or by Buffer.check().
@@ -745,7 +745,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
 }
 
 // A rank whose call fails before reaching an op kernel still takes part in the metadata
-// exchange, so every peer raises too instead of waiting (comet.ops' device checks use it).
+// exchange, so every peer raises too instead of waiting (comet.layers.ops' device checks use it).
 std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& message) {
   std::string pending;
   auto buf = buffer_or_throw(handle, &pending);

@@ -1,18 +1,18 @@
-// comet.symm's GPU backend on NVSHMEM, host side (nvshmemx_init_attr, nvshmem_malloc, nvshmem_ptr,
+// comet.buffers.symm's GPU backend on NVSHMEM, host side (nvshmemx_init_attr, nvshmem_malloc, nvshmem_ptr,
 // nvshmem_free): the kernels load and store same-node peers' memory through the peer pointers this
 // file puts in the tables; peers on other nodes get null entries and are written only through
 // the buffer's put ring, which the proxy kernel (proxy.cu, the only device code calling NVSHMEM)
 // drains. Initialisation goes through nvshmemx_init_attr, whose part in libnvshmem_device.a
 // also sets up the device state of this module's NVSHMEM device code (the proxy's).
 //
-// Bootstrap: once per process from a unique id that rank 0 creates and comet/symm_cuda.py
+// Bootstrap: once per process from a unique id that rank 0 creates and comet/buffers/symm_cuda.py
 // broadcasts over torch.distributed; the NVSHMEM world is the default group (PE = global rank).
 // A buffer's group may be any subgroup: group rank r lives on PE pes[r], peer pointers come from
 // nvshmem_ptr(.., pes[r]), and since nvshmem_malloc / nvshmem_free are collective over the whole
 // NVSHMEM world, buffers are created, grown (reserve) and released by every process of the world
 // together (each for its own group, e.g. every expert-parallel group at once).
 //
-// Also here: torch.ops.comet_cuda.*, the management ops comet/symm_cuda.py drives (create, grow,
+// Also here: torch.ops.comet_cuda.*, the management ops comet/buffers/symm_cuda.py drives (create, grow,
 // release, settings, error checks). They take and return plain values.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -44,7 +44,7 @@ namespace {
 
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string("comet.symm (CUDA): ") + what + ": " +
+    throw std::runtime_error(std::string("comet.buffers.symm (CUDA): ") + what + ": " +
                              cudaGetErrorString(e));
 }
 
@@ -57,13 +57,13 @@ void* symmetric_alloc(size_t bytes, const char* what) {
   if (p == nullptr) {
     const char* set = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
     std::ostringstream m;
-    m << "comet.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
+    m << "comet.buffers.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
       << " failed: the NVSHMEM symmetric heap (NVSHMEM_SYMMETRIC_SIZE="
       << (set != nullptr ? set : "unset: NVSHMEM's default, 1G") << ") is too small. Set "
       << "NVSHMEM_SYMMETRIC_SIZE to at least the header plus " << bytes
       << " bytes (plus NVSHMEM's own use) before the first comet call, or pass the largest "
-         "shape to comet.symm_cuda.init_nvshmem(reserve=dict(tokens=..., hidden=..., topk=..., "
-         "num_experts=...)) so comet sets it (comet.symm.required_bytes gives the data bytes)";
+         "shape to comet.buffers.symm_cuda.init_nvshmem(reserve=dict(tokens=..., hidden=..., topk=..., "
+         "num_experts=...)) so comet sets it (comet.buffers.symm.required_bytes gives the data bytes)";
     throw std::runtime_error(m.str());
   }
   return p;
@@ -88,8 +88,8 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, in
       timeout_s_(timeout_s), ranks_per_node_(world) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED)
-    throw std::runtime_error("comet.symm (CUDA): NVSHMEM is not initialised (create buffers "
-                             "through comet.symm_cuda, which bootstraps it)");
+    throw std::runtime_error("comet.buffers.symm (CUDA): NVSHMEM is not initialised (create buffers "
+                             "through comet.buffers.symm_cuda, which bootstraps it)");
   std::ostringstream bad;
   if (int32_t(pes_.size()) != world || rank < 0 || rank >= world)
     bad << "the group has " << world << " ranks but " << pes_.size() << " PEs were given";
@@ -101,7 +101,7 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, in
       bad << "group rank " << r << " maps to PE " << pes_[r] << ", outside the NVSHMEM world of "
           << nvshmem_n_pes();
   if (bad.tellp() > 0)
-    throw std::runtime_error("comet.symm (CUDA): " + bad.str());
+    throw std::runtime_error("comet.buffers.symm (CUDA): " + bad.str());
   subgroup_ = world != nvshmem_n_pes();
   // Before the collective allocations: a failure here is the same on every rank (same binary,
   // same GPU model), so every rank raises instead of some waiting in nvshmem_malloc.
@@ -190,7 +190,7 @@ void CudaBuffer::set_ranks_per_node(int32_t n) {
     }
   }
   if (bad.tellp() > 0)
-    throw std::runtime_error("comet.symm (CUDA): " + bad.str());
+    throw std::runtime_error("comet.buffers.symm (CUDA): " + bad.str());
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   ranks_per_node_ = n;
   if (n < world_ && ring_mem_ == nullptr) {
@@ -236,7 +236,7 @@ void CudaBuffer::refresh_tables(cudaStream_t stream) {
     const bool ok = h != nullptr && d != nullptr;
     if (!ok) bad << (bad.tellp() > 0 ? ", " : "") << r;
     if (!first && bool(reach_[size_t(r)]) != ok)
-      throw std::runtime_error("comet.symm (CUDA): rank " + std::to_string(r) +
+      throw std::runtime_error("comet.buffers.symm (CUDA): rank " + std::to_string(r) +
                                " changed reachability when the data segment grew");
     reach_[size_t(r)] = ok;
     // Null for another node: a stray pointer access faults instead of touching the wrong memory.
@@ -244,7 +244,7 @@ void CudaBuffer::refresh_tables(cudaStream_t stream) {
     t[world_ + r] = ok ? reinterpret_cast<int64_t>(d) : 0;
   }
   if (bad.tellp() > 0)
-    unreachable_ = "comet.symm (CUDA): rank " + std::to_string(rank_) +
+    unreachable_ = "comet.buffers.symm (CUDA): rank " + std::to_string(rank_) +
                    " cannot reach the symmetric memory of rank(s) " + bad.str() +
                    " by pointer (other nodes, reached through NVSHMEM put-with-signal; or GPUs "
                    "without peer-to-peer access)";
@@ -360,7 +360,7 @@ std::shared_ptr<CudaBuffer> find_cuda_buffer(int64_t handle) {
       throw std::invalid_argument(
           "comet: buffer " + std::to_string(handle) +
           " is a CPU buffer but the inputs are CUDA tensors; use a CUDA buffer "
-          "(comet.symm_cuda.buffer_for(group, device)) for CUDA inputs");
+          "(comet.buffers.symm_cuda.buffer_for(group, device)) for CUDA inputs");
     throw std::invalid_argument("comet: no live CUDA buffer with handle " +
                                 std::to_string(handle) + " (closed, or never created)");
   }
@@ -386,7 +386,7 @@ namespace {
 at::Tensor nvshmem_unique_id() {
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   if (nvshmemx_get_uniqueid(&id) != 0)
-    throw std::runtime_error("comet.symm (CUDA): nvshmemx_get_uniqueid failed");
+    throw std::runtime_error("comet.buffers.symm (CUDA): nvshmemx_get_uniqueid failed");
   at::Tensor t = at::empty({int64_t(sizeof(id))}, at::kByte);
   std::memcpy(t.data_ptr(), &id, sizeof(id));
   return t;
@@ -410,11 +410,11 @@ bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64
   static bool device_state_ready = false;
   if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
     TORCH_CHECK(nvshmem_my_pe() == rank && nvshmem_n_pes() == world,
-                "comet.symm (CUDA): NVSHMEM is already initialised as PE ", nvshmem_my_pe(),
+                "comet.buffers.symm (CUDA): NVSHMEM is already initialised as PE ", nvshmem_my_pe(),
                 " of ", nvshmem_n_pes(), ", not as rank ", rank, " of ", world);
     if (!device_state_ready) {
       TORCH_CHECK(init_with_device_state(0, nullptr) == 0,
-                  "comet.symm (CUDA): setting up NVSHMEM's device state for comet's proxy kernel "
+                  "comet.buffers.symm (CUDA): setting up NVSHMEM's device state for comet's proxy kernel "
                   "failed (NVSHMEM was initialised by another library)");
       device_state_ready = true;
     }
@@ -422,15 +422,15 @@ bool nvshmem_bootstrap(const at::Tensor& uid, int64_t rank, int64_t world, int64
   }
   TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte &&
                   uid.numel() == int64_t(sizeof(nvshmemx_uniqueid_t)),
-              "comet.symm (CUDA): bad NVSHMEM unique id");
+              "comet.buffers.symm (CUDA): bad NVSHMEM unique id");
   cuda_check(cudaSetDevice(int(device)), "cudaSetDevice");
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, uid.contiguous().data_ptr(), sizeof(id));
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   TORCH_CHECK(nvshmemx_set_attr_uniqueid_args(int(rank), int(world), &id, &attr) == 0,
-              "comet.symm (CUDA): nvshmemx_set_attr_uniqueid_args failed");
+              "comet.buffers.symm (CUDA): nvshmemx_set_attr_uniqueid_args failed");
   TORCH_CHECK(init_with_device_state(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) == 0,
-              "comet.symm (CUDA): NVSHMEM initialisation failed (rank ", rank, " of ", world, ")");
+              "comet.buffers.symm (CUDA): NVSHMEM initialisation failed (rank ", rank, " of ", world, ")");
   device_state_ready = true;
   return true;
 }
@@ -445,8 +445,8 @@ int64_t buffer_create(int64_t rank, int64_t world, at::IntArrayRef pes, int64_t 
 bool buffer_is_subgroup(int64_t h) { return find_cuda_buffer(h)->subgroup(); }
 
 std::string buffer_unreachable(int64_t h) { return find_cuda_buffer(h)->unreachable(); }
-// This rank's row of the reachability matrix (1: by pointer), and the nodes comet/symm_cuda.py
-// infers from every rank's row (comet/node_shape.py).
+// This rank's row of the reachability matrix (1: by pointer), and the nodes comet/buffers/symm_cuda.py
+// infers from every rank's row (comet/buffers/node_shape.py).
 std::vector<int64_t> buffer_reach(int64_t h) {
   const auto& r = find_cuda_buffer(h)->reach();
   return std::vector<int64_t>(r.begin(), r.end());

@@ -1,8 +1,8 @@
-"""Run with the pre-ranks_per_node comet/perfmodel.py (commit 1403adf) on PYTHONPATH:
+"""Run with the pre-ranks_per_node comet/tune/perfmodel.py (commit 1403adf) on PYTHONPATH:
    python tests/data/gen_perfmodel_one_node.py tests/data/perfmodel_one_node.json
-Golden one-node predictions of comet.perfmodel (generated from the model before ranks_per_node)."""
+Golden one-node predictions of comet.tune.perfmodel (generated from the model before ranks_per_node)."""
 import json, random, sys
-from comet import perfmodel as pm
+from comet.tune import perfmodel as pm
 
 PRESETS = {"mixtral": (4096, 14336, 8, 2), "qwen2": (2048, 1408, 64, 4), "phi3.5": (4096, 6400, 16, 2)}
 out = []

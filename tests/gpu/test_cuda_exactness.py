@@ -62,7 +62,7 @@ def test_layer1_within_its_own_roundings(world, case, dtype):
 def test_graph_replays_new_routing_and_values(world):
     """Capture once, then copy new tokens, new routing and new weights into the captured inputs
     and replay: every output must be the new inputs' result."""
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     rank, w = world
     case = dataclasses.replace(cases_for(w)[0], hidden=64, n0=48, n1=32, seed=11)
@@ -109,7 +109,7 @@ def test_subgroup_layout_structure(world):
     dispatch over that subgroup."""
     import torch.distributed as dist
 
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     rank, w = world
     if w < 4 or w % 2:
@@ -144,7 +144,7 @@ def test_node_reduced_differs_from_per_rank_in_bits_not_in_value(world):
     partial from that node (node-reduced) or two (per rank). Both within tolerance of the
     reference, and not the same bits: a node-reduced buffer that silently ran the per-rank
     combine fails."""
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     rank, w = world
     per_rank = symm_cuda.Buffer(device=_device())

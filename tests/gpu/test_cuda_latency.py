@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import comet
-from comet import symm_cuda
+from comet.buffers import symm_cuda
 from tests.gpu.conftest import all_gather_cpu
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))

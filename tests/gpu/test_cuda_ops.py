@@ -96,7 +96,7 @@ def run_captured(case, dtype, rank):
     inside Buffer.capturable(max_rows = every slot of every rank) after an eager call (which
     sizes the buffer) and a warm-up on a side stream, then replayed 3 times.
     Returns (y0, layout, h, out, inputs, max_rows)."""
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     xs, w0s, w1s, ids, wts = inputs = make_inputs(case, dtype)
     dev = _device()

@@ -39,7 +39,7 @@ def _device():
 
 
 def _buffer():
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     return symm_cuda.buffer_for(None, _device())
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import comet
-import comet.autograd as cag
-from comet import symm, symm_cuda
+import comet.layers.autograd as cag
+from comet.buffers import symm
+from comet.buffers import symm_cuda
 from tests.cases import cases_for, h_from_y0, make_inputs
 from tests.gpu.test_cuda_ops import check_against_reference, run_layers
 

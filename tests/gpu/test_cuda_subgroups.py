@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import comet
 from comet import reference as ref
-from comet import symm_cuda
+from comet.buffers import symm_cuda
 from tests.cases import TOL, cases_for, h_from_y0, make_inputs
 
 

@@ -4,7 +4,7 @@ a table (shown even without -s), so the overlap is visible:
     overlap = (comm + gemm - fused) / min(comm, gemm)      1: perfect overlap, 0: none
 
 Kernel times are the fused kernel alone (first block start to last warp exit, GPU global timer,
-comet.symm_cuda.Buffer.last_kernel_seconds); "op" is the whole call (prologue kernels and copies
+comet.buffers.symm_cuda.Buffer.last_kernel_seconds); "op" is the whole call (prologue kernels and copies
 included) in a call without host synchronisation. Each is the maximum over ranks of the mean of
 10 calls. COMET_GPU_BENCH_TOKENS sets the tokens per rank (default 4096). Skips without a GPU."""
 import os
@@ -12,7 +12,7 @@ import os
 import torch
 
 import comet
-from comet import symm_cuda
+from comet.buffers import symm_cuda
 from tests.gpu.conftest import all_gather_cpu
 
 HIDDEN, N0, N1, TOPK = 2048, 2 * 1408, 1408, 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import comet  # noqa: F401
-import comet.autograd as cag
+import comet.layers.autograd as cag
 
 COUNTS = [[40, 0, 0, 72], [24, 8, 0, 200]]  # [W=2, E_local=4]; expert 2 has no rows
 

@@ -30,7 +30,7 @@ def _device():
 
 
 def _buffer():
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     return symm_cuda.buffer_for(None, _device())
 
@@ -102,7 +102,7 @@ def test_node_reduced_combine_matches_reference(world, dtype):
     """Buffer(node_reduce=True): a node's partials summed on the home's relay there (in the combine
     kernel) and one row per (token, node) put across; every awkward case against the reference
     at the dtype's tolerance, back to back on one buffer."""
-    from comet import symm_cuda
+    from comet.buffers import symm_cuda
 
     rank, w = world
     buf = symm_cuda.Buffer(device=_device(), node_reduce=True)

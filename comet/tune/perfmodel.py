@@ -144,7 +144,7 @@ counts, launch overheads; across nodes: message-rate limits of small puts (layer
 if its partials leave in messages of at least a row; per-N-tile slices of 256 bytes would be
 message-rate bound), switch congestion beyond rail alignment, the PCIe path between GPU and NIC,
 and the extra HBM traffic of the NIC's writes.  Constants marked "assumption" are to be calibrated by measurement; the
-measured autotuner (comet.tuner.tune) overrides the model wherever it has run.
+measured autotuner (comet.tune.tuner.tune) overrides the model wherever it has run.
 """
 
 from __future__ import annotations
@@ -1324,7 +1324,7 @@ def choose_n_comm(
 # Backward (a training step's second half)
 # ----------------------------------------------------------------------------------------------
 #
-# comet.autograd's backward of one op (module doc there) is collective calls of the same fused
+# comet.layers.autograd's backward of one op (module doc there) is collective calls of the same fused
 # ops plus the weight-gradient GEMM, overlapped as Lancet does:
 #
 # * layer0's backward (``shape.N = N0``): dx = a moe_layer1-type call (GEMM [M, N0] x [N0, H],
@@ -1382,7 +1382,7 @@ def weight_grad_time(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TI
 
 
 def _virtual_token_shape(shape: MoEShape) -> MoEShape:
-    """The virtual-token calls' shape: T k tokens of one slot, rows of 8 bf16 (comet.autograd)."""
+    """The virtual-token calls' shape: T k tokens of one slot, rows of 8 bf16 (comet.layers.autograd)."""
     return replace(shape, k=1, T=shape.T * shape.k, H=8, N=8, dtype_bytes=2, remote_rows=None,
                    partial_bytes=None)
 

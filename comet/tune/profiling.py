@@ -1,11 +1,11 @@
 """Profiling hooks of the autotuner: measure one fused op call per candidate config on the real
 backend (the CPU backend's threads and shared memory here, the CUDA kernels on a GPU).
 
-``comet.ops`` registers them in ``comet.tuner.PROFILERS`` on import, so ``comet.tuner.profile``
+``import comet`` registers them in ``comet.tune.tuner.PROFILERS``, so ``comet.tune.tuner.profile``
 and ``python -m comet.tune --profile`` measure real candidates::
 
     # CPU backend, 2 ranks, a scaled-down shape; --sm-count = threads per rank (= the key's
-    # block budget, which comet.ops takes from $COMET_CPU_BLOCKS or max(2, cores // W))
+    # block budget, which comet.layers.ops takes from $COMET_CPU_BLOCKS or max(2, cores // W))
     torchrun --nproc-per-node 2 -m comet.tune --model custom --hidden 128 --ffn 448 \\
         --experts 8 --topk 2 --tokens 512 --dtype fp32 --gpu cpu --sm-count 2 --world 2 --profile
 
@@ -15,7 +15,7 @@ rank then calls ``run_fn`` with the same configs in the same order (``Tuner.tune
 Inputs are synthetic: ``T = shape.T`` tokens per rank, uniform top-k routing over distinct
 experts, seeded by rank. One measurement is one op call after a barrier of the group: wall clock
 on the CPU, CUDA events on a GPU (the GPU path is untested: no GPU where this was written).
-``n_gemm`` follows comet.ops: ``key.sm_count - n_comm`` (at least 1) on the CPU, 0 (every SM not
+``n_gemm`` follows comet.layers.ops: ``key.sm_count - n_comm`` (at least 1) on the CPU, 0 (every SM not
 used for comm) on a GPU.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from comet import symm
-from comet import tuner as tn
+from comet.buffers import symm
+from comet.tune import tuner as tn
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,6 +130,6 @@ def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
 
 
 def register() -> None:
-    """Install the hooks in comet.tuner.PROFILERS (called by comet.ops on import)."""
+    """Install the hooks in comet.tune.tuner.PROFILERS (called by comet on import)."""
     tn.PROFILERS["layer0"] = layer0_profiler
     tn.PROFILERS["layer1"] = layer1_profiler

@@ -2,7 +2,7 @@
 nodes of `ranks_per_node` consecutive group ranks; same-node peers are reached by pointer, the
 others only by put-with-signal).
 
-comet.symm_cuda gathers every rank's row (nvshmem_ptr != null for the peer's header and data) and
+comet.buffers.symm_cuda gathers every rank's row (nvshmem_ptr != null for the peer's header and data) and
 calls `ranks_per_node`; a group that does not split into such nodes is refused with the ranks that
 break the pattern, because the kernels would otherwise dereference memory they cannot reach or
 route through relays that are not there. Pure Python, so it is tested without GPUs."""

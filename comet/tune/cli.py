@@ -8,7 +8,7 @@ labelled: model, not measured), with the communication split into its NVLink (in
 NIC (inter-node) parts when the group spans several nodes.  On a GPU (or with ``--profile`` on the CPU backend) inside a
 torch.distributed job of ``--world`` ranks (e.g. ``torchrun --nproc-per-node 8 -m comet.tune ...``;
 a single rank needs no launcher) it then profiles candidate configs through the hooks in
-``comet.tuner.PROFILERS`` (filled in by the compiled ops), stores the winners in the tuning cache
+``comet.tune.tuner.PROFILERS`` (filled in by the compiled ops), stores the winners in the tuning cache
 and prints them; without those hooks it says that profiling needs the compiled ops.
 """
 
@@ -250,22 +250,22 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
 
 
 def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) -> int:
-    """Measure both layers through comet.tuner.PROFILERS; returns an exit code. ``say`` prints
+    """Measure both layers through comet.tune.tuner.PROFILERS; returns an exit code. ``say`` prints
     (a no-op on ranks other than 0)."""
     missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
     if missing:
         try:  # the ops module registers the hooks when it is imported with its extension built
             import importlib
 
-            importlib.import_module("comet.ops")
+            importlib.import_module("comet.layers.ops")
         except Exception as e:  # noqa: BLE001
-            say(f"profiling needs the compiled ops: importing comet.ops failed ({e!r}); "
+            say(f"profiling needs the compiled ops: importing comet.layers.ops failed ({e!r}); "
                 f"showing the cost model only.")
             return 1
         missing = [f"layer{l}" for l in (0, 1) if f"layer{l}" not in tn.PROFILERS]
         if missing:
             say(f"profiling needs the compiled ops: no profiler registered for {missing} "
-                f"in comet.tuner.PROFILERS; showing the cost model only.")
+                f"in comet.tune.tuner.PROFILERS; showing the cost model only.")
             return 1
     import torch.distributed as dist
 
@@ -358,6 +358,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return rc if args.profile else 0
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -215,7 +215,7 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     for name, v, low in (("tokens", tokens, 0), ("hidden", hidden, 0), ("topk", topk, 1),
                          ("num_experts", num_experts, 1), ("world", world, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"comet.symm.required_bytes: {name} must be an int >= {low}, "
+            raise ValueError(f"comet.buffers.symm.required_bytes: {name} must be an int >= {low}, "
                              f"got {v!r}")
     # The CPU backend accumulates float64 inputs' weights in float64 (ops_cpu.cpp), else float32.
     acc = 8 if dtype == torch.float64 else 4

@@ -1,9 +1,9 @@
-"""comet.symm's GPU backend: NVSHMEM symmetric memory for the CUDA kernels of comet's ops.
+"""comet.buffers.symm's GPU backend: NVSHMEM symmetric memory for the CUDA kernels of comet's ops.
 
 One `Buffer` per expert-parallel group owns, on every rank, a header (flags and call metadata) and
 a growable data segment on the NVSHMEM heap, plus the peer pointer tables the kernels use
 (nvshmem_ptr): the kernels load and store same-node peers' memory directly (NVLink / P2P). Peers
-not reachable by pointer must form whole nodes of consecutive group ranks (comet/node_shape.py
+not reachable by pointer must form whole nodes of consecutive group ranks (comet/buffers/node_shape.py
 infers `ranks_per_node` from every rank's reachability and refuses other shapes); they are reached
 with NVSHMEM put-with-signal, issued by a proxy kernel that runs beside each call's kernels
 (csrc/cuda/proxy.h), and each relay's data segment holds room for the mirrors of the other
@@ -19,7 +19,7 @@ of 4 in a world of 8, each process creating the buffer of its group); a subgroup
 grow inside a call: reserve() it (or pass capacity_bytes) for the largest token count first, else
 the call raises with the bytes it needs. The heap size is NVSHMEM's, fixed when NVSHMEM starts:
 pass the largest shape as `reserve=dict(tokens=..., hidden=..., topk=..., num_experts=...)` to the
-first Buffer (or init_nvshmem) and comet sets NVSHMEM_SYMMETRIC_SIZE from comet.symm.required_bytes
+first Buffer (or init_nvshmem) and comet sets NVSHMEM_SYMMETRIC_SIZE from comet.buffers.symm.required_bytes
 unless the user set it; a grow frees the old segment before allocating the new one.
 
 Streams: a buffer's calls run on one stream at a time (comet/stream_rule.h): the first call binds
@@ -48,7 +48,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from comet import node_shape, symm
+from comet.buffers import node_shape
+from comet.buffers import symm
 from comet._native import _C
 
 DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
@@ -84,14 +85,14 @@ def _device(device) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError(f"comet.symm_cuda: {device} is not a CUDA device")
+        raise ValueError(f"comet.buffers.symm_cuda: {device} is not a CUDA device")
     return torch.device("cuda", torch.cuda.current_device() if device.index is None
                         else device.index)
 
 
 def heap_bytes(reserve, world: int | None = None) -> int:
     """NVSHMEM symmetric heap bytes one buffer takes for `reserve`: data segment bytes (int), or
-    the shape as comet.symm.required_bytes' keywords (world defaults to the default group's size;
+    the shape as comet.buffers.symm.required_bytes' keywords (world defaults to the default group's size;
     ranks_per_node to one node), plus the header and NVSHMEM_HEADROOM."""
     if isinstance(reserve, dict):
         shape = dict(reserve)
@@ -106,7 +107,7 @@ def heap_bytes(reserve, world: int | None = None) -> int:
 def init_nvshmem(device=None, *, reserve=None) -> None:
     """Bootstraps NVSHMEM for this process (collective over the default group; once).
 
-    reserve: the largest shape the buffers will serve (a dict of comet.symm.required_bytes'
+    reserve: the largest shape the buffers will serve (a dict of comet.buffers.symm.required_bytes'
     keywords, or data segment bytes): NVSHMEM_SYMMETRIC_SIZE is set from it (never below
     NVSHMEM's default) unless the environment already sets it."""
     global _nvshmem_world
@@ -283,7 +284,7 @@ class Buffer:
     def reserve(self, *, tokens: int, hidden: int, topk: int, num_experts: int,
                 dtype=torch.bfloat16) -> None:
         """Room for calls of both layers with up to `tokens` tokens per rank (collective):
-        comet.symm.required_bytes for this buffer's group."""
+        comet.buffers.symm.required_bytes for this buffer's group."""
         self.reserve_bytes(symm.required_bytes_of(self, tokens=tokens, hidden=hidden, topk=topk,
                                                   num_experts=num_experts, dtype=dtype))
 
@@ -316,7 +317,7 @@ class Buffer:
             dist.barrier(group=None if self.subgroup else self.group)
 
     def __repr__(self):
-        return (f"comet.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "
+        return (f"comet.buffers.symm_cuda.Buffer(rank={self.rank}, world={self.world}, "
                 f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
                 f"device={self.device}, "
                 f"handle={self.handle})")

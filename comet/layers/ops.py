@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from comet import perfmodel as pm
-from comet import symm
+from comet.tune import perfmodel as pm
+from comet.buffers import symm
 from comet._native import _C  # noqa: F401  (registers the ops)
 
 CPU_TILE = (32, 64)
@@ -90,8 +90,8 @@ def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_exper
 
 # -- Launch configuration: the tuner's choice unless the caller says otherwise ---------------------
 #
-# Key: (arch, blocks, dtype, layer, W, E, k, H, N, token bucket), see comet.tuner.TuneKey.
-# * arch/blocks: the CUDA device's model name as comet.tuner.detect_device spells it and its SM
+# Key: (arch, blocks, dtype, layer, W, E, k, H, N, token bucket), see comet.tune.tuner.TuneKey.
+# * arch/blocks: the CUDA device's model name as comet.tune.tuner.detect_device spells it and its SM
 #   count; on the CPU "cpu" and the per-rank thread budget ($COMET_CPU_BLOCKS, else
 #   max(2, cores // W): the ranks of a group share one host's cores). n_gemm: 0 on the GPU (every
 #   SM not used for comm), blocks - n_comm (at least 1) on the CPU.
@@ -161,7 +161,7 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
     tuner's ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were
     given, or "fallback" when the shape is not one the tuner handles (the op's checks then report
     it); band_n is layer1's band width (the tuner's; 1, column order, without one)."""
-    from comet import tuner as tn
+    from comet.tune import tuner as tn
 
     cpu = device_type != "cuda"
     if cpu:
@@ -214,7 +214,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
                   w_transposed: bool = False, ranks_per_node: int | None = None,
                   node_reduce: bool = False, with_band: bool = False):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
-    (comet.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
+    (comet.tune.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
     with_band: also layer1's band_n (n-tiles per column band), the tuner's choice.
 
     layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1]
@@ -245,7 +245,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
 
 def _buffer_for(buffer, group, t):
     """The explicit buffer, else the group's buffer of the backend t lives on (CUDA tensors: the
-    NVSHMEM one of comet.symm_cuda when this build has CUDA kernels)."""
+    NVSHMEM one of comet.buffers.symm_cuda when this build has CUDA kernels)."""
     if buffer is not None:
         return buffer
     # A plain dict read, which torch.compile traces (and guards on); the lookup that may create
@@ -281,7 +281,7 @@ def _group_buffer_key(group_name, device) -> tuple:
     group = None if group_name is None else \
         torch.distributed.distributed_c10d._resolve_process_group(group_name)
     if device is not None and device.type == "cuda" and _C.with_cuda:
-        from comet import symm_cuda
+        from comet.buffers import symm_cuda
 
         buf, backend = symm_cuda.buffer_for(group, device), "cuda"
     else:
@@ -354,15 +354,3 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
                                       b1, bool(w1_transposed), int(layout.max_rows), band_n)
-
-
-# Backward formulas of both ops (torch.library.register_autograd), so the ops and these wrappers
-# are differentiable; imported last because comet.autograd builds on the definitions above.
-from comet import autograd as _autograd  # noqa: E402,F401
-
-
-# The autotuner's profiling hooks (comet.tuner.PROFILERS) measure these ops: registered here, so
-# that they exist exactly when the compiled ops do.
-from comet import profiling as _profiling  # noqa: E402
-
-_profiling.register()

@@ -51,7 +51,7 @@ compute() waits for the same submit-time event on the stream current then.
 
 Deferred weight gradients (like Megatron's backward_dw, for pipeline schedules)::
 
-    with comet.autograd.defer_weight_grads() as q:   # active during backward (or forward)
+    with comet.layers.autograd.defer_weight_grads() as q:   # active during backward (or forward)
         loss.backward()                               # dx/dh/dweights now, dW recorded in q
     ...                                               # e.g. the next micro-batch's backward
     q.compute()                                       # or compute_deferred_weight_grads()
@@ -82,7 +82,7 @@ import threading
 
 import torch
 
-from comet import ops as _ops  # noqa: F401  (the ops and their fake kernels)
+from comet.layers import ops as _ops  # noqa: F401  (the ops and their fake kernels)
 
 __all__ = [
     "DeferredWeightGrads",

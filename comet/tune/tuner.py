@@ -13,7 +13,7 @@ Pieces
   what is on disk); a corrupt file is reported with a warning and ignored.
 * :class:`Tuner` -- :meth:`Tuner.choose` answers from the cache (exact bucket, else the nearest
   measured bucket of an otherwise identical key), else from the cost model
-  (:mod:`comet.perfmodel`) for a known GPU or the CPU backend, else a generic default;
+  (:mod:`comet.tune.perfmodel`) for a known GPU or the CPU backend, else a generic default;
   :meth:`Tuner.tune` measures candidates and stores the winner.
 * :func:`tune` -- the same through the process-wide default tuner.
 * :data:`PROFILERS` -- hooks that turn a key into a ``run_fn`` on the real ops; filled in by the ops
@@ -778,7 +778,7 @@ def profile(
     if factory is None:
         raise ProfilerUnavailable(
             f"no profiler registered for {name}: profiling needs the compiled ops "
-            f"(comet.ops fills comet.tuner.PROFILERS when its extension is built and loaded)")
+            f"(comet.layers.ops fills comet.tune.tuner.PROFILERS when its extension is built and loaded)")
     t = default_tuner() if tuner is None else tuner
     shape = key.shape() if shape is None else shape
     if candidates is None:
