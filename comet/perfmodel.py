@@ -138,6 +138,20 @@ GPU, one after the other, like torch + NCCL) and ``limit = max(comm_full, gemm_f
 overlap with every SM serving both; no split reaches it).  Always
 ``limit <= fused <= sequential``.
 
+Expert tensor parallelism (``MoEShape.tp_size = t``, :func:`tp_traffic`): TP-innermost ranks,
+``EP = W / t`` expert-parallel groups, each rank holding ``1 / t`` of every local expert's N
+columns (``N`` is the shard).  Each layer has two ways to move its rows, derived in the section
+"Expert tensor parallelism" below: layer0 sends every slot row to each of the t ranks ("direct")
+or each token once per EP rank and then all-gathers inside the TP group ("group", MoNTA's
+split); layer1 sends t partial rows home ("direct") or reduce-scatters over H inside the group
+and sends H / t columns home ("group").  The model computes both paths' rows per link and takes
+the one whose comm alone is shorter (:func:`choose_tp_path`); ``predict`` reports it.
+
+FP8 (``dtype_bytes = 1``, section "FP8" below): layer0's rows carry H bytes plus 4 ceil(H / 128)
+scale bytes; layer1's partials stay bf16 (the output dtype); the GEMM runs at
+``GpuSpec.fp8_tflops`` (the datasheets' dense FP8 figure, 2x bf16 on sm_90) on FP8 operands with
+their scales and a bf16 output.
+
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
 tile is an input), L2 effects beyond the A sweeps above, NVLink contention between ranks, load imbalance beyond the measured
 counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
@@ -880,15 +894,19 @@ def _check_layer(layer: int) -> None:
 # called for t > 1, so the model's predictions for t = 1 are unchanged bit for bit.
 #
 # The choice (:func:`choose_tp_path`): each path's comm alone on the whole GPU (every link and
-# the HBM side at its achievable rate, the links overlapping as in :func:`comm_time`); the
-# shorter wins, ties to "direct".  :func:`tp_alternatives` reports both paths' rows per link.
+# the HBM side at its achievable rate, the links overlapping as in :func:`comm_time`); "group"
+# wins only when it is shorter by more than TP_PATH_SLACK, else "direct".  :func:`tp_alternatives` reports both paths' rows per link.
 # The pipeline (:func:`predict`) runs the chosen path's rows as today's streams: the group path's
 # all-gather (layer0) is treated as rows available from the start once its extra latency is paid,
 # which is optimistic about the second hop's dependency.
 
 TP_PATHS = ("direct", "group")
+# The group path must beat direct's comm by more than this fraction to be chosen: its second hop
+# depends on the first, which the pipeline treats optimistically (see above), and it needs the
+# TP group in step (a policy margin, not a measured constant).
+TP_PATH_SLACK = 0.02
 
-__all__ += ["TP_PATHS", "tp_traffic", "choose_tp_path", "resolve_tp_path", "tp_alternatives",
+__all__ += ["TP_PATHS", "TP_PATH_SLACK", "tp_traffic", "choose_tp_path", "resolve_tp_path", "tp_alternatives",
             "dtype_name", "fp8_scale_bytes", "FP8_SCALE_BLOCK", "FP8_SCALE_BYTES", "FP8_OUT_BYTES"]
 
 
@@ -966,13 +984,13 @@ def _tp_combine_partials(shape: "MoEShape") -> float:
 
 
 def choose_tp_path(shape: "MoEShape", spec: "GpuSpec", layer: int) -> str:
-    """The TP path whose comm, alone on the whole GPU, is shorter (ties: "direct"); "direct"
-    without TP."""
+    """The TP path whose comm, alone on the whole GPU, is shorter: "group" where it is shorter
+    by more than TP_PATH_SLACK, else "direct" (also without TP)."""
     if shape.tp_size == 1:
         return "direct"
     t = {path: comm_time(replace(shape, tp_path=path), spec, spec.max_blocks, layer)
          for path in TP_PATHS}
-    return "group" if t["group"] < t["direct"] else "direct"
+    return "group" if t["group"] < t["direct"] * (1 - TP_PATH_SLACK) else "direct"
 
 
 def resolve_tp_path(shape: "MoEShape", spec: "GpuSpec", layer: int) -> "MoEShape":
@@ -1153,10 +1171,11 @@ def block_nic_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     partials it has just reduced: no per-tile index round trips).  Flat layer0 (no node-first):
     the destination gets every slot row from its source as it pulls a same-node peer's, so per
     m-tile it first resolves the rows' origins over the NIC (two dependent round trips of
-    2 * nic_latency_us), like :func:`block_link_rate`."""
+    2 * nic_latency_us), like :func:`block_link_rate`.  The TP group path (:func:`tp_traffic`)
+    pushes token rows like node-first dispatch: spec.block_nic_bw."""
     _check_layer(layer)
     rate = spec.block_nic_bw
-    if layer == 1 or shape.node_first:
+    if layer == 1 or shape.node_first or (shape.tp_size > 1 and _tp_path(shape) == "group"):
         return rate
     tile_bytes = DEFAULT_TILE[0] * shape.row_bytes
     return tile_bytes / (tile_bytes / rate + 2 * 2 * spec.nic_latency_us * 1e-6)
