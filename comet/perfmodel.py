@@ -145,7 +145,8 @@ columns (``N`` is the shard).  Each layer has two ways to move its rows, derived
 or each token once per EP rank and then all-gathers inside the TP group ("group", MoNTA's
 split); layer1 sends t partial rows home ("direct") or reduce-scatters over H inside the group
 and sends H / t columns home ("group").  The model computes both paths' rows per link and takes
-the one whose comm alone is shorter (:func:`choose_tp_path`); ``predict`` reports it.
+the group path where its comm alone is shorter by more than ``TP_PATH_SLACK``, else direct
+(:func:`choose_tp_path`); ``predict`` reports it.
 
 FP8 (``dtype_bytes = 1``, section "FP8" below): layer0's rows carry H bytes plus 4 ceil(H / 128)
 scale bytes; layer1's partials stay bf16 (the output dtype); the GEMM runs at
@@ -592,8 +593,8 @@ class MoEShape:
     ``W`` ranks, ``E`` experts (``W`` divides ``E``), top-``k``, hidden size ``H`` (the width of
     every row that crosses the links), ``N`` the per-expert GEMM size that is not ``H`` (layer0:
     output columns ``N0``, e.g. ``2 * ffn`` for a gated FFN; layer1: reduction size ``N1 = ffn``),
-    ``T`` tokens per rank, ``dtype_bytes`` per element (1: FP8 operands with their scales, see
-    "FP8" below :func:`tp_traffic`).  Optional measurements replace the
+    ``T`` tokens per rank, ``dtype_bytes`` per element (1: FP8 operands with their scales, see the
+    module's section "FP8").  Optional measurements replace the
     uniform-routing expectations: ``remote_rows`` (rows this rank moves over the links for this
     layer: layer0 rows received, layer1 partial rows sent) and ``expert_rows`` (GEMM rows of each
     local expert, ``E / W`` values).  ``partial_bytes`` is the element size of layer1's partial
