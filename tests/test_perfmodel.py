@@ -718,3 +718,210 @@ def test_max_band_fits_the_l2_share():
     slab = 128 * 14336 * 2
     assert b * slab <= spec.l2_mb * 1e6 * pm.L2_REUSE_FRACTION < (b + 1) * slab
     assert pm.max_band(shape, dataclasses.replace(spec, l2_mb=1.0)) == 1  # nothing fits: b = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert tensor parallelism (tp_size): the direct and group paths, the model's choice
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tp_size_1_is_the_model_without_tp_bit_for_bit():
+    """An explicit tp_size=1 reproduces the golden predictions of the model before TP (a sample of
+    tests/data/perfmodel_one_node.json) and reports the direct path."""
+    entries = _golden_entries()
+    for e in entries[::7]:
+        d = dict(e["shape"])
+        if "expert_rows" in d:
+            d["expert_rows"] = tuple(d["expert_rows"])
+        spec = dataclasses.replace(pm.GPUS[e["gpu"]], l2_mb=math.inf)
+        shape = pm.MoEShape(**d, tp_size=1)
+        assert shape.ep_size == shape.W and shape.E_local == shape.E // shape.W
+        if "predict" in e:
+            p = pm.predict(shape, spec, e["n_comm"], e["layer"])
+            assert {k: p[k] for k in e["predict"]} == e["predict"], e
+            assert p["tp_path"] == "direct"
+        else:
+            assert pm.choose_n_comm(shape, spec, e["layer"]) == e["choose"]
+
+
+def _tp(W=8, E=32, k=4, t=4, T=1024, H=1024, N=256, P=None, **kw):
+    return pm.MoEShape(W=W, E=E, k=k, H=H, N=N, T=T, tp_size=t, ranks_per_node=P, **kw)
+
+
+def test_tp_traffic_formulas_one_node():
+    s = _tp()
+    W, t, EP, T, k = 8, 4, 2, 1024, 4
+    p = pm.hit_probability(EP, 32, k)
+    assert s.ep_size == EP and s.E_local == 16
+    assert sum(pm.expert_rows(s)) == pytest.approx(t * T * k)  # every rank of an EP rank: all rows
+    d0 = pm.tp_traffic(s, 0, "direct")
+    assert d0.local + d0.same_node == pytest.approx(t * T * k) and d0.nic == 0
+    assert d0.same_node == pytest.approx(T * k * (W - 1) / EP)
+    g0 = pm.tp_traffic(s, 0, "group")
+    assert g0.same_node == pytest.approx(T * p * (W - 1))  # de-duplicated per (token, EP rank)
+    assert g0.same_node / d0.same_node == pytest.approx(EP * p / k)
+    assert g0.local == pytest.approx(T * p + t * T * k)  # own stage + the expansion into slots
+    d1, g1 = pm.tp_traffic(s, 1, "direct"), pm.tp_traffic(s, 1, "group")
+    assert d1.same_node == pytest.approx(T * p * (W - 1)) and d1.local == pytest.approx(T * p)
+    assert g1.same_node == pytest.approx(T * p * (W - 1 / t))  # the reduce-scatter costs NVLink
+    assert g1.local == pytest.approx(T * p / t)
+    # EP = 1 (t = W): every token hits the one EP rank; nothing crosses groups
+    s8 = _tp(t=8)
+    assert pm.tp_traffic(s8, 0, "group").same_node == pytest.approx(7 * 1024)
+
+
+def test_tp_group_paths_cut_the_nic_rows():
+    """Across nodes (2 x 8, t = 4): layer0's group path moves EP p / (k t) <= 1/t of direct's NIC
+    rows, layer1's 1/t; and the model picks the group path for layer1 there."""
+    s = _tp(W=16, E=64, k=4, t=4, P=8, H=4096, N=512)
+    EP, k, t = 4, 4, 4
+    p = pm.hit_probability(EP, 64, k)
+    n0 = {path: pm.tp_traffic(s, 0, path).nic for path in pm.TP_PATHS}
+    n1 = {path: pm.tp_traffic(s, 1, path).nic for path in pm.TP_PATHS}
+    assert n0["group"] / n0["direct"] == pytest.approx(EP * p / (k * t))
+    assert n0["group"] <= n0["direct"] / t
+    assert n1["group"] == pytest.approx(n1["direct"] / t)
+    spec = pm.GPUS["h800"]
+    assert pm.choose_tp_path(s, spec, 1) == "group"
+    assert pm.predict(s, spec, 20, 1)["tp_path"] == "group"
+    assert s.node_first is False  # no node-first relay with TP
+
+
+def test_tp_choice_is_the_shorter_comm_and_explicit_paths_are_honoured():
+    spec = pm.GPUS["h100"]
+    for s in (_tp(), _tp(t=8), _tp(E=8, k=2, t=4), _tp(W=16, E=64, t=4, P=8)):
+        for layer in (0, 1):
+            alt = pm.tp_alternatives(s, spec, layer)
+            chosen = pm.choose_tp_path(s, spec, layer)
+            group_wins = alt["group"]["comm_full"] < alt["direct"]["comm_full"] * (1 - pm.TP_PATH_SLACK)
+            assert chosen == ("group" if group_wins else "direct")
+            assert pm.resolve_tp_path(s, spec, layer).tp_path == chosen
+            for path in pm.TP_PATHS:
+                fixed = dataclasses.replace(s, tp_path=path)
+                assert pm.predict(fixed, spec, 10, layer)["tp_path"] == path
+                assert pm.comm_time(fixed, spec, spec.max_blocks, layer) == alt[path]["comm_full"]
+    # E32 top4 over EP1 x TP8: 4 slots per token collapse into one row per EP rank
+    assert pm.choose_tp_path(_tp(t=8, H=8192, N=1024), spec, 0) == "group"
+
+
+@FAST
+@given(W=st.sampled_from([2, 4, 8]), t=st.sampled_from([2, 4, 8]), el=st.sampled_from([1, 2, 4]),
+       k=st.integers(1, 4), T=st.sampled_from([0, 7, 256, 2048]), layer=st.sampled_from([0, 1]),
+       path=st.sampled_from(list(pm.TP_PATHS) + [None]), fp8=st.booleans(), spec=specs)
+def test_tp_predictions_keep_the_bounds(W, t, el, k, T, layer, path, fp8, spec):
+    if W % t:
+        t = W
+    E = (W // t) * el
+    if k > E:
+        k = E
+    s = pm.MoEShape(W=W, E=E, k=k, H=512, N=256, T=T, tp_size=t, tp_path=path,
+                    dtype_bytes=1 if fp8 else 2)
+    n = max(1, spec.max_blocks // 4)
+    p = pm.predict(s, spec, n, layer)
+    eps = 1e-12
+    assert p["limit"] <= p["kernel"] * (1 + eps)
+    assert max(p["comm"], p["gemm"]) <= p["kernel"] * (1 + eps) <= p["sequential"] * (1 + 2 * eps)
+    assert p["tp_path"] in pm.TP_PATHS and (path is None or p["tp_path"] == path)
+    c = [pm.comm_time(s, spec, m, layer) for m in (1, 2, 8, spec.max_blocks)]
+    assert all(a >= b * (1 - eps) for a, b in zip(c, c[1:]))  # more comm blocks never slower
+
+
+def test_tp_validation():
+    with pytest.raises(ValueError, match="tp_size=3"):
+        _tp(t=3)
+    with pytest.raises(ValueError, match="must divide E=6"):
+        pm.MoEShape(W=8, E=6, k=2, H=8, N=8, T=1, tp_size=2)  # EP = 4 does not divide 6
+    with pytest.raises(ValueError, match="ranks_per_node=2"):
+        _tp(W=16, E=64, t=4, P=2)
+    with pytest.raises(ValueError, match="node_reduce"):
+        _tp(W=16, E=64, t=4, P=8, node_reduce=True)
+    with pytest.raises(ValueError, match="remote_rows"):
+        _tp(remote_rows=100.0)
+    with pytest.raises(ValueError, match="tp_path"):
+        _tp(tp_path="ring")
+    with pytest.raises(ValueError, match="needs tp_path"):
+        pm.remote_rows(_tp(), 0)  # no spec, no choice
+    assert pm.remote_rows(_tp(tp_path="direct"), 0) > 0
+    assert pm.MoEShape(W=8, E=4, k=2, H=8, N=8, T=1, tp_size=2).E_local == 1  # EP 4 divides E 4
+
+
+def test_flux_configurations_table_inputs():
+    """The TP table's configurations: 8 ranks, 1024 tokens each, shard N / t, and the EP-only
+    alternative has the same GEMM work per rank (E/8 whole experts)."""
+    from comet import tune as cli
+
+    spec = pm.GPUS["h100"]
+    for E, k, t, ep, _, _ in cli.FLUX_CONFIGS:
+        assert ep * t == cli.FLUX_WORLD
+        s = pm.MoEShape(W=8, E=E, k=k, H=8192, N=8192 // t, T=1024, tp_size=t)
+        e = pm.MoEShape(W=8, E=E, k=k, H=8192, N=8192, T=1024)
+        flops = lambda x: sum(pm.expert_rows(x)) * x.N  # noqa: E731
+        assert flops(s) == pytest.approx(flops(e))
+        for layer in (0, 1):
+            p = pm.predict(s, spec, pm.choose_n_comm(s, spec, layer), layer)
+            assert p["fused"] > 0 and p["tp_path"] in pm.TP_PATHS
+
+
+def _docs_tuning():
+    import pathlib
+
+    return (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
+
+
+def test_docs_tp_and_fp8_tables_are_the_scripts_output():
+    """docs/tuning.md keeps `python -m comet.tune --table tp` and `--table fp8` verbatim."""
+    from comet import tune as cli
+
+    text = _docs_tuning()
+    for name, make in cli.TABLES.items():
+        table = make()
+        assert table.count("\n") >= 5
+        assert table in text, f"docs/tuning.md's {name} table is stale; regenerate it with " \
+                               f"python -m comet.tune --table {name}"
+    assert "flux measured ms" in text and "a model of our design" in text
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 (dtype_bytes = 1)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fp8_rates_come_from_the_datasheets():
+    for name in ("h100", "h800", "h200"):
+        spec = pm.GPUS[name]
+        assert spec.fp8_tflops == 1979.0 and spec.peak_flops(1) == 2 * spec.peak_flops(2)
+    assert pm.GPUS["h20"].fp8_tflops == 296.0 and pm.GPUS["l20"].fp8_tflops == 239.0
+    assert pm.GPUS["a100"].fp8_tflops is None  # no FP8 tensor cores: charged the bf16 rate
+    assert pm.GPUS["a100"].peak_flops(1) == pm.GPUS["a100"].peak_flops(2)
+    assert pm.get_spec("h800", 66).peak_flops(1) == pytest.approx(pm.GPUS["h800"].peak_flops(1) / 2)
+
+
+@pytest.mark.parametrize("H", [128, 4096, 7168, 100, 2050])
+def test_fp8_link_bytes(H):
+    """layer0 with FP8 tokens moves (H + 4 ceil(H/128)) / (2 H) of bf16's bytes (the scales
+    travel with the row); layer1's partials stay bf16."""
+    bf = pm.MoEShape(W=8, E=64, k=4, H=H, N=256, T=4096)
+    f8 = dataclasses.replace(bf, dtype_bytes=1)
+    assert f8.is_fp8 and f8.row_bytes == H + 4 * math.ceil(H / 128)
+    ratio = pm.traffic_bytes(f8, 0) / pm.traffic_bytes(bf, 0)
+    assert ratio == pytest.approx((H + 4 * math.ceil(H / 128)) / (2 * H))
+    if H % 128 == 0:
+        assert ratio == pytest.approx((H + 4 * H / 128) / (2 * H))
+    assert pm.traffic_bytes(f8, 1) == pytest.approx(pm.traffic_bytes(bf, 1))
+    assert pm.dtype_bytes("float8_e4m3fn") == pm.dtype_bytes("torch.float8_e5m2") == 1
+    assert pm.dtype_name("e4m3") == "fp8"
+
+
+def test_fp8_gemm_is_twice_as_fast_and_backward_is_bf16():
+    spec = pm.GPUS["h800"]
+    for model in PRESETS:
+        for layer in (0, 1):
+            bf = preset_shape(model, layer)
+            f8 = dataclasses.replace(bf, dtype_bytes=1)
+            tile = pm._tile_seconds(f8, spec, layer, pm.DEFAULT_TILE)
+            assert tile == pytest.approx(pm._tile_seconds(bf, spec, layer, pm.DEFAULT_TILE) / 2)
+            assert pm.gemm_time(f8, spec, 100, layer) < pm.gemm_time(bf, spec, 100, layer)
+            pf = pm.predict(f8, spec, pm.choose_n_comm(f8, spec, layer), layer)
+            pb = pm.predict(bf, spec, pm.choose_n_comm(bf, spec, layer), layer)
+            assert pf["fused"] < pb["fused"] and pf["fused"] < pf["baseline"]
+            assert pm.predict_backward(f8, spec, layer) == pm.predict_backward(bf, spec, layer)

@@ -522,6 +522,13 @@ def test_cli_under_torchrun_prints_on_rank_0_only(tmp_path):
     (["--model", "mixtral", "--world", "8", "--gpu", "x100"], "unknown --gpu 'x100'"),
     (["--model", "mixtral", "--world", "8", "--iters", "0"], "--iters >= 1"),
     (["--model", "mixtral", "--world", "8", "--dtype", "int3"], "int3"),
+    (["--model", "mixtral", "--world", "8", "--tp", "3"], "--tp 3 must be >= 1 and divide --world 8"),
+    (["--model", "mixtral", "--world", "16", "--tp", "1"], "--world 16 must divide the expert count"),
+    (["--model", "qwen2", "--world", "8", "--tp", "8", "--ranks-per-node", "4"],
+     "--tp 8 must divide --ranks-per-node 4"),
+    (["--model", "custom", "--hidden", "64", "--ffn", "6", "--experts", "4", "--topk", "1",
+      "--world", "4", "--tp", "4", "--not-gated"], "--tp 4 must divide N0, N1"),
+    (["--world", "8"], "--model and --world are required"),
 ])
 def test_cli_user_mistakes_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -615,3 +622,70 @@ def test_cli_prints_a_sweeps_and_the_band(tmp_path):
     assert rows["layer1"][-2] == str(pm.choose_band(shape1, pm.GPUS["h800"], n))
     assert int(rows["layer1"][-1]) <= 8  # h read at most 8 times (32 in column order)
     assert rows["layer0"][-2:] == ["-", "1"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert tensor parallelism and FP8 in the key and the CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def test_key_has_tp_size(tmp_path):
+    """tp_size is its own key (ids without TP unchanged); the model answers with the TP shape."""
+    ep = tn.TuneKey("h100", 132, "bf16", 8, 32, 4, 8192, 2048, 1024, 0)
+    tp = tn.TuneKey("h100", 132, "bf16", 8, 32, 4, 8192, 2048, 1024, 0, tp_size=4)
+    assert ep.tp_size == 1 and "|TP" not in ep.id()
+    assert tp.id() == ep.id().replace("|W8|", "|W8|TP4|") and tp.family() != ep.family()
+    assert tn.TuneKey.from_dict(json.loads(json.dumps(tp.to_dict()))) == tp
+    assert tn.TuneKey.from_dict({k: v for k, v in ep.to_dict().items() if k != "tp_size"}) == ep
+    assert tp.shape().tp_size == 4 and tp.shape().ep_size == 2
+    shape = pm.MoEShape(W=8, E=32, k=4, H=8192, N=2048, T=1024, tp_size=4)
+    assert tn.make_key(shape, 0, "bf16", "h100", 132) == tp
+    with pytest.raises(ValueError, match="tp_size=3"):
+        tn.TuneKey("h100", 132, "bf16", 8, 32, 4, 8192, 2048, 1024, 0, tp_size=3)
+    with pytest.raises(ValueError, match="tp_size=2"):
+        tn.TuneKey("h100", 132, "bf16", 8, 6, 2, 8192, 2048, 1024, 0, tp_size=2)  # EP 4 vs E 6
+    tuner = tn.Tuner(tmp_path / "c")
+    tuner.store(ep, tn.Config(9))
+    cfg, src = tuner.choose(tp, explain=True)
+    assert src == "model" and cfg.n_comm == pm.choose_n_comm(shape, pm.GPUS["h100"], 0)
+
+
+def test_key_accepts_fp8():
+    for name in ("fp8", "float8_e4m3fn", "torch.float8_e5m2", "e4m3"):
+        key = tn.TuneKey("h800", 132, name, 8, 8, 2, 4096, 28672, 4096, 0)
+        assert key.dtype == "fp8" and key.shape().dtype_bytes == 1 and "|fp8|" in key.id()
+    assert tn.normalize_dtype("bfloat16") == "bf16"
+    with pytest.raises(ValueError, match="fp8"):
+        tn.normalize_dtype("int4")
+    tuner = tn.Tuner()
+    key = tn.TuneKey("h800", 132, "fp8", 8, 8, 2, 4096, 28672, 4096, 0)
+    assert tuner.choose(key, explain=True)[1] in ("model", "cache", "cache-nearest")
+
+
+def test_cli_tp_and_fp8(capsys, cache_env):
+    assert cli.main(["--model", "custom", "--hidden", "8192", "--ffn", "8192", "--experts", "32",
+                     "--topk", "4", "--not-gated", "--world", "8", "--tp", "4", "--tokens",
+                     "1024", "--gpu", "h100", "--no-profile"]) == 0
+    out = capsys.readouterr().out
+    assert "EP 2 x TP 4" in out and "N0/4=2048" in out
+    assert "16384x2048x8192" in out  # t T k rows per rank, the N shard
+    lines = [line for line in out.splitlines() if "TP path (model's choice)" in line]
+    assert len(lines) == 2
+    shape = pm.MoEShape(W=8, E=32, k=4, H=8192, N=2048, T=1024, tp_size=4)
+    for layer, line in enumerate(lines):
+        assert f"layer{layer} TP path (model's choice): " \
+               f"{pm.choose_tp_path(shape, pm.GPUS['h100'], layer)} " in line
+        assert "direct: NVLink" in line and "group: NVLink" in line
+    assert cli.main(["--model", "mixtral", "--world", "8", "--dtype", "float8_e4m3fn",
+                     "--gpu", "h800", "--no-profile"]) == 0
+    out = capsys.readouterr().out
+    assert "1979 TFLOP/s fp8" in out and "layer0 rows 4224 B" in out
+    assert cli.main(["--model", "mixtral", "--world", "8", "--dtype", "fp8", "--gpu", "a100",
+                     "--no-profile"]) == 0
+    assert "no FP8 tensor cores" in capsys.readouterr().out
+
+
+def test_cli_prints_the_docs_tables(capsys):
+    for name, make in cli.TABLES.items():
+        assert cli.main(["--table", name]) == 0
+        assert capsys.readouterr().out.strip() == make()

@@ -2,6 +2,8 @@
 
     python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
     python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat] [--node-reduce]
+    python -m comet.tune --model custom ... --world 8 --tp 4 [--dtype fp8]   # EP2 x TP4, FP8
+    python -m comet.tune --table tp|fp8          # docs/tuning.md's TP and FP8 tables (markdown)
 
 It always prints, for both fused layers, the cost model's split and predicted times (clearly
 labelled: model, not measured), with the communication split into its NVLink (intra-node) and
@@ -56,10 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m comet.tune",
         description="Choose the comm/GEMM block split of Comet's fused MoE layers: profile on a "
                     "GPU, or show the cost model's choice without one.")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help=f"model preset: {', '.join(MODELS)} (or 'custom' with --hidden/--ffn/"
-                        f"--experts/--topk)")
-    p.add_argument("--world", type=int, required=True, help="expert-parallel ranks W")
+                        f"--experts/--topk); required unless --table")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks W of the group (EP x TP); required unless --table")
+    p.add_argument("--tp", type=int, default=1,
+                   help="expert tensor-parallel size t (default 1): W / t EP ranks, each expert's "
+                        "ffn split over t ranks; must divide --world, the ranks per node and ffn")
+    p.add_argument("--table", choices=sorted(TABLES),
+                   help="print one of docs/tuning.md's model tables (markdown) and exit: tp "
+                        "(flux's four EP x TP configurations on 8 x H100), fp8 (the paper's three "
+                        "shapes in FP8 beside bf16 on 8 x H800)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --world, one node); must divide --world")
     p.add_argument("--flat", action="store_true",
@@ -70,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "partial row per (token, node) over the NIC, sent by the relays after the "
                         "fused kernel")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--dtype", default="bf16",
+                   help="bf16 (default), fp16, fp32 or fp8 (FP8 operands with 1x128 / 128x128 "
+                        "scales, bf16 output)")
     p.add_argument("--gpu", default=None,
                    help=f"GPU to model: {', '.join(pm.GPUS)}, cpu, or 'all' (default: the local "
                         f"GPU, else h800)")
@@ -179,19 +191,23 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
                 max_blocks: Optional[int], tile, tuner: Optional[tn.Tuner] = None,
                 ranks_per_node: Optional[int] = None, node_first: bool = True,
-                node_reduce: bool = False) -> str:
+                node_reduce: bool = False, tp_size: int = 1) -> str:
     """The cost model's choice and predicted times for both layers, as printable text."""
     n0, n1 = layer_dims(model)
     nbytes = pm.DTYPE_BYTES[dtype]
+    t = int(tp_size)
     H, E, k = int(model["H"]), int(model["E"]), int(model["k"])
     rpn = world if ranks_per_node is None else int(ranks_per_node)
     rows: List[List[str]] = []
     notes: List[str] = []
-    for layer, N in ((0, n0), (1, n1)):
+    for layer, N in ((0, n0 // t), (1, n1 // t)):
         shape = pm.MoEShape(W=world, E=E, k=k, H=H, N=N, T=tokens, dtype_bytes=nbytes,
-                            ranks_per_node=rpn, node_first=node_first, node_reduce=node_reduce)
+                            ranks_per_node=rpn, node_first=node_first, node_reduce=node_reduce,
+                            tp_size=t)
         n = pm.choose_n_comm(shape, spec, layer, max_blocks=max_blocks, tile=tile)
         p = pm.predict(shape, spec, n, layer, tile, n_blocks=max_blocks)
+        if t > 1:
+            notes.append(_tp_note(shape, spec, layer, p["tp_path"]))
         m = sum(pm.expert_rows(shape))
         n_out, k_red = pm.gemm_dims(shape, layer)
         rows.append([
@@ -206,22 +222,34 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
         ])
         if tuner is not None:
             key = tn.TuneKey(spec.name, spec.sm_count, dtype, world, E, k, H, N, tokens, layer, rpn,
-                             node_reduce=node_reduce and layer == 1)
+                             node_reduce=node_reduce and layer == 1, tp_size=t)
             cached = tuner.cache.get(key)
             if cached is not None:
                 cfg, k2 = cached
                 band = f" band={cfg.band_n}" if layer == 1 else ""
                 notes.append(f"  layer{layer}: tuning cache has n_comm={cfg.n_comm} tile="
                              f"{cfg.tile_m}x{cfg.tile_n}{band} (measured, bucket T<={k2.tokens})")
-    d = pm.expected_distinct_ranks(world, E, k)
+    d = pm.expected_distinct_ranks(world // t, E, k)
     nodes = world // rpn
     head = (f"Cost model, not measured -- {spec.name} ({spec.sm_count} SMs, "
             f"{spec.peak_flops(nbytes) / 1e12:.4g} TFLOP/s {dtype}, HBM {spec.hbm_gbs:.0f} GB/s, "
             f"{spec.link} {spec.link_gbs:.0f} GB/s per direction")
     if nodes > 1:
         head += f", NIC {spec.nic_gbs:g} GB/s per GPU per direction"
-    head += (f")\n{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} "
-             f"N1={n1} T={tokens} tokens/rank, {dtype}; expected distinct ranks per token {d:.2f}")
+    if t > 1:
+        head += (f")\n{model['title']}: W={world} = EP {world // t} x TP {t}, E={E} "
+                 f"(E/EP={E // (world // t)}) k={k} H={H} N0={n0} N1={n1} (shards N0/{t}="
+                 f"{n0 // t}, N1/{t}={n1 // t}) T={tokens} tokens/rank, {dtype}; expected distinct "
+                 f"EP ranks per token {pm.expected_distinct_ranks(world // t, E, k):.2f}")
+    else:
+        head += (f")\n{model['title']}: W={world} E={E} (E/W={E // world}) k={k} H={H} N0={n0} "
+                 f"N1={n1} T={tokens} tokens/rank, {dtype}; expected distinct ranks per token "
+                 f"{d:.2f}")
+    if dtype == "fp8":
+        head += (f"\nFP8: {spec.peak_flops(1) / 1e12:.4g} TFLOP/s"
+                 f"{'' if spec.fp8_tflops else ' (no FP8 tensor cores: the bf16 rate)'}; layer0 "
+                 f"rows {H + pm.fp8_scale_bytes(H)} B on the links (H + 4 H/128 scale bytes), "
+                 f"layer1 partials in bf16 ({2 * H} B)")
     if nodes > 1:
         dn = pm.expected_distinct_nodes(world, E, k, rpn)
         head += (f"\n{nodes} nodes x {rpn} ranks; "
@@ -281,10 +309,10 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) 
         return 2
     n0, n1 = layer_dims(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for layer, N in ((0, n0), (1, n1)):
+    for layer, N in ((0, n0 // args.tp), (1, n1 // args.tp)):
         key = tn.TuneKey(arch, sm_count, args.dtype, args.world, int(model["E"]), int(model["k"]),
                          int(model["H"]), N, args.tokens, layer, args.ranks_per_node,
-                         node_reduce=args.node_reduce and layer == 1)
+                         node_reduce=args.node_reduce and layer == 1, tp_size=args.tp)
         shape = key.shape(args.tokens)
         cfg = tn.profile(key, shape=shape, tuner=tuner, max_blocks=args.max_blocks,
                          warmup=args.warmup, iters=args.iters,
@@ -296,9 +324,101 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) 
     return 0
 
 
+def _tp_note(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int, path: str) -> str:
+    """One line: the model's TP path for ``layer`` and both paths' rows per link."""
+    alt = pm.tp_alternatives(shape, spec, layer)
+    what = ("direct = every slot row to each of the t TP ranks; group = once per (token, EP rank), "
+            "then an all-gather in the TP group" if layer == 0 else
+            "direct = t partial rows home; group = reduce-scatter over H in the TP group, then H/t "
+            "columns home")
+    rows = "; ".join(f"{p}: NVLink {a['nvlink_rows']:.0f} NIC {a['nic_rows']:.0f} rows, comm "
+                     f"alone {_ms(a['comm_full'])} ms" for p, a in alt.items())
+    return f"  layer{layer} TP path (model's choice): {path} ({what}). {rows}"
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
+    """A markdown table; ``align`` one character per column: l (left) or r (right)."""
+    sep = ["---" if a == "l" else "--:" for a in align]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [headers, sep, *rows])
+
+
+# flux's four MoE configurations (bytedance/flux, docs/performance.md, "MoE MLP"): 8 x H100 over
+# NVLink, M = 8192 tokens (1024 per GPU, sequence-parallel: its test_moe_ag.py all-gathers
+# them over the world), K = 8192 hidden, N = 8192 ffn per expert (no gate: one weight), its
+# default dtype bfloat16; its measured layer0 / layer1 ms on H100.
+FLUX_CONFIGS = (  # (E, topk, TP, EP, flux layer0 ms, flux layer1 ms)
+    (32, 4, 8, 1, 1.146, 1.863),
+    (32, 4, 4, 2, 1.335, 1.685),
+    (8, 2, 8, 1, 0.657, 1.019),
+    (8, 2, 4, 2, 0.955, 0.981),
+)
+FLUX_WORLD, FLUX_TOKENS, FLUX_HIDDEN, FLUX_FFN = 8, 8192, 8192, 8192
+
+
+def _best(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int) -> Dict[str, object]:
+    return pm.predict(shape, spec, pm.choose_n_comm(shape, spec, layer), layer)
+
+
+def tp_table() -> str:
+    """docs/tuning.md's expert-tensor-parallel table: for flux's four configurations, the model's
+    layer0 / layer1 prediction (its TP path, split and fused time) beside flux's published
+    measurement, and the EP-only alternative (t = 1) on the same 8 ranks."""
+    spec = pm.GPUS["h100"]
+    T = FLUX_TOKENS // FLUX_WORLD
+    rows = []
+    for E, k, t, ep, f0, f1 in FLUX_CONFIGS:
+        for layer, flux_ms in ((0, f0), (1, f1)):
+            tp = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN // t, T=T,
+                             tp_size=t)
+            ep_only = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN, T=T)
+            p, q = _best(tp, spec, layer), _best(ep_only, spec, layer)
+            alt = pm.tp_alternatives(tp, spec, layer)
+            rows.append([f"E{E} top{k}", f"EP{ep} x TP{t}", f"layer{layer}", str(p["tp_path"]),
+                         f"{alt['direct']['nvlink_rows']:.0f} / {alt['group']['nvlink_rows']:.0f}",
+                         str(p["n_comm"]), _ms(p["comm"]), _ms(p["gemm"]), _ms(p["fused"]),
+                         f"{flux_ms:.3f}", _ms(q["fused"])])
+    return _md_table(["experts", "ranks", "layer", "TP path", "NVLink rows direct / group",
+                      "n_comm", "comm ms", "GEMM ms", "model fused ms", "flux measured ms",
+                      "EP8 only, model ms"], rows, "lllllrrrrrr")
+
+
+FP8_WORLD, FP8_TOKENS, FP8_GPU = 8, 4096, "h800"
+
+
+def fp8_table() -> str:
+    """docs/tuning.md's FP8 table: the paper's three shapes on 8 x H800 (4096 tokens per rank),
+    the model's split, link bytes per row and fused / unfused / limit times, bf16 / fp8."""
+    spec = pm.GPUS[FP8_GPU]
+    rows = []
+    for name in MODELS:
+        m = MODELS[name]
+        H, E, k = int(m["H"]), int(m["E"]), int(m["k"])
+        for layer, N in zip((0, 1), layer_dims(m)):
+            r = {}
+            for dt in ("bf16", "fp8"):
+                s = pm.MoEShape(W=FP8_WORLD, E=E, k=k, H=H, N=N, T=FP8_TOKENS,
+                                dtype_bytes=pm.DTYPE_BYTES[dt])
+                r[dt] = _best(s, spec, layer)
+                r[dt]["row_bytes"] = pm.traffic_bytes(s, layer) / max(pm.remote_rows(s, layer), 1)
+            pair = lambda key, f: f"{f(r['bf16'][key])} / {f(r['fp8'][key])}"  # noqa: E731
+            rows.append([str(m["title"]), f"layer{layer}", pair("row_bytes", lambda x: f"{x:.0f}"),
+                         pair("n_comm", str), pair("comm", _ms), pair("gemm", _ms),
+                         pair("fused", _ms), pair("baseline", _ms), pair("limit", _ms)])
+    return _md_table(["model", "layer", "link bytes per row", "n_comm", "comm ms", "GEMM ms",
+                      "fused ms", "unfused ms", "limit ms"], rows, "llrrrrrrr")
+
+
+TABLES = {"tp": tp_table, "fp8": fp8_table}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.table:
+        print(TABLES[args.table]())
+        return 0
+    if args.model is None or args.world is None:
+        parser.error("--model and --world are required (unless --table)")
     # a user mistake: one line and status 2 (parser.error), no traceback
     try:
         args.dtype = tn.normalize_dtype(args.dtype)
@@ -310,8 +430,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = resolve_model(args)
     except SystemExit as e:
         parser.error(str(e.code))
-    if int(model["E"]) % args.world:
+    if args.tp < 1 or args.world % args.tp:
+        parser.error(f"--tp {args.tp} must be >= 1 and divide --world {args.world}")
+    if args.tp == 1 and int(model["E"]) % args.world:
         parser.error(f"--world {args.world} must divide the expert count E={model['E']}")
+    if int(model["E"]) % (args.world // args.tp):
+        parser.error(f"--world {args.world} / --tp {args.tp} = {args.world // args.tp} EP ranks "
+                     f"must divide the expert count E={model['E']}")
+    if args.tp > 1 and any(n % args.tp for n in layer_dims(model)):
+        parser.error(f"--tp {args.tp} must divide N0, N1 = {layer_dims(model)} (the shards)")
+    if args.tp > 1 and args.ranks_per_node is not None and args.ranks_per_node % args.tp:
+        parser.error(f"--tp {args.tp} must divide --ranks-per-node {args.ranks_per_node} (a TP "
+                     f"group inside a node)")
+    if args.tp > 1 and args.node_reduce:
+        parser.error("--node-reduce with --tp > 1 is not modelled")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1
                                             or args.world % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must divide --world {args.world}")
@@ -347,7 +479,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say()
         say(model_table(model, spec, args.world, args.tokens, args.dtype, args.max_blocks,
                         args.tile, tuner, ranks_per_node=args.ranks_per_node,
-                        node_first=not args.flat, node_reduce=args.node_reduce))
+                        node_first=not args.flat, node_reduce=args.node_reduce,
+                        tp_size=args.tp))
 
     # Profile by default on a GPU; on the CPU backend only when asked (--profile).
     profile = args.profile if args.profile is not None else has_gpu

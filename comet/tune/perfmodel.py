@@ -138,6 +138,21 @@ GPU, one after the other, like torch + NCCL) and ``limit = max(comm_full, gemm_f
 overlap with every SM serving both; no split reaches it).  Always
 ``limit <= fused <= sequential``.
 
+Expert tensor parallelism (``MoEShape.tp_size = t``, :func:`tp_traffic`): TP-innermost ranks,
+``EP = W / t`` expert-parallel groups, each rank holding ``1 / t`` of every local expert's N
+columns (``N`` is the shard).  Each layer has two ways to move its rows, derived in the section
+"Expert tensor parallelism" below: layer0 sends every slot row to each of the t ranks ("direct")
+or each token once per EP rank and then all-gathers inside the TP group ("group", MoNTA's
+split); layer1 sends t partial rows home ("direct") or reduce-scatters over H inside the group
+and sends H / t columns home ("group").  The model computes both paths' rows per link and takes
+the group path where its comm alone is shorter by more than ``TP_PATH_SLACK``, else direct
+(:func:`choose_tp_path`); ``predict`` reports it.
+
+FP8 (``dtype_bytes = 1``, section "FP8" below): layer0's rows carry H bytes plus 4 ceil(H / 128)
+scale bytes; layer1's partials stay bf16 (the output dtype); the GEMM runs at
+``GpuSpec.fp8_tflops`` (the datasheets' dense FP8 figure, 2x bf16 on sm_90) on FP8 operands with
+their scales and a bf16 output.
+
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
 tile is an input), L2 effects beyond the A sweeps above, NVLink contention between ranks, load imbalance beyond the measured
 counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
@@ -260,6 +275,9 @@ class GpuSpec:
     # Last-level (L2) cache, MB (1e6 B): decides how often layer1's GEMM re-reads h from HBM
     # (:func:`a_sweeps`).
     l2_mb: float = 50.0
+    # Dense tensor-core FP8 (e4m3/e5m2) peak, TFLOP/s (no sparsity); None: no FP8 tensor cores
+    # (sm_80: the model charges the bf16 rate, as for operands dequantised in the GEMM's loader).
+    fp8_tflops: Optional[float] = None
 
     # -- derived, SI units --------------------------------------------------------------------
     @property
@@ -267,8 +285,13 @@ class GpuSpec:
         return self.sm_count * self.blocks_per_sm
 
     def peak_flops(self, nbytes: int = 2) -> float:
-        """FLOP/s of the whole GPU for operands of ``nbytes`` bytes (4: fp32, else tensor cores)."""
-        return (self.fp32_tflops if nbytes >= 4 else self.bf16_tflops) * 1e12
+        """FLOP/s of the whole GPU for operands of ``nbytes`` bytes (4: fp32; 1: FP8 tensor cores
+        where the GPU has them, else the bf16 rate; otherwise bf16/fp16 tensor cores)."""
+        if nbytes >= 4:
+            return self.fp32_tflops * 1e12
+        if nbytes == 1 and self.fp8_tflops is not None:
+            return self.fp8_tflops * 1e12
+        return self.bf16_tflops * 1e12
 
     @property
     def hbm_bw(self) -> float:
@@ -333,6 +356,7 @@ class GpuSpec:
             sm_count=sm_count,
             bf16_tflops=self.bf16_tflops * f,
             fp32_tflops=self.fp32_tflops * f,
+            fp8_tflops=None if self.fp8_tflops is None else self.fp8_tflops * f,
             block_hbm_gbs=self.block_hbm_bw / 1e9,  # per-block rate is a property of the SM
         )
 
@@ -347,6 +371,7 @@ GPUS: Dict[str, GpuSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 tensor 312 TFLOPS dense, FP32 19.5,
     # HBM2e 2,039 GB/s, NVLink 600 GB/s; NVIDIA A100 Tensor Core GPU Architecture whitepaper:
     # 108 SMs.  The sm80 kernel path: 256 threads per block, so less in flight per comm block.
+    # No FP8 tensor cores (fp8_tflops None): FP8 operands are charged the bf16 rate.
     "a100": GpuSpec(
         "a100", 108, 312.0, 19.5, 2039.0, 300.0, 2.0, comm_threads=256,  # sm80 path
         gemm_eff=0.80, l2_mb=40.0,  # A100 whitepaper: 40 MB L2
@@ -355,46 +380,50 @@ GPUS: Dict[str, GpuSpec] = {
                "datasheet (NICs); MoNTA (IB efficiency)",
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity -> 989.5
-    # dense, FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s; NVIDIA H100 Tensor Core GPU Architecture
-    # whitepaper: 132 SMs on H100 SXM5.
+    # dense, FP8 3,958 with sparsity -> 1,979 dense (2x bf16), FP32 67, HBM3 3.35 TB/s, NVLink
+    # 900 GB/s; NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs on H100 SXM5.
     "h100": GpuSpec(
-        "h100", 132, 989.5, 67.0, 3350.0, 450.0, 2.0,
+        "h100", 132, 989.5, 67.0, 3350.0, 450.0, 2.0, fp8_tflops=1979.0,
         l2_mb=50.0,  # H100 whitepaper: 50 MB L2 (H100 SXM5)
         nic_gbs=50.0,  # DGX H100: 8x ConnectX-7 400 Gb/s, one per GPU
         source="NVIDIA H100 datasheet (SXM); H100 architecture whitepaper; DGX H100 datasheet (NICs)",
     ),
-    # NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5): compute and HBM3 3.35 TB/s as H100 SXM,
-    # NVLink 400 GB/s (MoNTA table 5: 200 GB/s unidirectional; DeepEP measures ~155-160 GB/s).
+    # NVIDIA H800 Tensor Core GPU datasheet (H800 SXM5): compute (BF16 1,979 / FP8 3,958 TFLOPS
+    # with sparsity: 989.5 / 1,979 dense) and HBM3 3.35 TB/s as H100 SXM, NVLink 400 GB/s (MoNTA
+    # table 5: 200 GB/s unidirectional; DeepEP measures ~155-160 GB/s).
     "h800": GpuSpec(
-        "h800", 132, 989.5, 67.0, 3350.0, 200.0, 2.0,
+        "h800", 132, 989.5, 67.0, 3350.0, 200.0, 2.0, fp8_tflops=1979.0,
         l2_mb=50.0,  # the H100 SXM5 configuration of GH100 (H100 whitepaper: 50 MB L2)
         nic_gbs=50.0,  # DeepEP README: each H800 with a CX7 400 Gb/s NIC, ~50 GB/s
         source="NVIDIA H800 datasheet (SXM5); H100 architecture whitepaper (GH100, 132 SMs); "
                "DeepEP README (NIC per GPU, 43 GB/s measured at EP16)",
     ),
-    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity, FP32 67,
-    # HBM3e 4.8 TB/s, NVLink 900 GB/s; same GH100 configuration as H100 SXM: 132 SMs.
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 / FP8 3,958 TFLOPS with
+    # sparsity, FP32 67, HBM3e 4.8 TB/s, NVLink 900 GB/s; same GH100 configuration as H100 SXM:
+    # 132 SMs.
     "h200": GpuSpec(
-        "h200", 132, 989.5, 67.0, 4800.0, 450.0, 2.0,
+        "h200", 132, 989.5, 67.0, 4800.0, 450.0, 2.0, fp8_tflops=1979.0,
         l2_mb=50.0,  # same GH100 configuration as H100 SXM5 (50 MB L2)
         nic_gbs=50.0,  # DGX H200: 8x ConnectX-7 400 Gb/s, one per GPU
         source="NVIDIA H200 datasheet (SXM); H100 architecture whitepaper; DGX H200 datasheet (NICs)",
     ),
-    # NVIDIA HGX H20 product brief: FP16/BF16 tensor 148 TFLOPS dense, FP32 44, HBM3 4.0 TB/s,
+    # NVIDIA HGX H20 product brief: FP16/BF16 tensor 148 TFLOPS dense, FP8 296, FP32 44, HBM3 4.0 TB/s,
     # NVLink 900 GB/s (MoNTA table 5: 450 GB/s unidirectional); 78 SMs as reported by the device
     # (one of the SM counts flux/Comet's release hard-codes: 92/108/78/132).
     "h20": GpuSpec(
-        "h20", 78, 148.0, 44.0, 4000.0, 450.0, 2.0,
+        "h20", 78, 148.0, 44.0, 4000.0, 450.0, 2.0, fp8_tflops=296.0,
         l2_mb=50.0,  # assumption: GH100's 50 MB (not in the product brief)
         nic_gbs=50.0,  # assumption: built like HGX H100 (one 400 Gb/s NIC per GPU)
         source="NVIDIA HGX H20 product brief; device query (78 SMs); NIC per GPU assumed",
     ),
-    # NVIDIA L20 datasheet: FP16/BF16 tensor 119.5 TFLOPS dense (239 with sparsity), FP32 59.8,
+    # NVIDIA L20 datasheet: FP16/BF16 tensor 119.5 TFLOPS dense (239 with sparsity), FP8 239 dense
+    # (478 with sparsity; Ada's FP8 mma.sync, sm_89), FP32 59.8,
     # GDDR6 864 GB/s, PCIe Gen4 x16 (64 GB/s bidirectional -> 32 GB/s per direction, no NVLink);
     # 11,776 CUDA cores / 128 per Ada SM (NVIDIA Ada GPU architecture whitepaper) = 92 SMs.
     # Peer traffic crosses PCIe: a longer round trip (assumption: 4 us), so less per block.
     "l20": GpuSpec(
         "l20", 92, 119.5, 59.8, 864.0, 32.0, 5.0, link="pcie", comm_threads=256,  # sm80 path
+        fp8_tflops=239.0,
         remote_load_us=4.0, link_eff=0.75,
         l2_mb=96.0,  # Ada whitepaper: AD102's 96 MB L2 (assumption: L20 keeps all of it)
         nic_gbs=12.5, nic_latency_us=5.0,  # assumption: one 200 Gb/s NIC per two GPUs, via PCIe
@@ -447,6 +476,7 @@ def cpu_spec(
         sm_count=threads,
         bf16_tflops=tflops,
         fp32_tflops=tflops,
+        fp8_tflops=tflops,  # the CPU backend dequantises FP8 and computes in fp32
         hbm_gbs=mem_gbs,
         link_gbs=mem_gbs / 2.0,
         link_latency_us=10.0,
@@ -534,17 +564,26 @@ def get_spec(arch: str, sm_count: Optional[int] = None) -> Optional[GpuSpec]:
 # Problem shape and traffic
 # ----------------------------------------------------------------------------------------------
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# "fp8": float8_e4m3fn or float8_e5m2 operands with float32 scales, one per 1 x 128 values of a
+# row (x, h) and one per 128 x 128 block of a weight (issue 22's format; see the FP8 section).
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+                  "float": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "e4m3": "fp8",
+                  "e5m2": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def dtype_name(dtype) -> str:
+    """Canonical dtype name, "bf16", "fp16", "fp32" or "fp8" (torch names or a torch.dtype too)."""
+    s = str(dtype).replace("torch.", "").strip().lower()
+    s = _DTYPE_ALIASES.get(s, s)
+    if s not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of bf16, fp16, fp32, fp8")
+    return s
 
 
 def dtype_bytes(dtype) -> int:
-    """Bytes per element of ``dtype`` ("bf16"/"fp16"/"fp32", torch names or a torch.dtype)."""
-    s = str(dtype).replace("torch.", "").lower()
-    s = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-         "float": "fp32"}.get(s, s)
-    if s not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of bf16, fp16, fp32")
-    return DTYPE_BYTES[s]
+    """Bytes per element of ``dtype`` ("bf16"/"fp16"/"fp32"/"fp8", torch names or a torch.dtype)."""
+    return DTYPE_BYTES[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
@@ -554,7 +593,8 @@ class MoEShape:
     ``W`` ranks, ``E`` experts (``W`` divides ``E``), top-``k``, hidden size ``H`` (the width of
     every row that crosses the links), ``N`` the per-expert GEMM size that is not ``H`` (layer0:
     output columns ``N0``, e.g. ``2 * ffn`` for a gated FFN; layer1: reduction size ``N1 = ffn``),
-    ``T`` tokens per rank, ``dtype_bytes`` per element.  Optional measurements replace the
+    ``T`` tokens per rank, ``dtype_bytes`` per element (1: FP8 operands with their scales, see the
+    module's section "FP8").  Optional measurements replace the
     uniform-routing expectations: ``remote_rows`` (rows this rank moves over the links for this
     layer: layer0 rows received, layer1 partial rows sent) and ``expert_rows`` (GEMM rows of each
     local expert, ``E / W`` values).  ``partial_bytes`` is the element size of layer1's partial
@@ -567,6 +607,16 @@ class MoEShape:
     (csrc/include/comet/topology.h); false models the flat all-to-all, every (token, slot) row
     over the NIC on its own.  ``node_reduce`` (only used with several nodes) models layer1's
     node-reduced combine (module doc).
+
+    ``tp_size = t`` (expert tensor parallelism, :func:`tp_traffic`): the ``W`` ranks are
+    TP-innermost, ``EP = W / t`` expert-parallel groups of ``t`` ranks; each rank holds a ``1 / t``
+    shard of every expert of its EP rank, so ``N`` is then this rank's shard (``N0 / t`` or
+    ``N1 / t``: the weight the rank holds, as the tuner's key sees it) and ``E_local = E / EP``.
+    ``tp_path`` picks how rows reach the TP group: "direct" or "group" (None: the model picks,
+    :func:`choose_tp_path`).  With ``t > 1`` the model has no node-first relay and no node-reduced
+    combine (``node_first`` is set false; ``node_reduce`` and a measured ``remote_rows`` are
+    refused): the "group" path is the TP layout's own de-duplication.  ``t = 1`` is the model
+    without TP, unchanged.
     """
 
     W: int
@@ -582,6 +632,8 @@ class MoEShape:
     ranks_per_node: Optional[int] = None
     node_first: bool = True
     node_reduce: bool = False
+    tp_size: int = 1
+    tp_path: Optional[str] = None
 
     def __post_init__(self):
         for f in ("W", "E", "k", "H", "N"):
@@ -589,8 +641,10 @@ class MoEShape:
                 raise ValueError(f"MoEShape.{f} must be >= 1, got {getattr(self, f)}")
         if self.T < 0:
             raise ValueError(f"MoEShape.T must be >= 0, got {self.T}")
-        if self.E % self.W:
-            raise ValueError(f"W={self.W} must divide E={self.E}")
+        _check_tp(self)
+        if self.E % self.ep_size:
+            raise ValueError(f"W={self.W}" + (f" / tp_size={self.tp_size}" if self.tp_size > 1 else "")
+                             + f" must divide E={self.E}")
         if self.k > self.E:
             raise ValueError(f"k={self.k} exceeds E={self.E}")
         rpn = self.W if self.ranks_per_node is None else int(self.ranks_per_node)
@@ -603,14 +657,27 @@ class MoEShape:
             object.__setattr__(self, "expert_rows", tuple(self.expert_rows))
             if len(self.expert_rows) != self.E_local:
                 raise ValueError(
-                    f"expert_rows has {len(self.expert_rows)} entries, expected E/W={self.E_local}")
+                    f"expert_rows has {len(self.expert_rows)} entries, expected "
+                    f"E/{'W' if self.tp_size == 1 else 'EP'}={self.E_local}")
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel groups: ``W / tp_size``."""
+        return self.W // self.tp_size
 
     @property
     def E_local(self) -> int:
-        return self.E // self.W
+        return self.E // self.ep_size
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype_bytes == 1
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one input row (x, or a row on layer0's links): H elements, plus FP8's scales."""
+        if self.is_fp8:
+            return self.H * self.dtype_bytes + fp8_scale_bytes(self.H)
         return self.H * self.dtype_bytes
 
     @property
@@ -649,6 +716,9 @@ def remote_rows(shape: MoEShape, layer: int, measured: Optional[float] = None) -
         return float(measured)
     if shape.remote_rows is not None:
         return float(shape.remote_rows)
+    if shape.tp_size > 1:
+        tr = tp_traffic(shape, layer)
+        return tr.same_node + tr.nic
     W, T = shape.W, shape.T
     if layer == 0:
         return T * shape.k * (W - 1) / W
@@ -705,6 +775,8 @@ def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
     One node: ``same_node = R``, nothing else moves -- the single-node model unchanged.
     """
     _check_layer(layer)
+    if shape.tp_size > 1:
+        return tp_traffic(shape, layer)
     R = remote_rows(shape, layer)
     loc = local_rows(shape, layer)
     W, P = shape.W, shape.ranks_per_node
@@ -750,6 +822,8 @@ def local_rows(shape: MoEShape, layer: int) -> float:
     """Rows the comm blocks handle inside this GPU: layer0 local rows copied into the shared
     tensor (``M - remote``); layer1 partial rows whose home is this rank (``T * p_hit``)."""
     _check_layer(layer)
+    if shape.tp_size > 1:
+        return tp_traffic(shape, layer).local
     if layer == 0:
         return max(0.0, sum(expert_rows(shape)) - remote_rows(shape, 0))
     return shape.T * hit_probability(shape.W, shape.E, shape.k)
@@ -760,15 +834,228 @@ def traffic_bytes(shape: MoEShape, layer: int, measured: Optional[float] = None)
     return remote_rows(shape, layer, measured) * shape.H * _link_elem_bytes(shape, layer)
 
 
-def _link_elem_bytes(shape: MoEShape, layer: int) -> int:
+def _link_elem_bytes(shape: MoEShape, layer: int) -> float:
+    """Bytes per element of a row on ``layer``'s links (FP8: layer0 rows carry their scales,
+    layer1's partials are the bf16 output; see the FP8 section)."""
     if layer == 1 and shape.partial_bytes is not None:
         return shape.partial_bytes
+    if shape.is_fp8:
+        return shape.row_bytes / shape.H if layer == 0 else FP8_OUT_BYTES
     return shape.dtype_bytes
 
 
 def _check_layer(layer: int) -> None:
     if layer not in (0, 1):
         raise ValueError(f"layer must be 0 or 1, got {layer!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert tensor parallelism (tp_size > 1): the two ways rows reach a TP group
+# ----------------------------------------------------------------------------------------------
+#
+# Layout (issue 21): the W ranks are TP-innermost, rank r = ep * t + j (ep_rank = r // t,
+# tp_rank j = r % t), EP = W / t; the E / EP experts of EP rank ep live on all its t ranks, rank j
+# holding the j-th 1/t of each expert's N columns (w0 [E_l, N0/t, H], w1 [E_l, H, N1/t]).  Every
+# rank brings T tokens (sequence-parallel).  With several nodes the TP groups lie inside a node
+# (t divides P).  Per rank, uniform routing, rows of H elements per direction; p = 1 - C(E - E_l,
+# k) / C(E, k) with E_l = E / EP (a token's probability of a slot on a given EP rank, so EP * p is
+# the expected number of distinct EP ranks per token, <= k):
+#
+# layer0 (every rank of EP rank ep needs all M = t T k slot rows routed to ep's experts):
+#   direct: each (token, slot) row is pulled by each of the t ranks of the slot's EP rank, as
+#           without TP.  A source sends T k / EP slot rows to each rank: local T k / EP (own
+#           tokens, HBM copy), over NVLink T k (P - 1) / EP, over the NIC T k (W - P) / EP.
+#   group (MoNTA's split: cross-group traffic once, then an all-gather inside the group): source
+#           (ep', j) sends each token once per EP rank it hits, to that EP rank's rank j (the same
+#           tp index: rail-aligned), into a token stage: T p rows per (source, EP rank); then each
+#           rank of the group pulls from its t - 1 peers the token rows they staged (EP T p
+#           each) and every rank expands its staged tokens into its slot rows (HBM).  Rows:
+#           own stage T p + expansion t T k (HBM copies, read + write), over NVLink
+#           (P / t - 1) T p (cross-group, same node) + (t - 1) EP T p (all-gather), over the NIC
+#           (W - P) / t * T p.  Two dependent hops: two link latencies.
+#   One node: NVLink rows direct T k (W - 1) / EP, group T p (W - 1): the group path moves
+#   EP p / k of direct's bytes (<= 1: it de-duplicates a token's slots per EP rank; k / EP slots
+#   per token and EP rank versus p), at the price of the expansion copy.  Across nodes the NIC
+#   rows shrink by EP p / (k t) <= 1 / t: a token crosses once per EP rank, not t times per slot.
+#
+# layer1 (rank (ep, j) has a partial of the output row of every token that hits ep, summed over
+# its local slots and its 1/t of N; the home needs the sum over the t ranks and the EP ranks):
+#   direct: every rank sends its partial row home: one per (token, home): local T p, over
+#           NVLink (P - 1) T p, over the NIC (W - P) T p; the home's combine sums t EP p T rows.
+#   group (reduce-scatter over H inside the TP group, then H / t columns home): rank j sends
+#           column block j' of each of its W T p partial rows to peer j' ((t - 1) / t W T p
+#           rows of NVLink), stages its own block (W T p / t rows, HBM write), sums the t blocks
+#           of each token (reads W T p rows' worth, HBM) and sends its H / t columns home: local
+#           T p / t, over NVLink (P - 1) T p / t, over the NIC (W - P) T p / t rows' worth; the
+#           home's combine sums EP p T rows.  Two dependent hops: two link latencies.
+#   One node: NVLink rows direct T p (W - 1), group T p (W - 1 / t): the group path moves more
+#   (the reduce-scatter) and costs HBM; it pays across nodes, where the NIC rows drop t-fold.
+#
+# t = 1: both paths are the model without TP (EP = W, p = p_hit); the functions below are only
+# called for t > 1, so the model's predictions for t = 1 are unchanged bit for bit.
+#
+# The choice (:func:`choose_tp_path`): each path's comm alone on the whole GPU (every link and
+# the HBM side at its achievable rate, the links overlapping as in :func:`comm_time`); "group"
+# wins only when it is shorter by more than TP_PATH_SLACK, else "direct".  :func:`tp_alternatives` reports both paths' rows per link.
+# The pipeline (:func:`predict`) runs the chosen path's rows as today's streams: the group path's
+# all-gather (layer0) is treated as rows available from the start once its extra latency is paid,
+# which is optimistic about the second hop's dependency.
+
+TP_PATHS = ("direct", "group")
+# The group path must beat direct's comm by more than this fraction to be chosen: its second hop
+# depends on the first, which the pipeline treats optimistically (see above), and it needs the
+# TP group in step (a policy margin, not a measured constant).
+TP_PATH_SLACK = 0.02
+
+__all__ += ["TP_PATHS", "TP_PATH_SLACK", "tp_traffic", "choose_tp_path", "resolve_tp_path", "tp_alternatives",
+            "dtype_name", "fp8_scale_bytes", "FP8_SCALE_BLOCK", "FP8_SCALE_BYTES", "FP8_OUT_BYTES"]
+
+
+def _check_tp(shape: "MoEShape") -> None:
+    """MoEShape's validation of the TP fields (called from __post_init__)."""
+    t = int(shape.tp_size)
+    object.__setattr__(shape, "tp_size", t)
+    if t < 1 or shape.W % t:
+        raise ValueError(f"tp_size={shape.tp_size} must be >= 1 and divide W={shape.W}")
+    if shape.tp_path is not None and shape.tp_path not in TP_PATHS:
+        raise ValueError(f"tp_path={shape.tp_path!r}: expected one of {TP_PATHS} or None")
+    if t == 1:
+        return
+    rpn = shape.W if shape.ranks_per_node is None else int(shape.ranks_per_node)
+    if rpn >= 1 and rpn % t:
+        raise ValueError(f"tp_size={t} must divide ranks_per_node={rpn} (a TP group inside a node)")
+    if shape.node_reduce:
+        raise ValueError("node_reduce with tp_size > 1 is not modelled")
+    if shape.remote_rows is not None:
+        raise ValueError("a measured remote_rows with tp_size > 1 is not modelled")
+    object.__setattr__(shape, "node_first", False)
+
+
+def _tp_path(shape: "MoEShape") -> str:
+    if shape.tp_path is None:
+        raise ValueError("tp_size > 1 needs tp_path ('direct' or 'group'): pass it, or let "
+                         "resolve_tp_path(shape, spec, layer) / predict / comm_time choose")
+    return shape.tp_path
+
+
+def tp_traffic(shape: "MoEShape", layer: int, path: Optional[str] = None) -> "NodeTraffic":
+    """Rows (of H elements) one rank moves for ``layer`` with ``tp_size > 1`` on ``path``
+    (default ``shape.tp_path``), as :class:`NodeTraffic` (see the derivation above): ``local`` the
+    HBM copies (layer0: read + write each; layer1: partials homed here), ``same_node`` over
+    NVLink (group path: the all-gather / reduce-scatter included), ``nic`` over the NIC."""
+    _check_layer(layer)
+    path = _tp_path(shape) if path is None else path
+    if path not in TP_PATHS:
+        raise ValueError(f"path={path!r}: expected one of {TP_PATHS}")
+    W, P, t, EP = shape.W, shape.ranks_per_node, shape.tp_size, shape.ep_size
+    T, k = shape.T, shape.k
+    p = hit_probability(EP, shape.E, k)
+    if layer == 0:
+        if path == "direct":
+            return NodeTraffic(T * k / EP, T * k * (P - 1) / EP, T * k * (W - P) / EP)
+        return NodeTraffic(T * p + t * T * k, (P // t - 1) * T * p + (t - 1) * EP * T * p,
+                           (W - P) // t * T * p)
+    if path == "direct":
+        return NodeTraffic(T * p, (P - 1) * T * p, (W - P) * T * p)
+    return NodeTraffic(T * p / t, (t - 1) / t * W * T * p + (P - 1) * T * p / t,
+                       (W - P) * T * p / t)
+
+
+def _tp_staging_bytes(shape: "MoEShape", layer: int) -> float:
+    """HBM bytes of the comm blocks beyond :func:`tp_traffic`'s ``local`` rows: layer1's group
+    path stages its own column block (W T p / t rows' worth written) and re-reads the t blocks
+    (W T p rows' worth) before sending home."""
+    if layer == 0 or _tp_path(shape) == "direct":
+        return 0.0
+    W, t = shape.W, shape.tp_size
+    rows = W * shape.T * hit_probability(shape.ep_size, shape.E, shape.k)
+    return (rows / t + rows) * shape.H * _link_elem_bytes(shape, 1)
+
+
+def _tp_hops(shape: "MoEShape") -> int:
+    """Dependent link latencies before the last row lands: 2 on the group path."""
+    return 2 if shape.tp_size > 1 and _tp_path(shape) == "group" else 1
+
+
+def _tp_combine_partials(shape: "MoEShape") -> float:
+    """Partial rows (H elements' worth) the home's combine reads per rank with TP: t EP p T on the
+    direct path (one per (token, rank of each EP rank hit)), EP p T on the group path."""
+    ep_hits = shape.ep_size * shape.T * hit_probability(shape.ep_size, shape.E, shape.k)
+    return ep_hits * (shape.tp_size if _tp_path(shape) == "direct" else 1)
+
+
+def choose_tp_path(shape: "MoEShape", spec: "GpuSpec", layer: int) -> str:
+    """The TP path whose comm, alone on the whole GPU, is shorter: "group" where it is shorter
+    by more than TP_PATH_SLACK, else "direct" (also without TP)."""
+    if shape.tp_size == 1:
+        return "direct"
+    t = {path: comm_time(replace(shape, tp_path=path), spec, spec.max_blocks, layer)
+         for path in TP_PATHS}
+    return "group" if t["group"] < t["direct"] * (1 - TP_PATH_SLACK) else "direct"
+
+
+def resolve_tp_path(shape: "MoEShape", spec: "GpuSpec", layer: int) -> "MoEShape":
+    """``shape`` with its TP path set (the model's choice where it is None)."""
+    if shape.tp_size == 1 or shape.tp_path is not None:
+        return shape
+    return replace(shape, tp_path=choose_tp_path(shape, spec, layer))
+
+
+def tp_alternatives(shape: "MoEShape", spec: "GpuSpec", layer: int) -> Dict[str, Dict[str, float]]:
+    """Both TP paths side by side: per path the rows over NVLink and over the NIC, the HBM copy
+    rows and the comm alone on the whole GPU (seconds)."""
+    out = {}
+    for path in TP_PATHS:
+        s = replace(shape, tp_path=path)
+        tr = tp_traffic(s, layer)
+        out[path] = {"nvlink_rows": tr.nvlink, "nic_rows": tr.nic, "local_rows": tr.local,
+                     "comm_full": comm_time(s, spec, spec.max_blocks, layer)}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (dtype_bytes = 1): bytes on the links and in HBM
+# ----------------------------------------------------------------------------------------------
+#
+# Issue 22's format: x / h in float8 (e4m3 or e5m2, 1 byte) with one float32 scale per 1 x 128
+# values of a row; weights in float8 with one float32 scale per 128 x 128 block; the GEMM
+# accumulates in fp32 and writes its output in bf16 (the default out_dtype).  So:
+# * a layer0 row on the links (and its local copy) is H bytes + 4 ceil(H / 128) scale bytes:
+#   (H + 4 H / 128) / (2 H) = 0.516 of bf16's bytes for H a multiple of 128;
+# * layer1 sends its partial rows in the output dtype, bf16 (2 H bytes: what it sends today), so
+#   FP8 leaves layer1's link bytes unchanged; only its GEMM's operands (h, w1) shrink;
+# * the GEMM runs at GpuSpec.fp8_tflops (sm_90: 2x bf16, datasheet; sm_80: no FP8 tensor cores,
+#   the bf16 rate) with the same gemm_eff (an assumption: the blockwise scaling's promotion of
+#   the accumulators every 128 K values costs CUDA-core work the model does not charge);
+# * its HBM operand bytes: A (K + 4 ceil(K / 128) per row), the weights (1 byte + 4 per 128 x 128
+#   block), the output in bf16;
+# * the backward runs in bf16 (issue 22: the saved FP8 inputs are dequantised), so
+#   :func:`predict_backward` models it at bf16.
+
+FP8_SCALE_BLOCK = 128  # values per scale along a row (1 x 128) and per weight block side (128 x 128)
+FP8_SCALE_BYTES = 4  # a float32 scale
+FP8_OUT_BYTES = 2  # the GEMM output / layer1 partials: bfloat16 (out_dtype's default)
+
+
+def fp8_scale_bytes(n: int) -> int:
+    """Scale bytes that travel with an FP8 row of ``n`` values: one float32 per 128."""
+    return FP8_SCALE_BYTES * math.ceil(n / FP8_SCALE_BLOCK)
+
+
+def _out_row_bytes(shape: "MoEShape") -> int:
+    """Bytes of one GEMM output row of H elements (layer1's partial before it is sent; the
+    combine's output row): bf16 for FP8 operands, else the activation dtype."""
+    return shape.H * FP8_OUT_BYTES if shape.is_fp8 else shape.row_bytes
+
+
+def _fp8_gemm_bytes(shape: "MoEShape", m: float, experts: int, n_out: int, k_red: int,
+                    sweeps: float) -> float:
+    """HBM bytes of an FP8 grouped GEMM (see above): A with its row scales, the weights with
+    their block scales, the bf16 output."""
+    a = m * (k_red + fp8_scale_bytes(k_red))
+    w = experts * (n_out * k_red + FP8_SCALE_BYTES * math.ceil(n_out / FP8_SCALE_BLOCK)
+                   * math.ceil(k_red / FP8_SCALE_BLOCK))
+    return sweeps * a + w + FP8_OUT_BYTES * m * n_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -806,16 +1093,18 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Par
     else:
         # read every GEMM output row, write the local partials
         m = sum(expert_rows(shape))
-        l_bytes = m * shape.row_bytes + tr.local * shape.H * eb
+        l_bytes = m * _out_row_bytes(shape) + tr.local * shape.H * eb
         # the home rank sums its partials (local + received) at full HBM bandwidth
         # (the combine kernel, after the fused kernel, on every SM: full HBM rate plus a launch)
         tail = combine_time(shape, spec)
+    if shape.tp_size > 1:
+        l_bytes += _tp_staging_bytes(shape, layer)
     link_bw = min(n_comm * block_link_rate(shape, spec, layer), spec.link_bw)
     hbm_bw = min(n_comm * spec.block_hbm_bw, spec.hbm_bw)
     remote_s = r_bytes / link_bw if r_bytes > 0 else 0.0
     local_s = l_bytes / hbm_bw if l_bytes > 0 else 0.0
     if shape.nodes == 1:
-        alpha = spec.alpha if r_bytes > 0 else 0.0
+        alpha = spec.alpha * _tp_hops(shape) if r_bytes > 0 else 0.0
         return _Parts(alpha, local_s, remote_s, tail)
     nic_bytes = tr.nic * shape.H * eb
     fan_nvl = tr.fanout_nvlink * shape.H * eb
@@ -824,7 +1113,7 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Par
     nic_bw = min(n_comm * block_nic_rate(shape, spec, layer), spec.nic_bw)
     nic_s = nic_bytes / nic_bw if nic_bytes > 0 else 0.0
     fan_s = (fan_nvl / link_bw if fan_nvl > 0 else 0.0) + (fan_loc / hbm_bw if fan_loc > 0 else 0.0)
-    alpha = spec.alpha if r_bytes > 0 or fan_nvl > 0 else 0.0
+    alpha = spec.alpha * _tp_hops(shape) if r_bytes > 0 or fan_nvl > 0 else 0.0
     nic_alpha = spec.nic_alpha if nic_bytes > 0 else 0.0
     if layer == 1 and shape.node_reduce:
         # The relay step runs in the combine kernel on every SM (full NIC rate): read the staged
@@ -843,9 +1132,13 @@ def _comm_parts(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> _Par
 def combine_time(shape: MoEShape, spec: GpuSpec) -> float:
     """layer1's combine kernel: read every partial (activation dtype) of this rank's tokens and
     write the output, on all SMs at the achievable HBM rate, after one launch gap."""
-    n_partials = local_rows(shape, 1) + remote_rows(shape, 1)
+    shape = resolve_tp_path(shape, spec, 1)
+    if shape.tp_size > 1:
+        n_partials = _tp_combine_partials(shape)
+    else:
+        n_partials = local_rows(shape, 1) + remote_rows(shape, 1)
     eb = _link_elem_bytes(shape, 1)
-    return KERNEL_GAP_S + (n_partials * shape.H * eb + shape.T * shape.row_bytes) / spec.hbm_bw
+    return KERNEL_GAP_S + (n_partials * shape.H * eb + shape.T * _out_row_bytes(shape)) / spec.hbm_bw
 
 
 def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
@@ -879,10 +1172,11 @@ def block_nic_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     partials it has just reduced: no per-tile index round trips).  Flat layer0 (no node-first):
     the destination gets every slot row from its source as it pulls a same-node peer's, so per
     m-tile it first resolves the rows' origins over the NIC (two dependent round trips of
-    2 * nic_latency_us), like :func:`block_link_rate`."""
+    2 * nic_latency_us), like :func:`block_link_rate`.  The TP group path (:func:`tp_traffic`)
+    pushes token rows like node-first dispatch: spec.block_nic_bw."""
     _check_layer(layer)
     rate = spec.block_nic_bw
-    if layer == 1 or shape.node_first:
+    if layer == 1 or shape.node_first or (shape.tp_size > 1 and _tp_path(shape) == "group"):
         return rate
     tile_bytes = DEFAULT_TILE[0] * shape.row_bytes
     return tile_bytes / (tile_bytes / rate + 2 * 2 * spec.nic_latency_us * 1e-6)
@@ -914,6 +1208,7 @@ def _layer1_stream(p: _Parts) -> Tuple[float, float]:
 
 def comm_time(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> float:
     """Seconds the comm part of ``layer`` takes with ``n_comm`` blocks, alone (alpha-beta)."""
+    shape = resolve_tp_path(shape, spec, layer)
     p = _comm_parts(shape, spec, n_comm, layer)
     if layer == 0:
         return _layer0_stream(p) + p.tail
@@ -925,6 +1220,7 @@ def comm_split(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> Dict[
     """The two links' parts of :func:`comm_time`, each alone with ``n_comm`` blocks:
     ``intra`` (NVLink: latency + same-node rows + mirror reads over NVLink), ``inter`` (NIC:
     latency + rows over the NIC), and the row counts ``intra_rows``, ``inter_rows``."""
+    shape = resolve_tp_path(shape, spec, layer)
     p = _comm_parts(shape, spec, n_comm, layer)
     tr = node_traffic(shape, layer)
     eb = _link_elem_bytes(shape, layer)
@@ -938,6 +1234,7 @@ def comm_split(shape: MoEShape, spec: GpuSpec, n_comm: int, layer: int) -> Dict[
 def comm_saturation_blocks(shape: MoEShape, spec: GpuSpec, layer: int) -> int:
     """Smallest ``n_comm`` from which :func:`comm_time` no longer decreases (it is constant after)."""
     _check_layer(layer)
+    shape = resolve_tp_path(shape, spec, layer)
     hi = max(1, math.ceil(spec.link_bw / block_link_rate(shape, spec, layer) - 1e-9),
              math.ceil(spec.hbm_bw / spec.block_hbm_bw - 1e-9))
     if shape.nodes > 1:
@@ -1048,7 +1345,10 @@ def a_sweeps(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TILE,
     if layer == 0 or band is None:
         return 1.0
     per_col, cols = gemm_tiles(shape, 1, tile)
-    h_bytes = sum(expert_rows(shape)) * shape.N * shape.dtype_bytes
+    if shape.is_fp8:
+        h_bytes = sum(expert_rows(shape)) * (shape.N + fp8_scale_bytes(shape.N))
+    else:
+        h_bytes = sum(expert_rows(shape)) * shape.N * shape.dtype_bytes
     if cols == 0 or h_bytes <= _l2_budget(spec):
         return 1.0
     return float(math.ceil(cols / band_width(band, cols)))
@@ -1058,6 +1358,8 @@ def _gemm_unique_bytes(shape: MoEShape, layer: int, sweeps: float = 1.0) -> floa
     n_out, k_red = gemm_dims(shape, layer)
     m = sum(expert_rows(shape))
     experts = sum(1 for r in expert_rows(shape) if r > 0)
+    if shape.is_fp8:
+        return _fp8_gemm_bytes(shape, m, experts, n_out, k_red, sweeps)
     return shape.dtype_bytes * (sweeps * m * k_red + experts * n_out * k_red + m * n_out)
 
 
@@ -1216,9 +1518,11 @@ def predict(
     ``sequential`` (comm + gemm),
     ``baseline``, ``limit``, ``comm_full``, ``gemm_full``, ``intra`` and ``inter`` (the NVLink and
     NIC parts of comm, each alone, see :func:`comm_split`; seconds), ``intra_rows``,
-    ``inter_rows`` and ``n_comm``, ``n_gemm``.
+    ``inter_rows`` and ``n_comm``, ``n_gemm``; ``tp_path`` (a string: the TP path the
+    prediction used, the model's choice unless ``shape.tp_path`` is set; "direct" without TP).
     """
     _check_layer(layer)
+    shape = resolve_tp_path(shape, spec, layer)
     total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
     if total < 2:
         raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
@@ -1259,6 +1563,7 @@ def predict(
         "n_gemm": n_gemm,
         "band": band,
         "a_sweeps": a_sweeps(shape, spec, layer, tile, band),
+        "tp_path": shape.tp_path or "direct",
         **comm_split(shape, spec, n_comm, layer),
     }
 
@@ -1281,6 +1586,7 @@ def choose_band(shape: MoEShape, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE,
     the pipelined kernel time of each candidate is predicted, and of those within
     ``BAND_SLACK`` of the fastest the one with the fewest sweeps wins.  h in L2 (one sweep
     whatever b): 1, the earliest publish."""
+    shape = resolve_tp_path(shape, spec, 1)
     _, cols = gemm_tiles(shape, 1, tile)
     if cols <= 1 or a_sweeps(shape, spec, 1, tile, 1) <= 1.0:
         return 1
@@ -1312,6 +1618,7 @@ def choose_n_comm(
     total = spec.max_blocks if max_blocks is None else min(spec.max_blocks, int(max_blocks))
     if total < 2:
         raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
+    shape = resolve_tp_path(shape, spec, layer)
     best_n, best_t = 1, math.inf
     for n in range(1, total):
         t = predict(shape, spec, n, layer, tile, n_blocks=total)["fused"]
@@ -1384,7 +1691,7 @@ def weight_grad_time(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TI
 def _virtual_token_shape(shape: MoEShape) -> MoEShape:
     """The virtual-token calls' shape: T k tokens of one slot, rows of 8 bf16 (comet.layers.autograd)."""
     return replace(shape, k=1, T=shape.T * shape.k, H=8, N=8, dtype_bytes=2, remote_rows=None,
-                   partial_bytes=None)
+                   partial_bytes=None, tp_path=None)
 
 
 def _call(shape: MoEShape, spec: GpuSpec, layer: int, tile, n_blocks) -> Dict[str, float]:
@@ -1400,6 +1707,9 @@ def predict_backward(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TI
     calls backward makes, each with its chosen n_comm, prologues included), ``weight_grad``,
     ``overlapped`` and ``sequential``."""
     _check_layer(layer)
+    if shape.is_fp8:  # FP8 forward, bf16 backward (the saved FP8 inputs are dequantised)
+        shape = replace(shape, dtype_bytes=2)
+    shape = replace(shape, tp_path=None)  # the backward's calls choose their own TP paths
     dw = weight_grad_time(shape, spec, layer, tile, out_bytes)
     if layer == 0:
         dx = _call(shape, spec, 1, tile, n_blocks)  # moe_layer1 over the same rows

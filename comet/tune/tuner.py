@@ -3,8 +3,10 @@
 Pieces
 ------
 * :class:`TuneKey` -- what a choice depends on: arch, SM count, dtype, layer, W, E, k, H, N, the
-  token count rounded up to a power of two (:func:`token_bucket`) and the ranks per node (default
-  W: one node; keys of one node keep the id they had before nodes were modelled).
+  token count rounded up to a power of two (:func:`token_bucket`), the ranks per node (default
+  W: one node; keys of one node keep the id they had before nodes were modelled) and the expert
+  tensor-parallel size ``tp_size`` (default 1; keys without TP keep their id too).  dtype "fp8"
+  is FP8 operands with their scales (comet.perfmodel's FP8 section).
 * :class:`Config` -- the choice: ``n_comm``, ``tile_m``, ``tile_n`` and (layer1) ``band_n``, the
   n-tiles per column band of its GEMM (csrc/include/comet/tile_order.h; 0 = all; cache entries
   written before bands existed read as 1, the column order they were measured with).
@@ -135,13 +137,9 @@ def token_bucket(tokens: int) -> int:
 
 
 def normalize_dtype(dtype) -> str:
-    """Canonical dtype name: "bf16", "fp16" or "fp32" (accepts torch dtypes and torch names)."""
-    s = str(dtype).replace("torch.", "").strip().lower()
-    s = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-         "float": "fp32"}.get(s, s)
-    if s not in pm.DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected bf16, fp16 or fp32")
-    return s
+    """Canonical dtype name: "bf16", "fp16", "fp32" or "fp8" (accepts torch dtypes and torch
+    names: float8_e4m3fn and float8_e5m2 are "fp8")."""
+    return pm.dtype_name(dtype)
 
 
 def _norm_arch(arch: str) -> str:
@@ -159,7 +157,9 @@ class TuneKey:
     ``N1`` reduction size); ``layer`` is part of the key because the two ops differ even when
     ``N0 == N1``.  ``ranks_per_node`` (default ``W``: one node) groups the ranks into nodes; it
     changes the traffic over the inter-node link and hence the best split; ``node_reduce``
-    (layer1's node-reduced combine, only meaningful with several nodes) does too.
+    (layer1's node-reduced combine, only meaningful with several nodes) does too.  ``tp_size``
+    (expert tensor parallelism: ``W / tp_size`` EP groups of ``tp_size`` ranks; ``N`` is then
+    this rank's shard) changes both the traffic and the GEMM.
     """
 
     arch: str
@@ -174,6 +174,7 @@ class TuneKey:
     layer: int = 0
     ranks_per_node: Optional[int] = None
     node_reduce: bool = False
+    tp_size: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "arch", _norm_arch(self.arch))
@@ -191,6 +192,11 @@ class TuneKey:
         object.__setattr__(self, "ranks_per_node", rpn)
         # one node: nothing to reduce per node, the same key as without
         object.__setattr__(self, "node_reduce", bool(self.node_reduce) and rpn < self.W)
+        t = int(self.tp_size)
+        if t < 1 or self.W % t or self.E % (self.W // t):
+            raise ValueError(f"TuneKey: tp_size={self.tp_size} must divide W={self.W}, and "
+                             f"W/tp_size must divide E={self.E}")
+        object.__setattr__(self, "tp_size", t)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -204,25 +210,28 @@ class TuneKey:
         nodes = "" if self.ranks_per_node == self.W else f"|P{self.ranks_per_node}"
         if self.node_reduce:
             nodes += "|R"
+        if self.tp_size > 1:
+            nodes += f"|TP{self.tp_size}"
         return (f"{self.arch}|sm{self.sm_count}|{self.dtype}|L{self.layer}|W{self.W}{nodes}"
                 f"|E{self.E}|k{self.k}|H{self.H}|N{self.N}|T{self.tokens}")
 
     def family(self) -> Tuple:
         """Every field but the token bucket (the fields nearest-bucket lookup must match)."""
         return (self.arch, self.sm_count, self.dtype, self.layer, self.W, self.ranks_per_node,
-                self.node_reduce, self.E, self.k, self.H, self.N)
+                self.node_reduce, self.tp_size, self.E, self.k, self.H, self.N)
 
     def shape(self, tokens: Optional[int] = None) -> pm.MoEShape:
         """The perfmodel shape for this key (``tokens`` defaults to the bucket)."""
         return pm.MoEShape(W=self.W, E=self.E, k=self.k, H=self.H, N=self.N,
                            T=self.tokens if tokens is None else int(tokens),
                            dtype_bytes=pm.DTYPE_BYTES[self.dtype],
-                           ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce)
+                           ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce,
+                           tp_size=self.tp_size)
 
     @classmethod
     def from_shape(cls, arch: str, sm_count: int, dtype, shape: pm.MoEShape, layer: int) -> "TuneKey":
         return cls(arch, sm_count, dtype, shape.W, shape.E, shape.k, shape.H, shape.N, shape.T, layer,
-                   shape.ranks_per_node, shape.node_reduce)
+                   shape.ranks_per_node, shape.node_reduce, shape.tp_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -674,6 +683,7 @@ class Tuner:
         info = _dist_info(group)
         rank = 0 if info is None else info[2]
         nodes = "" if key.ranks_per_node == key.W else f" ({key.W // key.ranks_per_node} nodes)"
+        nodes += f" TP={key.tp_size}" if key.tp_size > 1 else ""
         label = f"layer{key.layer} {key.arch} W={key.W}{nodes} E={key.E} k={key.k} H={key.H} " \
                 f"N={key.N} T<={key.tokens} {key.dtype}"
         bar = _Progress(len(configs), label, enabled=progress and rank == 0, calls=warmup + iters)
