@@ -188,11 +188,24 @@ def symmetric_memory_lines() -> List[str]:
     return out
 
 
+def model_tp_lines() -> List[str]:
+    """flux's four EP x TP configurations: the model beside flux's published measurements."""
+    from comet.tune import cli
+    return cli.tp_table().splitlines()
+
+
+def model_fp8_lines() -> List[str]:
+    from comet.tune import cli
+    return cli.fp8_table().splitlines()
+
+
 FIGURES: Dict[str, Figure] = {
     "demo": Figure("README.md", demo_lines, demo_comparable),
     "model-one-node": Figure("docs/tuning.md", model_one_node_lines),
     "model-across-nodes": Figure("docs/tuning.md", model_across_nodes_lines),
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
+    "model-tp": Figure("docs/tuning.md", model_tp_lines),
+    "model-fp8": Figure("docs/tuning.md", model_fp8_lines),
     "symmetric-memory": Figure("docs/gpu.md", symmetric_memory_lines),
 }
 
