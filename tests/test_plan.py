@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from comet import perfmodel as pm
 from comet.plan import (ExpertLoad, Placement, balance, choose_replica, group_objective,
-                        lysi_assign, lysi_group, parse_skew, route_table, zipf_loads)
+                        lysi_assign, lysi_assign_visits, lysi_group, parse_skew, route_table, zipf_loads)
 from comet.plan import skew
 
 
@@ -178,13 +178,29 @@ def test_lysi_assign_places_every_expert_within_memory(loads, flops, data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(int_loads, st.lists(st.integers(1, 8), min_size=1, max_size=8))
-def test_lysi_assign_keeps_flops_shares_when_memory_does_not_bind(loads, flops):
-    p = lysi_assign(flops, loads, len(loads))
-    total, F = sum(loads), sum(flops)
-    for j, fj in enumerate(flops):
-        cost = sum(loads[x] for x in p.local_experts(j))
-        assert cost <= fj * total / F + max(loads) + 1e-9, (j, cost)
+@given(int_loads, st.lists(st.integers(1, 8), min_size=1, max_size=8), st.data())
+def test_lysi_assign_visits_keep_their_flops_share(loads, flops, data):
+    W, E = len(flops), len(loads)
+    slots = data.draw(st.lists(st.integers(0, E), min_size=W, max_size=W)
+                      .filter(lambda m: sum(m) >= E))
+    visits = lysi_assign_visits(flops, loads, slots)
+    placed = [x for _, _, xs in visits for x in xs]
+    assert sorted(placed) == list(range(E))
+    left = {j for j in range(W) if slots[j] > 0}
+    held = list(slots)
+    for j, budget, xs in visits:
+        assert xs, "every visit makes progress"
+        assert held[j] >= len(xs)
+        # the budget is the worker's FLOPS share of all experts' cost among the workers left
+        share = flops[j] * sum(loads) / sum(flops[i] for i in left)
+        assert math.isclose(budget, share, rel_tol=1e-12, abs_tol=1e-12)
+        held[j] -= len(xs)
+        if held[j] == 0:
+            left.discard(j)
+        # a visit takes at most its budget, or a single expert when none fits
+        assert sum(loads[x] for x in xs) <= budget * (1 + 1e-12) or len(xs) == 1
+    p = lysi_assign(flops, loads, slots)
+    assert all(len(p.local_experts(j)) == slots[j] - held[j] for j in range(W))
 
 
 def test_lysi_assign_follows_flops():

@@ -14,8 +14,8 @@ User guide: docs/placement.md.
 
 from .balance import balance
 from .load import ExpertLoad, parse_skew, zipf_loads
-from .lysi import group_objective, lysi_assign, lysi_group
+from .lysi import group_objective, lysi_assign, lysi_assign_visits, lysi_group
 from .placement import Placement, choose_replica, route_table
 
 __all__ = ["Placement", "choose_replica", "route_table", "ExpertLoad", "zipf_loads",
-           "parse_skew", "lysi_group", "lysi_assign", "group_objective", "balance"]
+           "parse_skew", "lysi_group", "lysi_assign", "lysi_assign_visits", "group_objective", "balance"]

@@ -32,7 +32,7 @@ from typing import List, Sequence
 
 from .placement import Placement
 
-__all__ = ["lysi_group", "lysi_assign", "group_objective"]
+__all__ = ["lysi_group", "lysi_assign", "lysi_assign_visits", "group_objective"]
 
 
 def _floats(values, what: str, positive: bool = False) -> List[float]:
@@ -76,13 +76,26 @@ def lysi_assign(flops: Sequence[float], loads: Sequence[float], slots) -> Placem
     Workers are visited round-robin in descending ``F_j`` (ties: lower index).  A visit gets the
     budget ``F_j * sum_x f_x / sum_{i in W'} F_i`` (``W'``: the workers still in the
     round-robin; the paper rounds it up to a whole FLOP, left out here so that costs in any unit,
-    e.g. load shares summing to 1, behave alike) and takes, while budget and memory last, the best fit: the costliest expert with
-    ``f_x <= budget`` (ties: lower id), or, if none fits, the cheapest left.  A visit takes at
-    least one expert (so zero-cost experts are placed too).  A worker leaves the round-robin when
-    its memory is full; the others wrap around until every expert is placed.  So every expert is
-    placed, no worker holds more than ``m_j`` experts, and when memory does not bind each worker's
-    cost is within its FLOPS share ``F_j sum f / sum F`` plus one expert.
+    e.g. load shares summing to 1, behave alike) and takes, while budget and memory last, the
+    best fit: the costliest expert with ``f_x <= budget`` (ties: lower id).  When none fits, the
+    visit ends, unless it has taken nothing yet: then it takes the cheapest expert left (so an
+    expert costlier than every budget, or a zero-cost one, is placed too, and every visit makes
+    progress).  A worker leaves the round-robin when its memory is full; the others wrap around
+    until every expert is placed.  So every expert is placed, no worker holds more than ``m_j``
+    experts, and a visit never takes more than its budget except for a single expert.
     """
+    F = _floats(flops, "flops", positive=True)
+    f = _floats(loads, "loads")
+    expert_ranks: List[List[int]] = [[] for _ in f]
+    for j, _budget, xs in lysi_assign_visits(F, f, slots):
+        for x in xs:
+            expert_ranks[x].append(j)
+    return Placement(expert_ranks, world=len(F))
+
+
+def lysi_assign_visits(flops: Sequence[float], loads: Sequence[float], slots):
+    """:func:`lysi_assign`'s round-robin, one ``(worker, budget, experts taken)`` per visit (what
+    the tests check the FLOPS-share rule on)."""
     F = _floats(flops, "flops", positive=True)
     f = _floats(loads, "loads")
     if not F:
@@ -97,35 +110,33 @@ def lysi_assign(flops: Sequence[float], loads: Sequence[float], slots) -> Placem
     pool = sorted(range(len(f)), key=lambda x: (f[x], x))  # the paper's binary search structure B
     keys = [f[x] for x in pool]
     total = sum(f)
-    assigned: List[List[int]] = [[] for _ in F]
+    visits = []
     pos = 0
     while pool:
         j = active[pos]
         budget = F[j] * total / sum(F[i] for i in active)
-        took = False
-        while m[j] > 0 and pool and (budget > 0 or not took):
-            i = bisect.bisect_right(keys, budget) - 1  # costliest f <= budget ...
+        left, taken = budget, []
+        while m[j] > 0 and pool and (left > 0 or not taken):
+            i = bisect.bisect_right(keys, left) - 1  # costliest f <= budget ...
             if i >= 0:
                 i = bisect.bisect_left(keys, keys[i])  # ... of the lowest id among equal costs
+            elif taken:
+                break  # nothing fits: the visit ends
             else:
-                i = 0  # nothing fits: the cheapest
+                i = 0  # nothing fits and nothing taken yet: the cheapest
             x = pool.pop(i)
             keys.pop(i)
-            assigned[j].append(x)
-            budget -= f[x]
+            taken.append(x)
+            left -= f[x]
             m[j] -= 1
-            took = True
+        visits.append((j, budget, taken))
         if m[j] == 0:
             active.pop(pos)
             if active:
                 pos %= len(active)
         else:
             pos = (pos + 1) % len(active)
-    expert_ranks = [[] for _ in f]
-    for j, xs in enumerate(assigned):
-        for x in xs:
-            expert_ranks[x].append(j)
-    return Placement(expert_ranks, world=len(F))
+    return visits
 
 
 def group_objective(group: Sequence[int], n_groups: int, alpha, beta, flops, loads, slots, *,
