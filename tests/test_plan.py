@@ -161,15 +161,21 @@ def test_parse_skew():
 # Planners
 # ---------------------------------------------------------------------------------------------
 
-int_loads = st.lists(st.integers(0, 1000), min_size=1, max_size=24)
+@st.composite
+def assign_problems(draw):
+    """(flops, integer loads, memory slots that can hold every expert)."""
+    loads = draw(st.lists(st.integers(0, 1000), min_size=1, max_size=24))
+    flops = draw(st.lists(st.integers(1, 8), min_size=1, max_size=8))
+    W, E = len(flops), len(loads)
+    slots = draw(st.lists(st.integers(0, E), min_size=W, max_size=W).filter(lambda m: sum(m) >= E))
+    return flops, loads, slots
 
 
 @settings(max_examples=150, deadline=None)
-@given(int_loads, st.lists(st.integers(1, 8), min_size=1, max_size=8), st.data())
-def test_lysi_assign_places_every_expert_within_memory(loads, flops, data):
+@given(assign_problems())
+def test_lysi_assign_places_every_expert_within_memory(problem):
+    flops, loads, slots = problem
     W, E = len(flops), len(loads)
-    slots = data.draw(st.lists(st.integers(0, E), min_size=W, max_size=W)
-                      .filter(lambda m: sum(m) >= E))
     p = lysi_assign(flops, loads, slots)
     assert p == lysi_assign(flops, loads, slots)  # deterministic
     assert p.world == W and p.num_experts == E
@@ -178,11 +184,10 @@ def test_lysi_assign_places_every_expert_within_memory(loads, flops, data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(int_loads, st.lists(st.integers(1, 8), min_size=1, max_size=8), st.data())
-def test_lysi_assign_visits_keep_their_flops_share(loads, flops, data):
+@given(assign_problems())
+def test_lysi_assign_visits_keep_their_flops_share(problem):
+    flops, loads, slots = problem
     W, E = len(flops), len(loads)
-    slots = data.draw(st.lists(st.integers(0, E), min_size=W, max_size=W)
-                      .filter(lambda m: sum(m) >= E))
     visits = lysi_assign_visits(flops, loads, slots)
     placed = [x for _, _, xs in visits for x in xs]
     assert sorted(placed) == list(range(E))
