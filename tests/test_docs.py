@@ -67,3 +67,15 @@ def test_the_cpu_benchmark_table_lives_in_bench_readme_only():
         assert not header.findall(text), f"{name} keeps its own copy of the CPU benchmark table"
     assert "## CPU result" in BENCH_README
     assert "(../bench/README.md#cpu-result)" in DOCS["docs/tuning.md"]
+
+
+def test_tuning_md_skew_table_is_what_comet_plan_report_prints():
+    """docs/tuning.md's table of predicted layer times under Zipf routing (contiguous vs
+    planned placements) is the output of `python -m comet.plan.report`, character for character."""
+    from comet.plan.report import docs_table
+
+    block = re.search(r"<!-- table: python -m comet\.plan\.report -->\n(.*?)\n<!-- end table -->",
+                      DOCS["docs/tuning.md"], re.S)
+    assert block, "docs/tuning.md has no comet.plan.report table"
+    assert block.group(1) == docs_table(), \
+        "docs/tuning.md's skew table is stale; python -m comet.plan.report prints:\n" + docs_table()

@@ -340,3 +340,24 @@ def test_skew_prices_the_slowest_rank():
     t_even = skew.predict_slowest(even, spec, n, 0)
     assert t_slow["fused"] > t_even["fused"] >= uniform * 0.99
     assert t_slow["rows_max_over_mean"] > 2 > 1.25 > t_even["rows_max_over_mean"]
+
+
+def test_tune_cli_prices_the_slowest_rank_under_skew(capsys, monkeypatch, tmp_path):
+    from comet import tune as cli
+
+    monkeypatch.setenv("COMET_CACHE_DIR", str(tmp_path))
+    small = ["--model", "custom", "--hidden", "1024", "--ffn", "512", "--experts", "16",
+             "--topk", "2", "--gpu", "h800", "--sm-count", "16", "--no-profile"]
+    for extra in (["--world", "8"], ["--world", "4", "--ranks-per-node", "2", "--spare-slots", "2"]):
+        assert cli.main(small + extra + ["--skew", "zipf:1.2"]) == 0
+        out = capsys.readouterr().out
+        assert "Zipf s=1.2" in out
+        rows = {line.split()[0]: line.split() for line in out.splitlines()
+                if line.split() and line.split()[0] in ("contiguous", "balance", "lysi_assign")}
+        assert set(rows) == {"contiguous", "balance", "lysi_assign"}
+        # cells: placement, max/mean rows, n_comm "a / b" (3 words), layer0, layer1, layer ms
+        assert float(rows["balance"][1]) < float(rows["contiguous"][1])
+        assert float(rows["balance"][7]) < float(rows["contiguous"][7])
+    for bad in ("zipf:x", "pareto:1"):
+        with pytest.raises(SystemExit):
+            cli.main(small + ["--world", "8", "--skew", bad])

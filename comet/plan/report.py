@@ -19,7 +19,8 @@ from .lysi import lysi_assign
 from .placement import Placement
 from .skew import choose_n_comm_slowest, predict_slowest, rank_shapes, slot_shares
 
-__all__ = ["PLANNERS", "plan_for", "layer_times", "skew_rows", "markdown_table", "main"]
+__all__ = ["PLANNERS", "plan_for", "layer_times", "skew_rows", "skew_text", "markdown_table",
+           "docs_table", "main"]
 
 PLANNERS = ("contiguous", "balance", "lysi_assign")
 
@@ -66,8 +67,8 @@ def skew_rows(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
               dtype_bytes: int, exponents: Sequence[float], planners: Sequence[str] = PLANNERS,
               spare_slots: int = 1, ranks_per_node: Optional[int] = None,
               seed: int = 0) -> List[List[str]]:
-    """Table rows (model, Zipf s, placement, max/mean rows, layer0 / layer1 / layer ms and the
-    layer time over uniform routing's) for each exponent and planner."""
+    """Table rows (model, Zipf s, placement, max/mean rows, the two layers' n_comm, layer0 /
+    layer1 / layer ms and the layer time over uniform routing's) for each exponent and planner."""
     E, k = int(model["E"]), int(model["k"])
     uniform = layer_times(model, spec, world, tokens, dtype_bytes, Placement.contiguous(E, world),
                           [1.0] * E, ranks_per_node)["layer"]
@@ -79,17 +80,31 @@ def skew_rows(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
             t = layer_times(model, spec, world, tokens, dtype_bytes, placement, loads,
                             ranks_per_node)
             rows.append([str(model["title"]), f"{s:g}", planner, f"{t['rows_max_over_mean']:.2f}",
-                         f"{t['layer0'] * 1e3:.3f}", f"{t['layer1'] * 1e3:.3f}",
+                         f"{t['n_comm0']} / {t['n_comm1']}", f"{t['layer0'] * 1e3:.3f}", f"{t['layer1'] * 1e3:.3f}",
                          f"{t['layer'] * 1e3:.3f}", f"{t['layer'] / uniform:.2f}x"])
     return rows
 
 
-HEADERS = ["model", "Zipf s", "placement", "max/mean rows", "layer0 ms", "layer1 ms", "layer ms",
+def skew_text(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: int,
+              dtype_bytes: int, s: float, spare_slots: int = 1,
+              ranks_per_node: Optional[int] = None) -> str:
+    """``python -m comet.tune --skew zipf:<s>``'s section: each planner's slowest rank."""
+    from ..tune import _table  # the CLI's table style
+
+    rows = skew_rows(model, spec, world, tokens, dtype_bytes, (s,), PLANNERS, spare_slots,
+                     ranks_per_node)
+    head = (f"Skewed routing, cost model (not measured): Zipf s={s:g} over the {model['E']} "
+            f"experts (shuffled, seed 0); every rank runs the split that is best for the slowest "
+            f"rank; planners get E/W + {spare_slots} slots per rank")
+    return "\n".join([head, _table(HEADERS[2:], [r[2:] for r in rows])])
+
+
+HEADERS = ["model", "Zipf s", "placement", "max/mean rows", "n_comm", "layer0 ms", "layer1 ms", "layer ms",
            "vs uniform"]
 
 
 def markdown_table(rows: Sequence[Sequence[str]]) -> str:
-    out = ["| " + " | ".join(HEADERS) + " |", "|---|--:|---|--:|--:|--:|--:|--:|"]
+    out = ["| " + " | ".join(HEADERS) + " |", "|---|--:|---|--:|--:|--:|--:|--:|--:|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
 
