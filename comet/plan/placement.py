@@ -151,21 +151,25 @@ def _check_rpn(placement: Placement, ranks_per_node: Optional[int]) -> int:
     return P
 
 
-def _choose(reps: Tuple[int, ...], e: int, s: int, W: int, P: int) -> int:
-    if s in reps:
-        return s
-    node = s // P
-    near = [r for r in reps if r // P == node]
-    if near:
-        tier_sources = [x for x in range(node * P, node * P + P) if x not in reps]
-        cands = near
-    else:
-        # the sources whose node holds no replica of e (they all fall to this tier)
-        nodes_with = {r // P for r in reps}
-        tier_sources = [x for x in range(W) if x // P not in nodes_with]
-        cands = list(reps)
-    i = tier_sources.index(s)
-    return cands[(i + e) % len(cands)]
+def _expert_routes(reps: Tuple[int, ...], e: int, W: int, P: int) -> List[int]:
+    """Per source rank, the replica of expert ``e`` (on ``reps``) that serves it: the rule of the
+    module doc, for all sources in one pass."""
+    held = set(reps)
+    near: dict = {}  # node -> its replicas, ascending
+    for r in reps:
+        near.setdefault(r // P, []).append(r)
+    dest = [-1] * W
+    dealt: dict = {}  # tier (a node, or None for "no replica on the node") -> sources so far
+    for s in range(W):  # ascending: the i-th source of a tier takes cands[(i + e) % len]
+        if s in held:
+            dest[s] = s
+            continue
+        tier = s // P if s // P in near else None
+        cands = near[tier] if tier is not None else reps
+        i = dealt.get(tier, 0)
+        dealt[tier] = i + 1
+        dest[s] = cands[(i + e) % len(cands)]
+    return dest
 
 
 def choose_replica(placement: Placement, expert: int, src_rank: int,
@@ -175,7 +179,7 @@ def choose_replica(placement: Placement, expert: int, src_rank: int,
     P = _check_rpn(placement, ranks_per_node)
     e = placement._check_expert(expert)
     s = placement._check_rank(src_rank)
-    return _choose(placement.expert_ranks[e], e, s, placement.world, P)
+    return _expert_routes(placement.expert_ranks[e], e, placement.world, P)[s]
 
 
 def route_table(placement: Placement, ranks_per_node: Optional[int] = None) -> List[List[int]]:
@@ -184,5 +188,5 @@ def route_table(placement: Placement, ranks_per_node: Optional[int] = None) -> L
     slot's destination rank)."""
     P = _check_rpn(placement, ranks_per_node)
     W = placement.world
-    return [[_choose(reps, e, s, W, P) for e, reps in enumerate(placement.expert_ranks)]
-            for s in range(W)]
+    by_expert = [_expert_routes(reps, e, W, P) for e, reps in enumerate(placement.expert_ranks)]
+    return [[by_expert[e][s] for e in range(placement.num_experts)] for s in range(W)]
