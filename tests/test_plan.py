@@ -298,9 +298,12 @@ PAPER = [(8, 2, 4096, 14336), (64, 4, 2048, 1408), (16, 2, 4096, 6400)]
 
 @pytest.mark.parametrize("E, k, H, ffn", PAPER)
 @pytest.mark.parametrize("layer", [0, 1])
-def test_uniform_contiguous_reproduces_the_uniform_model(E, k, H, ffn, layer):
+@pytest.mark.parametrize("ranks_per_node, node_reduce", [(8, False), (4, False), (4, True)])
+def test_uniform_contiguous_reproduces_the_uniform_model(E, k, H, ffn, layer, ranks_per_node,
+                                                        node_reduce):
     spec = pm.get_spec("h800")
-    shape = pm.MoEShape(W=8, E=E, k=k, H=H, N=2 * ffn if layer == 0 else ffn, T=4096)
+    shape = pm.MoEShape(W=8, E=E, k=k, H=H, N=2 * ffn if layer == 0 else ffn, T=4096,
+                        ranks_per_node=ranks_per_node, node_reduce=node_reduce)
     shapes = skew.rank_shapes(shape, layer, Placement.contiguous(E, 8), [3.0] * E)
     n = pm.choose_n_comm(shape, spec, layer)
     assert skew.choose_n_comm_slowest(shapes, spec, layer) == n
