@@ -341,7 +341,7 @@ def test_skew_prices_the_slowest_rank():
     uniform = pm.predict(shape, spec, n, 0)["fused"]
     t_slow = skew.predict_slowest(slow, spec, n, 0)
     t_even = skew.predict_slowest(even, spec, n, 0)
-    assert t_slow["fused"] > t_even["fused"] >= uniform * 0.99
+    assert t_slow["fused"] > 2 * uniform and t_even["fused"] < 1.25 * uniform
     assert t_slow["rows_max_over_mean"] > 2 > 1.25 > t_even["rows_max_over_mean"]
 
 

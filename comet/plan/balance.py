@@ -2,29 +2,97 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import math
+from typing import List, Optional, Sequence
 
 from .lysi import _floats
-from .placement import Placement
+from .placement import Placement, _check_rpn, _expert_routes
 
 __all__ = ["balance"]
 
 
-def balance(loads: Sequence[float], world: int, slots_per_rank: int) -> Placement:
+def _peak_share(replicas: int, world: int) -> float:
+    """The largest share of an expert's rows that one of its ``replicas`` serves under the
+    replica rule on one node: a holder serves its own rank's rows, the ``world - replicas``
+    other sources are dealt out evenly, so the busiest replica serves
+    ``1 + ceil((world - replicas) / replicas)`` of the ``world`` sources."""
+    return (1 + math.ceil((world - replicas) / replicas)) / world
+
+
+def _counts_by_mean(f: List[float], W: int, spare: int) -> List[int]:
+    """Replica counts: each spare slot to the expert with the most rows per replica."""
+    reps = [1] * len(f)
+    for _ in range(spare):
+        live = [e for e in range(len(f)) if reps[e] < W]
+        if not live:
+            break
+        e = max(live, key=lambda x: (f[x] / reps[x], -x))
+        reps[e] += 1
+    return reps
+
+
+def _counts_by_peak(f: List[float], W: int, spare: int) -> List[int]:
+    """Replica counts: the expert whose busiest replica serves the most rows gets as many more
+    replicas as it takes to lower that peak (on 8 ranks 4 replicas serve 2 sources each; a 5th
+    would not help); an expert that cannot afford its next step is passed over."""
+    reps = [1] * len(f)
+    passed = set()
+    while spare > 0:
+        live = [e for e in range(len(f)) if reps[e] < W and e not in passed]
+        if not live:
+            break
+        e = max(live, key=lambda x: (f[x] * _peak_share(reps[x], W), -x))
+        step = next(c for c in range(reps[e] + 1, W + 1)
+                    if _peak_share(c, W) < _peak_share(reps[e], W))
+        if step - reps[e] > spare or f[e] == 0:
+            passed.add(e)
+            continue
+        spare -= step - reps[e]
+        reps[e] = step
+    return reps
+
+
+def _pack(f: List[float], reps: List[int], W: int, S: int, P: int):
+    """Experts in descending peak onto the least-loaded ranks with room: (expert_ranks, rows per
+    rank in units of loads)."""
+    E = len(f)
+    rank_load = [0.0] * W
+    free = [S] * W
+    expert_ranks: List[List[int]] = [[] for _ in range(E)]
+    for e in sorted(range(E), key=lambda x: (-f[x] * _peak_share(reps[x], W), x)):
+        open_ranks = sorted((r for r in range(W) if free[r] > 0), key=lambda r: (rank_load[r], r))
+        # the expert's replicas may not outnumber the ranks with room, nor leave later experts
+        # without a slot
+        later = sum(1 for x in expert_ranks if not x) - 1
+        room = sum(free) - later
+        chosen = tuple(sorted(open_ranks[:max(1, min(reps[e], len(open_ranks), room))]))
+        for r in _expert_routes(chosen, e, W, P):
+            rank_load[r] += f[e] / W
+        for r in chosen:
+            expert_ranks[e].append(r)
+            free[r] -= 1
+    return expert_ranks, rank_load
+
+
+def balance(loads: Sequence[float], world: int, slots_per_rank: int,
+            ranks_per_node: Optional[int] = None) -> Placement:
     """A :class:`Placement` of ``len(loads)`` experts on ``world`` ranks of ``slots_per_rank``
-    slots each (``world * slots_per_rank >= E``) that evens out the load per rank.
+    slots each (``world * slots_per_rank >= E``) that evens out the rows per rank, assuming
+    every source rank routes like ``loads``.
 
-    1. Replicas: every expert starts with one; while slots remain, the expert with the highest
-       load per replica (``loads[e] / replicas[e]``; ties: lower id) gets another, at most one
-       per rank (``world``).
-    2. Packing: replicas in descending load per replica (ties: lower expert id) go, one expert's
-       replicas at a time, to the ranks with the least load so far that have a free slot and no
-       replica of it yet (ties: lower rank).  If fewer such ranks remain than the expert has
-       replicas, it keeps fewer (never happens with ``slots_per_rank >= E / world`` rounded up
-       and distinct-enough loads; the slot bound always holds).
+    1. Replica counts, two ways: every expert starts with one, and the spare slots go either
+       one at a time to the expert with the most rows per replica (``loads[e] / replicas[e]``),
+       or in steps to the expert whose busiest replica serves the most rows (``loads[e]`` times
+       the share the replica rule gives its busiest replica), each step as many replicas as it
+       takes to lower that peak; at most one replica per rank; ties to the lower id.
+    2. Packing, for each: experts in descending peak (ties: lower id), each onto the ranks with
+       the least rows so far that have a free slot (ties: lower rank).  The rows a replica adds
+       are what :func:`comet.plan.choose_replica` (with ``ranks_per_node``) routes to it.  An
+       expert keeps fewer replicas only when fewer ranks have room (the slot bound always
+       holds).
 
-    Deterministic.  The expected load of a replica is ``loads[e] / replicas[e]`` when sources are
-    dealt to replicas evenly (:func:`comet.plan.choose_replica`).
+    Of the two packings the one whose busiest rank has fewer rows wins (ties: the first).
+    Deterministic.
     """
     f = _floats(loads, "loads")
     E = len(f)
@@ -36,25 +104,8 @@ def balance(loads: Sequence[float], world: int, slots_per_rank: int) -> Placemen
     W, S = int(world), int(slots_per_rank)
     if W * S < E:
         raise ValueError(f"{W} ranks x {S} slots = {W * S} slots cannot hold E={E} experts")
-    reps = [1] * E
-    for _ in range(W * S - E):
-        best = max((e for e in range(E) if reps[e] < W), key=lambda e: (f[e] / reps[e], -e),
-                   default=None)
-        if best is None:
-            break
-        reps[best] += 1
-    rank_load = [0.0] * W
-    free = [S] * W
-    expert_ranks: List[List[int]] = [[] for _ in range(E)]
-    for e in sorted(range(E), key=lambda e: (-f[e] / reps[e], e)):
-        open_ranks = sorted((r for r in range(W) if free[r] > 0), key=lambda r: (rank_load[r], r))
-        # the expert's replicas may not outnumber the ranks with room, nor leave later experts
-        # without a slot
-        later = sum(1 for x in expert_ranks if not x) - 1
-        room = sum(free) - later
-        chosen = open_ranks[:max(1, min(reps[e], len(open_ranks), room))]
-        for r in chosen:
-            expert_ranks[e].append(r)
-            rank_load[r] += f[e] / len(chosen)
-            free[r] -= 1
+    P = _check_rpn(Placement([[0]], world=W), ranks_per_node)
+    packs = [_pack(f, counts(f, W, W * S - E), W, S, P) for counts in (_counts_by_mean,
+                                                                       _counts_by_peak)]
+    expert_ranks, _ = min(packs, key=lambda pk: max(pk[1]))
     return Placement(expert_ranks, world=W)

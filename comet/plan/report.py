@@ -26,7 +26,7 @@ PLANNERS = ("contiguous", "balance", "lysi_assign")
 
 
 def plan_for(planner: str, loads: Sequence[float], world: int, k: int,
-             spare_slots: int = 1) -> Placement:
+             spare_slots: int = 1, ranks_per_node: Optional[int] = None) -> Placement:
     """The placement ``planner`` makes for ``loads`` on ``world`` equal GPUs, each with
     ``E / world + spare_slots`` expert slots (contiguous: today's map, no spare slot used).
     The planners see each expert's share of the slots (:func:`comet.plan.skew.slot_shares`)."""
@@ -36,7 +36,7 @@ def plan_for(planner: str, loads: Sequence[float], world: int, k: int,
     shares = slot_shares(loads, k)
     slots = E // world + int(spare_slots)
     if planner == "balance":
-        return balance(shares, world, slots)
+        return balance(shares, world, slots, ranks_per_node)
     if planner == "lysi_assign":
         return lysi_assign([1.0] * world, shares, slots)
     raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
@@ -76,7 +76,7 @@ def skew_rows(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
     for s in exponents:
         loads = zipf_loads(E, s, seed=seed)
         for planner in planners:
-            placement = plan_for(planner, loads, world, k, spare_slots)
+            placement = plan_for(planner, loads, world, k, spare_slots, ranks_per_node)
             t = layer_times(model, spec, world, tokens, dtype_bytes, placement, loads,
                             ranks_per_node)
             rows.append([str(model["title"]), f"{s:g}", planner, f"{t['rows_max_over_mean']:.2f}",
