@@ -91,10 +91,12 @@ def test_replica_rule_own_rank_then_node_then_spread(p, data):
         for s in range(p.world):
             if s in reps:
                 continue
-            near = [x for x in reps if x // P == s // P]
-            key = tuple(near) if near else tuple(reps)
+            near = tuple(x for x in reps if x // P == s // P)
+            # a tier: the sources of one node served by its replicas, or all the sources whose
+            # node has none, served by every replica
+            key = (s // P, near) if near else (None, tuple(reps))
             tiers.setdefault(key, []).append(table[s][e])
-        for cands, chosen in tiers.items():
+        for (_, cands), chosen in tiers.items():
             counts = [chosen.count(c) for c in cands]
             assert max(counts) - min(counts) <= 1, (p, P, e, cands, chosen)
 
