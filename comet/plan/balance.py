@@ -19,9 +19,11 @@ def _peak_share(replicas: int, world: int) -> float:
     return (1 + math.ceil((world - replicas) / replicas)) / world
 
 
-def _counts_by_mean(f: List[float], W: int, spare: int) -> List[int]:
-    """Replica counts: each spare slot to the expert with the most rows per replica."""
-    reps = [1] * len(f)
+def _counts_by_mean(f: List[float], W: int, spare: int,
+                    reps: Optional[List[int]] = None) -> List[int]:
+    """Replica counts (from ``reps``, default one each): each spare slot to the expert with the
+    most rows per replica."""
+    reps = [1] * len(f) if reps is None else list(reps)
     for _ in range(spare):
         live = [e for e in range(len(f)) if reps[e] < W]
         if not live:
@@ -34,7 +36,8 @@ def _counts_by_mean(f: List[float], W: int, spare: int) -> List[int]:
 def _counts_by_peak(f: List[float], W: int, spare: int) -> List[int]:
     """Replica counts: the expert whose busiest replica serves the most rows gets as many more
     replicas as it takes to lower that peak (on 8 ranks 4 replicas serve 2 sources each; a 5th
-    would not help); an expert that cannot afford its next step is passed over."""
+    would not help); an expert that cannot afford its next step is passed over, and the slots
+    left at the end go as in :func:`_counts_by_mean`."""
     reps = [1] * len(f)
     passed = set()
     while spare > 0:
@@ -49,23 +52,45 @@ def _counts_by_peak(f: List[float], W: int, spare: int) -> List[int]:
             continue
         spare -= step - reps[e]
         reps[e] = step
-    return reps
+    return _counts_by_mean(f, W, spare, reps)
+
+
+def _fits(demands: List[int], free: List[int]) -> bool:
+    """Whether experts needing ``demands`` distinct ranks each fit ranks with ``free`` slots
+    (Gale-Ryser: the ``i`` largest demands never exceed ``sum_r min(free_r, i)``)."""
+    d = sorted(demands, reverse=True)
+    if sum(d) > sum(free):
+        return False
+    head = 0
+    for i in range(1, min(len(d), max(free, default=0)) + 1):  # beyond: sum(free) bounds it
+        head += d[i - 1]
+        if head > sum(min(c, i) for c in free):
+            return False
+    return True
 
 
 def _pack(f: List[float], reps: List[int], W: int, S: int, P: int):
-    """Experts in descending peak onto the least-loaded ranks with room: (expert_ranks, rows per
-    rank in units of loads)."""
+    """Experts in descending peak onto the least-loaded ranks with room, as long as the experts
+    still to come fit (else onto the ranks with the most room, else with fewer replicas):
+    (expert_ranks, rows per rank in units of loads)."""
     E = len(f)
     rank_load = [0.0] * W
     free = [S] * W
     expert_ranks: List[List[int]] = [[] for _ in range(E)]
-    for e in sorted(range(E), key=lambda x: (-f[x] * _peak_share(reps[x], W), x)):
-        open_ranks = sorted((r for r in range(W) if free[r] > 0), key=lambda r: (rank_load[r], r))
-        # the expert's replicas may not outnumber the ranks with room, nor leave later experts
-        # without a slot
-        later = sum(1 for x in expert_ranks if not x) - 1
-        room = sum(free) - later
-        chosen = tuple(sorted(open_ranks[:max(1, min(reps[e], len(open_ranks), room))]))
+    order = sorted(range(E), key=lambda x: (-f[x] * _peak_share(reps[x], W), x))
+    for i, e in enumerate(order):
+        later = [reps[x] for x in order[i + 1:]]
+        open_ranks = [r for r in range(W) if free[r] > 0]
+        least_loaded = sorted(open_ranks, key=lambda r: (rank_load[r], r))
+        most_room = sorted(open_ranks, key=lambda r: (-free[r], rank_load[r], r))
+        chosen = least_loaded[:1]  # if nothing else fits, later experts keep fewer replicas
+        for n in range(min(reps[e], len(open_ranks)), 0, -1):
+            fit = next((c[:n] for c in (least_loaded, most_room)
+                        if _fits(later, [free[r] - (r in c[:n]) for r in range(W)])), None)
+            if fit is not None:
+                chosen = fit
+                break
+        chosen = tuple(sorted(chosen))
         for r in _expert_routes(chosen, e, W, P):
             rank_load[r] += f[e] / W
         for r in chosen:
@@ -84,9 +109,12 @@ def balance(loads: Sequence[float], world: int, slots_per_rank: int,
        one at a time to the expert with the most rows per replica (``loads[e] / replicas[e]``),
        or in steps to the expert whose busiest replica serves the most rows (``loads[e]`` times
        the share the replica rule gives its busiest replica), each step as many replicas as it
-       takes to lower that peak; at most one replica per rank; ties to the lower id.
+       takes to lower that peak (slots left over go the first way); at most one replica per
+       rank; ties to the lower id.
     2. Packing, for each: experts in descending peak (ties: lower id), each onto the ranks with
-       the least rows so far that have a free slot (ties: lower rank).  The rows a replica adds
+       the least rows so far that have a free slot (ties: lower rank), as long as the experts
+       still to come can get all their replicas (Gale-Ryser), else onto the ranks with the most
+       free slots.  The rows a replica adds
        are what :func:`comet.plan.choose_replica` (with ``ranks_per_node``) routes to it.  An
        expert keeps fewer replicas only when fewer ranks have room (the slot bound always
        holds).
