@@ -38,6 +38,31 @@ def test_placement_rejects_bad_input_naming_the_value(ranks, world, message):
         Placement(ranks, world=world)
 
 
+@settings(max_examples=100, deadline=None)
+@given(placements(), st.data())
+def test_placement_names_the_first_bad_expert_and_value(p, data):
+    ranks = [list(r) for r in p.expert_ranks]
+    e = data.draw(st.integers(0, len(ranks) - 1))
+    flaw = data.draw(st.sampled_from(["empty", "high", "negative", "twice"]))
+    if flaw == "empty":
+        ranks[e] = []
+        message = f"expert {e} has no replica"
+    elif flaw == "high":
+        bad = data.draw(st.integers(p.world, p.world + 5))
+        ranks[e] = ranks[e] + [bad]
+        message = f"expert {e}: rank {bad} is out of range for world={p.world}"
+    elif flaw == "negative":
+        bad = data.draw(st.integers(-5, -1))
+        ranks[e] = [bad] + ranks[e]
+        message = f"expert {e}: rank {bad} is negative"
+    else:
+        ranks[e] = ranks[e] + ranks[e][:1]
+        message = f"expert {e}: rank {ranks[e][0]} is listed twice"
+    with pytest.raises(ValueError) as err:
+        Placement(ranks, world=p.world)
+    assert str(err.value).startswith(message)
+
+
 def test_placement_rejects_non_integer_ranks():
     with pytest.raises(TypeError, match="expert 0's rank must be an integer, got 1.5"):
         Placement([[1.5]])
