@@ -391,3 +391,19 @@ def test_tune_cli_prices_the_slowest_rank_under_skew(capsys, monkeypatch, tmp_pa
     for bad in ("zipf:x", "pareto:1"):
         with pytest.raises(SystemExit):
             cli.main(small + ["--world", "8", "--skew", bad])
+
+
+def test_lysi_group_on_the_cost_models_links():
+    # 2 nodes of 4 H800, Mixtral's 8 experts (2 slots per rank: one node holds them all). In the
+    # paper's objective a group computes all experts, so more workers divide the compute; the
+    # NIC is worth crossing unless a worker's bytes per call make its links slower than that
+    spec = pm.get_spec("h800")
+    alpha, beta = skew.link_matrices(spec, 8, 4)
+    assert alpha[0][1] == spec.alpha and alpha[0][4] == spec.nic_alpha
+    assert beta[0][5] == 1 / spec.nic_bw and beta[2][2] == 0.0
+    flops = [spec.peak_flops(2) * spec.gemm_eff] * 8
+    f = [4096 * 2 * 6 * 4096 * 14336] * 8  # FLOPs per expert and call: rows x 2 x 3 GEMMs
+    assert lysi_group(alpha, beta, flops, f, 2, d=4096 * 2 * 8192) == [list(range(8))]
+    assert lysi_group(alpha, beta, flops, f, 2, d=1e9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="ranks_per_node=3 must be >= 1 and divide world=8"):
+        skew.link_matrices(spec, 8, 3)

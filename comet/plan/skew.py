@@ -37,7 +37,7 @@ from .lysi import _floats
 from .placement import Placement, route_table
 
 __all__ = ["RankRows", "slot_shares", "rank_rows", "rank_shapes", "predict_slowest",
-           "choose_n_comm_slowest"]
+           "choose_n_comm_slowest", "link_matrices"]
 
 
 class RankRows(NamedTuple):
@@ -174,3 +174,19 @@ def choose_n_comm_slowest(shapes: Sequence[pm.MoEShape], spec: pm.GpuSpec, layer
              for n in range(1, total)]
     best = min(times)
     return 1 + next(i for i, t in enumerate(times) if t <= best * (1 + 1e-12))
+
+
+def link_matrices(spec: pm.GpuSpec, world: int, ranks_per_node: Optional[int] = None):
+    """``(alpha, beta)`` for :func:`comet.plan.lysi_group` from the cost model's links:
+    same-node pairs get NVLink's latency and ``1 / link_bw``, pairs on different nodes the NIC's
+    (``ranks_per_node`` default: one node).  Diagonals are 0."""
+    P = world if ranks_per_node is None else int(ranks_per_node)
+    if world < 1 or P < 1 or world % P:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide world={world}")
+
+    def matrix(near: float, far: float):
+        return [[0.0 if i == j else (near if i // P == j // P else far) for j in range(world)]
+                for i in range(world)]
+
+    return (matrix(spec.alpha, spec.nic_alpha),
+            matrix(1.0 / spec.link_bw, 1.0 / spec.nic_bw))
