@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from comet import perfmodel as pm
 from comet.plan import (ExpertLoad, Placement, balance, choose_replica, group_objective,
-                        lysi_assign, lysi_assign_visits, lysi_group, parse_skew, route_table, zipf_loads)
+                        lysi_assign, lysi_assign_visits, lysi_group, parse_skew, route_table,
+                        zipf_loads)
 from comet.plan import skew
 
 
@@ -308,7 +309,8 @@ def test_balance_with_a_spare_slot_beats_the_contiguous_map_under_zipf(dims, s, 
     loads = zipf_loads(E, s, seed=seed)
     shares = skew.slot_shares(loads, k)
     planned = balance(shares, W, E // W + 1)
-    assert _max_over_mean(planned, loads, k) <= _max_over_mean(Placement.contiguous(E, W), loads, k) + 1e-9
+    contiguous = Placement.contiguous(E, W)
+    assert _max_over_mean(planned, loads, k) <= _max_over_mean(contiguous, loads, k) + 1e-9
 
 
 def test_balance_rejects_too_few_slots():
@@ -378,7 +380,8 @@ def test_tune_cli_prices_the_slowest_rank_under_skew(capsys, monkeypatch, tmp_pa
     monkeypatch.setenv("COMET_CACHE_DIR", str(tmp_path))
     small = ["--model", "custom", "--hidden", "1024", "--ffn", "512", "--experts", "16",
              "--topk", "2", "--gpu", "h800", "--sm-count", "16", "--no-profile"]
-    for extra in (["--world", "8"], ["--world", "4", "--ranks-per-node", "2", "--spare-slots", "2"]):
+    two_nodes = ["--world", "4", "--ranks-per-node", "2", "--spare-slots", "2"]
+    for extra in (["--world", "8"], two_nodes):
         assert cli.main(small + extra + ["--skew", "zipf:1.2"]) == 0
         out = capsys.readouterr().out
         assert "Zipf s=1.2" in out

@@ -18,4 +18,5 @@ from .lysi import group_objective, lysi_assign, lysi_assign_visits, lysi_group
 from .placement import Placement, choose_replica, route_table
 
 __all__ = ["Placement", "choose_replica", "route_table", "ExpertLoad", "zipf_loads",
-           "parse_skew", "lysi_group", "lysi_assign", "lysi_assign_visits", "group_objective", "balance"]
+           "parse_skew", "lysi_group", "lysi_assign", "lysi_assign_visits", "group_objective",
+           "balance"]

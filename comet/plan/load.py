@@ -34,7 +34,8 @@ class ExpertLoad:
     def update(self, topk_ids: torch.Tensor) -> None:
         if not isinstance(topk_ids, torch.Tensor):
             raise TypeError(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        dt = topk_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
             raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
         ids = topk_ids.reshape(-1).to(torch.int64)
         if ids.device != self._counts.device:
@@ -46,7 +47,8 @@ class ExpertLoad:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < -1 or hi >= self.num_experts:
                 bad = lo if lo < -1 else hi
-                raise ValueError(f"topk_ids holds expert id {bad}, outside [-1, {self.num_experts})")
+                raise ValueError(
+                    f"topk_ids holds expert id {bad}, outside [-1, {self.num_experts})")
         hist = torch.bincount(ids + 1, minlength=self.num_experts + 1)[1:self.num_experts + 1]
         if self.decay != 1.0:
             self._counts.mul_(self.decay)
@@ -61,7 +63,8 @@ class ExpertLoad:
         self.steps = 0
 
 
-def zipf_loads(num_experts: int, s: float, total: float = 1.0, seed: Optional[int] = 0) -> List[float]:
+def zipf_loads(num_experts: int, s: float, total: float = 1.0,
+               seed: Optional[int] = 0) -> List[float]:
     """Per-expert loads that follow Zipf's law with exponent ``s``: the ``i``-th hottest expert
     (``i`` from 1) gets a share proportional to ``1 / i**s``, the shares scaled to ``total``.
     ``seed`` shuffles which expert id gets which rank (a fixed ``random.Random(seed)`` shuffle,

@@ -11,7 +11,7 @@ The objective of a group ``g`` (workers ``V_g``, every pair of them an edge of `
 
     T(g) = inf                                              if sum_{j in V_g} m_j < |X|
     T(g) = gamma * ( sum_x f_x / sum_{j in V_g} F_j
-                     + max_{i in V_g} sum_{j in V_g, j != i} eta * (alpha_ij + d / |V_g| * beta_ij) )
+                     + max_{i in V_g} sum_{j in V_g, j != i} eta (alpha_ij + d / |V_g| beta_ij) )
            + 2 (|G| - 1) * (alpha* + d_ar * beta* / |G|)    otherwise
 
 ``gamma`` (the paper's gamma(omega) >= 1): how often the layer runs per iteration; ``eta``: how
@@ -169,7 +169,8 @@ def _objective(g, n_groups, a, b, F, f, m, ext, d, eta, d_ar, gamma) -> float:
 
 
 def lysi_group(alpha, beta, flops: Sequence[float], loads: Sequence[float], slots, *,
-               d: float, eta: float = 1.0, d_ar: float = 0.0, gamma: float = 1.0) -> List[List[int]]:
+               d: float, eta: float = 1.0, d_ar: float = 0.0,
+               gamma: float = 1.0) -> List[List[int]]:
     """LysiGroup (the paper's Algorithm 2): partition the workers into expert-parallel groups.
 
     ``alpha[i][j]`` (s), ``beta[i][j]`` (s/byte): the link between workers ``i`` and ``j``
@@ -204,7 +205,8 @@ def lysi_group(alpha, beta, flops: Sequence[float], loads: Sequence[float], slot
             x = parent[x]
         return x
 
-    edges = sorted(((a[u][v] + float(d) * b[u][v], u, v) for u in range(W) for v in range(u + 1, W)))
+    edges = sorted((a[u][v] + float(d) * b[u][v], u, v)
+                   for u in range(W) for v in range(u + 1, W))
     for _, u, v in edges:
         gu, gv = find(u), find(v)
         if gu == gv:

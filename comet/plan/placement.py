@@ -55,7 +55,8 @@ class Placement:
                 raise TypeError(f"expert {e}: expected a list of ranks, got {rs!r}")
             rl = [_as_int(r, f"expert {e}'s rank") for r in rs]
             if not rl:
-                raise ValueError(f"expert {e} has no replica (every expert needs at least one rank)")
+                raise ValueError(
+                    f"expert {e} has no replica (every expert needs at least one rank)")
             neg = [r for r in rl if r < 0]
             if neg:
                 raise ValueError(f"expert {e}: rank {neg[0]} is negative")

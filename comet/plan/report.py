@@ -80,7 +80,8 @@ def skew_rows(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
             t = layer_times(model, spec, world, tokens, dtype_bytes, placement, loads,
                             ranks_per_node)
             rows.append([str(model["title"]), f"{s:g}", planner, f"{t['rows_max_over_mean']:.2f}",
-                         f"{t['n_comm0']} / {t['n_comm1']}", f"{t['layer0'] * 1e3:.3f}", f"{t['layer1'] * 1e3:.3f}",
+                         f"{t['n_comm0']} / {t['n_comm1']}", f"{t['layer0'] * 1e3:.3f}",
+                         f"{t['layer1'] * 1e3:.3f}",
                          f"{t['layer'] * 1e3:.3f}", f"{t['layer'] / uniform:.2f}x"])
     return rows
 
@@ -99,8 +100,8 @@ def skew_text(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
     return "\n".join([head, _table(HEADERS[2:], [r[2:] for r in rows])])
 
 
-HEADERS = ["model", "Zipf s", "placement", "max/mean rows", "n_comm", "layer0 ms", "layer1 ms", "layer ms",
-           "vs uniform"]
+HEADERS = ["model", "Zipf s", "placement", "max/mean rows", "n_comm", "layer0 ms", "layer1 ms",
+           "layer ms", "vs uniform"]
 
 
 def markdown_table(rows: Sequence[Sequence[str]]) -> str:
