@@ -15,9 +15,12 @@ class ExpertLoad:
     """Accumulates how many (token, slot) rows each of ``num_experts`` experts received.
 
     ``update(topk_ids)`` adds one step's ``topk_ids`` (any shape, integer; ``-1`` marks a dropped
-    slot and is ignored) with one ``torch.bincount`` on the ids' device: no host sync, so it can
-    run every step.  ``loads()`` returns the float64 counts on the CPU (this syncs); ``reset()``
-    starts over.  ``decay`` in (0, 1] scales the history before each update (1: plain sum), so a
+    slot and is ignored) with one ``index_add_`` into a fixed-size histogram on the ids' device:
+    no host sync, so it can run every step (``torch.bincount`` on a GPU reads the largest id
+    back to size its output: a sync).  The counts are float64, exact up to 2**53 rows, so the
+    order of the device's atomic adds does not matter.  An id outside ``[-1, E)`` raises on the
+    CPU; on a GPU, where checking would need a sync, it counts as dropped.  ``loads()`` returns
+    the counts on the CPU (this syncs); ``reset()`` starts over.  ``decay`` in (0, 1] scales the history before each update (1: plain sum), so a
     planner can follow drifting routing.
     """
 
@@ -40,19 +43,22 @@ class ExpertLoad:
         ids = topk_ids.reshape(-1).to(torch.int64)
         if ids.device != self._counts.device:
             self._counts = self._counts.to(ids.device)
-        # shift by one so that -1 (dropped) lands in bin 0, which is thrown away; an id outside
-        # [-1, E) is a caller bug: bincount's minlength cannot catch ids >= E, so check on the
-        # host only when the ids already live there (no device sync on the hot path)
+        # an id outside [-1, E) is a caller bug; check on the host only when the ids already
+        # live there (no device sync on the hot path)
         if ids.device.type == "cpu" and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < -1 or hi >= self.num_experts:
                 bad = lo if lo < -1 else hi
                 raise ValueError(
                     f"topk_ids holds expert id {bad}, outside [-1, {self.num_experts})")
-        hist = torch.bincount(ids + 1, minlength=self.num_experts + 1)[1:self.num_experts + 1]
+        # bin 0 takes the dropped slots (and, on a GPU, out-of-range ids) and is thrown away
+        E = self.num_experts
+        bins = torch.where((ids >= 0) & (ids < E), ids + 1, torch.zeros_like(ids))
+        hist = torch.zeros(E + 1, dtype=torch.float64, device=ids.device)
+        hist.index_add_(0, bins, torch.ones(bins.shape, dtype=torch.float64, device=ids.device))
         if self.decay != 1.0:
             self._counts.mul_(self.decay)
-        self._counts.add_(hist.to(torch.float64))
+        self._counts.add_(hist[1:])
         self.steps += 1
 
     def loads(self) -> List[float]:
