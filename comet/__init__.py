@@ -10,18 +10,20 @@ Where things live (public modules at the top, the parts grouped by role below th
   comet.demo                          python -m comet.demo, the main job
   comet.layers                        the two fused ops, their backward, the weight-gradient stream
   comet.buffers                       the symmetric buffers the ops communicate through
+  comet.plan                          expert placement: Placement, routing loads, the planners
   comet.tune                          cost model, autotuner, profiling hooks, python -m comet.tune
 """
 from comet._native import _C  # noqa: F401
 from comet.buffers import Buffer, buffer_for, required_bytes
 from comet.layers import Layout, moe_layer0, moe_layer1
 from comet.layers.autograd import defer_weight_grads
+from comet.plan import Placement
 from comet.tune import profiling as _profiling
 
 # The autotuner's profiling hooks (comet.tune.tuner.PROFILERS) time these ops: installed here, so
 # that they exist exactly when the compiled ops do.
 _profiling.register()
 
-__all__ = ["Buffer", "Layout", "buffer_for", "defer_weight_grads", "moe_layer0", "moe_layer1",
+__all__ = ["Buffer", "Layout", "Placement", "buffer_for", "defer_weight_grads", "moe_layer0", "moe_layer1",
            "required_bytes"]
 __version__ = "0.1.0"

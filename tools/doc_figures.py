@@ -199,6 +199,12 @@ def model_fp8_lines() -> List[str]:
     return cli.fp8_table().splitlines()
 
 
+def model_skew_lines() -> List[str]:
+    """The slowest rank under Zipf routing: contiguous map vs the planners (comet.plan.report)."""
+    from comet.plan.report import docs_table
+    return docs_table().splitlines()
+
+
 FIGURES: Dict[str, Figure] = {
     "demo": Figure("README.md", demo_lines, demo_comparable),
     "model-one-node": Figure("docs/tuning.md", model_one_node_lines),
@@ -206,6 +212,7 @@ FIGURES: Dict[str, Figure] = {
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
     "model-tp": Figure("docs/tuning.md", model_tp_lines),
     "model-fp8": Figure("docs/tuning.md", model_fp8_lines),
+    "model-skew": Figure("docs/tuning.md", model_skew_lines),
     "symmetric-memory": Figure("docs/gpu.md", symmetric_memory_lines),
 }
 

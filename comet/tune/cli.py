@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed calls per candidate when profiling (default 2)")
     p.add_argument("--iters", type=int, default=5,
                    help="timed calls per candidate; the median counts (default 5)")
+    p.add_argument("--skew", default=None, metavar="zipf:S",
+                   help="also price skewed routing (Zipf over experts with exponent S, e.g. "
+                        "zipf:1.2): the slowest rank with the contiguous map, balance and "
+                        "lysi_assign (comet.plan; cost model only)")
+    p.add_argument("--spare-slots", type=int, default=1,
+                   help="with --skew: expert slots per rank beyond E/W for the planners "
+                        "(default 1)")
     p.add_argument("--cache-dir", default=None,
                    help=f"tuning cache directory (default ${tn.CACHE_ENV} or ~/.cache/comet)")
     return p
@@ -447,6 +454,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.ranks_per_node is not None and (args.ranks_per_node < 1
                                             or args.world % args.ranks_per_node):
         parser.error(f"--ranks-per-node {args.ranks_per_node} must divide --world {args.world}")
+    if args.skew is not None:
+        from comet.plan import parse_skew
+
+        try:
+            args.skew = parse_skew(args.skew)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.spare_slots < 0:
+            parser.error(f"--spare-slots must be >= 0, got {args.spare_slots}")
     if args.warmup < 0 or args.iters < 1:
         parser.error(f"--warmup must be >= 0 and --iters >= 1 (got {args.warmup}, {args.iters})")
     say = print if _launch_rank() == 0 else _quiet  # under torchrun, rank 0 alone prints
@@ -481,6 +497,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         args.tile, tuner, ranks_per_node=args.ranks_per_node,
                         node_first=not args.flat, node_reduce=args.node_reduce,
                         tp_size=args.tp))
+        if args.skew is not None:
+            from comet.plan.report import skew_text
+
+            say()
+            say(skew_text(model, spec, args.world, args.tokens, pm.DTYPE_BYTES[args.dtype],
+                          args.skew, args.spare_slots, args.ranks_per_node))
 
     # Profile by default on a GPU; on the CPU backend only when asked (--profile).
     profile = args.profile if args.profile is not None else has_gpu
