@@ -230,23 +230,24 @@ void bind_engine(py::module_& m) {
   e.def(
       "region_bytes",
       [](int32_t op, int64_t tokens, int32_t hidden, int32_t topk, int32_t experts, int32_t world,
-         int32_t elem_bytes, int32_t acc_bytes, int32_t ranks_per_node, bool node_reduce) {
+         int32_t elem_bytes, int32_t acc_bytes, int32_t ranks_per_node, bool node_reduce,
+         int32_t tp) {
         if (op < 0 || op > 1 || tokens < 0 || hidden < 0 || topk < 1 || experts < 1 ||
-            world < 1 || elem_bytes < 1 || acc_bytes < 1)
+            world < 1 || elem_bytes < 1 || acc_bytes < 1 || tp < 1 || world % tp != 0)
           throw py::value_error("comet: region_bytes needs op 0/1, tokens/hidden >= 0, "
-                                "topk/experts/world/elem/acc >= 1");
+                                "topk/experts/world/elem/acc >= 1, tp dividing world");
         const int32_t rpn = ranks_per_node > 0 ? ranks_per_node : world;
         if (world % rpn != 0)
           throw py::value_error("comet: ranks_per_node=" + std::to_string(rpn) +
                                 " does not divide the group size " + std::to_string(world));
         const comet::NodeTopology t{world, rpn, node_reduce ? 1 : 0};
         return int64_t(comet::call_regions(t, comet::OpKind(op), tokens, hidden, topk, experts,
-                                           elem_bytes, acc_bytes)
+                                           elem_bytes, acc_bytes, tp)
                            .total);
       },
       py::arg("op"), py::arg("tokens"), py::arg("hidden"), py::arg("topk"), py::arg("experts"),
       py::arg("world"), py::arg("elem_bytes"), py::arg("acc_bytes") = 4,
-      py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false);
+      py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false, py::arg("tp") = 1);
   e.def("header_bytes", [](int32_t world) { return int64_t(comet::header_bytes(world)); });
   // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
   e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,
