@@ -259,8 +259,8 @@ def test_backward_with_dropped_slots_and_max_rows_bf16():
 # -- bad input: a clear error on every rank, before any kernel ---------------------------------
 
 
-def _errors(world, fn, tp=None):
-    bufs = comet.Buffer.simulated_world(world, timeout=20)
+def _errors(world, fn, **buffer_kw):
+    bufs = comet.Buffer.simulated_world(world, timeout=20, **buffer_kw)
     errs = [None] * world
 
     def rank(r, buf):
@@ -282,7 +282,8 @@ def _layer0(r, buf, *, tp, experts, el, n0=4, H=8, T=3):
 
 def test_error_tp_not_dividing_world():
     errs = _errors(4, lambda r, b: _layer0(r, b, tp=3, experts=4, el=4))
-    assert all(e and "tp_size=3 does not divide the group size 4" in e for e in errs), errs
+    assert all(e and "tp_size=3 does not divide the group size 4 "
+               "(the group is TP-innermost: EP = W / tp_size)" in e for e in errs), errs
 
 
 def test_error_ep_not_dividing_experts():
@@ -312,3 +313,9 @@ def test_error_ranks_disagree_on_tp():
 def test_buffer_tp_size_is_checked():
     with pytest.raises(ValueError, match="tp_size must be an int >= 1 dividing the group size 4"):
         comet.Buffer.simulated_world(4, tp_size=3)
+
+
+def test_error_group_spanning_nodes():
+    errs = _errors(4, lambda r, b: _layer0(r, b, tp=2, experts=4, el=2), ranks_per_node=2)
+    assert all(e and "tp_size=2 > 1 needs a group on one node (this group spans 2 nodes)" in e
+               for e in errs), errs
