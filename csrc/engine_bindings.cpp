@@ -182,11 +182,14 @@ int32_t mtile_ring_distance(const I64& expert_off, const I64& seg_off, int32_t w
   return comet::mtile_ring_distance(mt.at(size_t(mtile)), seg_off.data(), world);
 }
 
-// reduce_rpn > 0: node-reduced partials of a token homed at `home` (layout.h: slot_groups).
+// reduce_rpn > 0: node-reduced partials of a token homed at `home` (layout.h: slot_groups);
+// tp > 1: expert tensor parallelism (flat only; el = E / (W / tp)).
 py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank, int32_t reduce_rpn,
-                       int32_t home) {
+                       int32_t home, int32_t tp) {
+  if (tp < 1 || (tp > 1 && reduce_rpn > 0))
+    throw py::value_error("comet: partial_slot needs tp >= 1, and reduce_rpn 0 when tp > 1");
   auto p = comet::partial_slot(token_ids.data(), int32_t(token_ids.size()), el, rank,
-                               comet::slot_groups(reduce_rpn, home, rank));
+                               comet::slot_groups(reduce_rpn, home, rank), tp);
   return py::make_tuple(p.count, p.ordinal);
 }
 
@@ -218,7 +221,7 @@ void bind_engine(py::module_& m) {
         py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot, py::arg("token_ids"), py::arg("el"), py::arg("rank"),
-        py::arg("reduce_rpn") = 0, py::arg("home") = 0);
+        py::arg("reduce_rpn") = 0, py::arg("home") = 0, py::arg("tp") = 1);
   // comet/topology.h: (relay rank, mirror slot) of source s's data for node b.
   e.def("node_route", [](int32_t world, int32_t ranks_per_node, int32_t s, int32_t b) {
     const comet::NodeTopology t{world, ranks_per_node};

@@ -9,8 +9,11 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import comet
+from comet._native import _C
 from comet import reference as ref
 from tests.cases import TOL
 from tests.sim_world import run_threads
@@ -94,7 +97,9 @@ def shards(case, rank, w0, w1, b0, b1, transposed=False):
 def run(case, inputs, *, transposed=False, max_rows=None, n_comm=1, tile=(8, 8), grad=False,
         buffers=None):
     xs, w0, w1, b0, b1, ids, wts = inputs
-    bufs = buffers or comet.Buffer.simulated_world(case.world, timeout=20, tp_size=case.tp)
+    # one node whatever $COMET_CPU_RANKS_PER_NODE says (t > 1 is refused across nodes)
+    bufs = buffers or comet.Buffer.simulated_world(case.world, timeout=20, tp_size=case.tp,
+                                                   ranks_per_node=case.world)
 
     def rank(r, buf):
         w0r, w1r, b0r, b1r = shards(case, r, w0, w1, b0, b1, transposed)
@@ -195,7 +200,8 @@ def test_tp1_is_expert_parallel():
         return comet.moe_layer1(act(y0), w1r, wts[r], layout, b1=b1r, buffer=buf, n_comm=1,
                                 tile=(8, 8))
 
-    outs = run_threads(2, plain, buffers=comet.Buffer.simulated_world(2, timeout=20))
+    outs = run_threads(2, plain, buffers=comet.Buffer.simulated_world(2, timeout=20,
+                                                                      ranks_per_node=2))
     for r in range(2):
         assert torch.equal(outs[r], explicit[r][2])
 
@@ -259,8 +265,8 @@ def test_backward_with_dropped_slots_and_max_rows_bf16():
 # -- bad input: a clear error on every rank, before any kernel ---------------------------------
 
 
-def _errors(world, fn, **buffer_kw):
-    bufs = comet.Buffer.simulated_world(world, timeout=20, **buffer_kw)
+def _errors(world, fn, ranks_per_node=None):
+    bufs = comet.Buffer.simulated_world(world, timeout=20, ranks_per_node=ranks_per_node or world)
     errs = [None] * world
 
     def rank(r, buf):
@@ -319,3 +325,54 @@ def test_error_group_spanning_nodes():
     errs = _errors(4, lambda r, b: _layer0(r, b, tp=2, experts=4, el=2), ranks_per_node=2)
     assert all(e and "tp_size=2 > 1 needs a group on one node (this group spans 2 nodes)" in e
                for e in errs), errs
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.data())
+def test_partial_slot_with_tp_is_rank_order_over_the_ep_ranks_tp_ranks(ep, tp, el, data):
+    """The home's partial order (comet/layout.h: partial_slot): the contributors of a token are
+    the tp ranks of each distinct EP rank among its slots, ascending in rank; ordinal = position."""
+    k = data.draw(st.integers(1, 5))
+    ids = data.draw(st.lists(st.integers(-1, ep * el - 1), min_size=k, max_size=k))
+    eps = sorted({e // el for e in ids if e >= 0})
+    ranks = [q * tp + r for q in eps for r in range(tp)]
+    assert len(ranks) <= min(k, ep) * tp  # the receive region's partial slots (symm_layout.h)
+    for d in ranks:
+        count, ordinal = _C.engine.partial_slot(ids, el, d, 0, 0, tp)
+        assert (count, ordinal) == (len(ranks), ranks.index(d))
+    if tp == 1:
+        for d in ranks:
+            assert _C.engine.partial_slot(ids, el, d) == _C.engine.partial_slot(ids, el, d, tp=1)
+
+
+def test_nn_moe_tp_equals_the_unsharded_module():
+    """comet.nn.MoE(tp_size=2) on 2 ranks (EP 1 x TP 2), each with its own tokens, computes the
+    module of tp_size=1 on one rank over all the tokens (same seed: same router and full experts):
+    outputs, dx, and each rank's shard of dW0 / dW1."""
+    from comet.nn import MoE
+
+    kw = dict(hidden_size=16, ffn_hidden_size=8, num_experts=4, topk=2, dtype=torch.float32,
+              aux_loss_coeff=0.0, n_comm=1, tile=(8, 8), seed=3)
+    xs = [torch.randn(5, 16, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    seeds = [torch.randn(5, 16, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+
+    one = MoE(buffer=comet.Buffer.simulated_world(1, timeout=20)[0], **kw)
+    x1 = torch.cat(xs).requires_grad_(True)
+    out1 = one(x1)
+    (out1 * torch.cat(seeds)).sum().backward()
+
+    def rank(r, buf):
+        m = MoE(buffer=buf, **kw)
+        assert m.tp_size == 2 and m.w0.shape == (4, 8, 16) and m.w1.shape == (4, 16, 4)
+        x = xs[r].clone().requires_grad_(True)
+        out = m(x)
+        (out * seeds[r]).sum().backward()
+        return out.detach(), x.grad, m.w0.grad, m.w1.grad, m
+
+    res = run_threads(2, rank, buffers=comet.Buffer.simulated_world(2, timeout=20, tp_size=2,
+                                                                    ranks_per_node=2))
+    for r, (out, dx, dw0, dw1, m) in enumerate(res):
+        torch.testing.assert_close(out, out1.detach()[5 * r:5 * (r + 1)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dx, x1.grad[5 * r:5 * (r + 1)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dw0, m._w0_shard(one.w0.grad), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dw1, m._w1_shard(one.w1.grad), atol=1e-5, rtol=1e-5)
