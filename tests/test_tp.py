@@ -6,6 +6,8 @@ shard): the layout rows (tp_dispatch_rows, the same on the t ranks of an EP rank
 reference's autograd over the full weights, bitwise reproducibility run to run, and the input
 errors raised on every rank before any kernel."""
 import dataclasses
+import os
+import runpy
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import comet
 from comet._native import _C
 from comet import reference as ref
 from tests.cases import TOL
+from tests.dist_utils import run_ranks
 from tests.sim_world import run_threads
 
 
@@ -376,3 +379,16 @@ def test_nn_moe_tp_equals_the_unsharded_module():
         torch.testing.assert_close(dx, x1.grad[5 * r:5 * (r + 1)], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dw0, m._w0_shard(one.w0.grad), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dw1, m._w1_shard(one.w1.grad), atol=1e-5, rtol=1e-5)
+
+
+def _example(rank, world):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_moe_layer.py")
+    return runpy.run_path(example)["run"](rank, world)
+
+
+def test_example_on_gloo_processes():
+    """examples/tp_moe_layer.py's rank function (Buffer(tp_size=2) on the default group) on 2
+    processes, EP 1 x TP 2: output and gradients match the reference over the full experts (the
+    example itself runs 4 processes, EP 2 x TP 2)."""
+    errors = run_ranks(_example, 2, timeout=180)
+    assert max(errors) < 1e-4, errors
