@@ -381,14 +381,37 @@ def test_nn_moe_tp_equals_the_unsharded_module():
         torch.testing.assert_close(dw1, m._w1_shard(one.w1.grad), atol=1e-5, rtol=1e-5)
 
 
-def _example(rank, world):
+def _opcheck(buf):
+    """torch.library.opcheck (schema, fake kernels, autograd registration) of both ops with
+    tp_size=2 (not thread-safe: one process per rank)."""
+    E, H, N, T = 3, 16, 6, 7
+    launch = (1, 1, 4, 8)
+    g = torch.Generator().manual_seed(buf.rank)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.randint(0, E, (T, 2), generator=g)
+    w0 = (torch.randn(E, N, H, generator=g) / 4).requires_grad_()
+    w1 = (torch.randn(E, H, N, generator=g) / 4).requires_grad_()
+    wts = torch.rand(T, 2, generator=g)
+    torch.library.opcheck(torch.ops.comet.moe_layer0.default,
+                          (x, w0, ids, E, buf.handle, *launch, None, False, 64, 2))
+    y0, _a, rc, sp, *_ = torch.ops.comet.moe_layer0(x, w0.detach(), ids, E, buf.handle, *launch,
+                                                    None, False, 64, 2)
+    torch.library.opcheck(torch.ops.comet.moe_layer1.default,
+                          (y0.requires_grad_(), w1, wts, ids, sp, rc, E, buf.handle, *launch,
+                           None, False, 64, 1, 2))
+
+
+def _example_and_opcheck(rank, world):
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "tp_moe_layer.py")
-    return runpy.run_path(example)["run"](rank, world)
+    err = runpy.run_path(example)["run"](rank, world)
+    _opcheck(comet.Buffer(tp_size=2))
+    return err
 
 
-def test_example_on_gloo_processes():
+def test_example_and_opcheck_on_gloo_processes():
     """examples/tp_moe_layer.py's rank function (Buffer(tp_size=2) on the default group) on 2
     processes, EP 1 x TP 2: output and gradients match the reference over the full experts (the
-    example itself runs 4 processes, EP 2 x TP 2)."""
-    errors = run_ranks(_example, 2, timeout=180)
+    example itself runs 4 processes, EP 2 x TP 2); then opcheck of both ops with tp_size=2."""
+    errors = run_ranks(_example_and_opcheck, 2, timeout=240)
     assert max(errors) < 1e-4, errors
+
