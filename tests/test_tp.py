@@ -265,6 +265,22 @@ def test_backward_with_dropped_slots_and_max_rows_bf16():
         assert torch.all(got["w"][ids < 0] == 0)
 
 
+def test_backward_under_the_cuda_kernels_rules(monkeypatch):
+    """Every call forward and backward make with t > 1 (the dx / dh calls, the virtual-token
+    rows of the top-k weights and their [M, 8 t] gradient rows) takes only what the CUDA kernels
+    accept (COMET_CPU_CUDA_RULES=1: bf16 activations, 16-byte rows), and the gradients match."""
+    monkeypatch.setenv("COMET_CPU_CUDA_RULES", "1")
+    case = TpCase("rules", 4, 2, 4, (6, 3, 0, 5), topk=2, hidden=16, n0=16, drop=0.2, seed=4)
+    inputs = make_inputs(case, torch.bfloat16)
+    results = run(case, inputs, grad=True)
+    seeds = [torch.randn(r[2].shape, generator=torch.Generator().manual_seed(7 + i)).to(
+        torch.bfloat16) for i, r in enumerate(results)]
+    want = _reference_grads(case, inputs, seeds)
+    for r, (_, _, _, got) in enumerate(results):
+        torch.testing.assert_close(got["x"], want["x"][r].grad, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(got["w"], want["w"][r].grad, atol=3e-2, rtol=3e-2)
+
+
 # -- bad input: a clear error on every rank, before any kernel ---------------------------------
 
 
