@@ -4,6 +4,8 @@ max(comm alone, GEMM alone) and every method's ratio to it.
 
     .venv/bin/python bench/moe_layer.py            # full CPU run (W = 2 and 4, a few minutes)
     .venv/bin/python bench/moe_layer.py --smoke    # CI-sized, < 30 s
+    .venv/bin/python bench/moe_layer.py --tp 2 --world 4   # EP 2 x TP 2 beside EP 4 (Comet's
+                                                   # ops both; bench/tp_compare.py)
     torchrun --nproc-per-node 8 bench/moe_layer.py --world 8 --tokens 4096 --scale 1 --dtype bf16
                                                    # GPU (untested: no GPU where this was written)
 
@@ -227,6 +229,9 @@ def parse(argv=None):
     p.add_argument("--name", default=None,
                    help="basename of the JSON/PNG files (default moe_layer; smoke: "
                         "moe_layer_smoke)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tp_size > 1: Comet's layer with expert tensor parallelism (EP = W / tp) "
+                        "beside the expert-parallel one on the same ranks (bench/tp_compare.py)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds per world size before the ranks are stopped (default 1800; "
                         "smoke: 120)")
@@ -254,6 +259,10 @@ def parse(argv=None):
         bad = [m for m in a.models if C.MODELS[m]["E"] % W]
         if bad:
             p.error(f"--world {W} does not divide the expert count of {bad}")
+        if a.tp < 1 or W % a.tp:
+            p.error(f"--tp {a.tp} does not divide --world {W}")
+    if a.tp > 1:
+        a.name = a.name.replace("moe_layer", "moe_layer_tp")
     return a
 
 
@@ -265,6 +274,8 @@ def main(argv=None) -> int:
     env = C.environment(backend)  # before the run: the load others put on the machine
     t0 = time.monotonic()
     records = []
+    if a.tp > 1:
+        return _main_tp(a, backend, cfg, env, t0)
     for W in a.world:
         C.progress(f"moe_layer: {'torchrun' if C.under_torchrun() else 'spawning'} {W} ranks "
                    f"({backend})")
@@ -305,6 +316,28 @@ def main(argv=None) -> int:
     print(f"json: {jp}")
     print(plot(records, out_dir / f"{a.name}.png"))
     print(f"elapsed {elapsed:.1f} s")
+    return 0
+
+
+def _main_tp(a, backend, cfg, env, t0) -> int:
+    from bench import tp_compare
+
+    cfg = dict(cfg, tp=a.tp)
+    records = []
+    for W in a.world:
+        C.progress(f"moe_layer --tp {a.tp}: {W} ranks ({backend})")
+        records.extend(C.launch(tp_compare.body, W, cfg, timeout=a.timeout)[0])
+    if not C.is_main_process():
+        return 0
+    data = dict(name=a.name, label=C.CPU_LABEL if backend == "cpu" else f"GPU run ({backend})",
+                smoke=a.smoke, config=dict(cfg, world=a.world), environment=env,
+                elapsed_s=time.monotonic() - t0, results=records)
+    jp = C.write_json(a.name, data, Path(a.out) if a.out else C.RESULTS)
+    print(f"One MoE layer forward, EP x TP vs EP only on the same ranks ({backend}"
+          f"{', NOT GPU results' if backend == 'cpu' else ''}); median ms over {a.iters} rounds "
+          f"of the max over ranks, {a.dtype}, {a.tokens} tokens/rank")
+    print(tp_compare.render(records))
+    print(f"json: {jp}")
     return 0
 
 

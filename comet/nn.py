@@ -66,12 +66,13 @@ def expert_capacity(tokens: int, topk: int, num_experts: int, capacity_factor: f
 
 
 def worst_case_rows(tokens: int, topk: int, num_experts: int, world: int,
-                    capacity: int | None = None) -> int:
+                    capacity: int | None = None, tp_size: int = 1) -> int:
     """A true bound on the rows M any rank receives when each of the `world` ranks sends `tokens`
     tokens, each to `topk` distinct experts, and (with `capacity`) at most `capacity` slots to one
     expert: a source sends one rank at most T * min(k, E_local) rows, and at most
-    E_local * min(C, T) with a capacity (a token reaches an expert once)."""
-    local = num_experts // world
+    E_local * min(C, T) with a capacity (a token reaches an expert once). With tp_size t,
+    E_local = E / (W / t) (every tp rank of an EP rank receives its EP rank's rows)."""
+    local = num_experts // (world // tp_size)
     per_source = tokens * min(topk, local)
     if capacity is not None:
         per_source = min(per_source, local * min(int(capacity), tokens))
@@ -154,6 +155,12 @@ class MoE(nn.Module):
             None (from capacity_factor when set, else dynamic).
         seed, init_std: deterministic initialisation (normal(0, init_std); w1 scaled by
             1/sqrt(2 * num_layers) as in GPT-2 when num_layers is given).
+        tp_size: expert tensor parallelism t (None: the buffer's, else 1). The group is
+            TP-innermost (rank r: EP rank r // t, tp rank r % t; E divisible by W / t, F by t);
+            the module holds shard r % t of its EP rank's experts: w0 [E_local, 2F / t, H] with
+            the shard's gate rows then its up rows (so SwiGLU applies per shard), w1
+            [E_local, H, F / t]. Initialisation and load_global_experts give every shard the
+            same full experts as tp_size=1 (the same seed gives the same model).
     """
 
     aux_loss_scale: float = 1.0
@@ -164,7 +171,8 @@ class MoE(nn.Module):
                  device=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
                  seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
                  shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
-                 capacity_factor: float | None = None, max_rows: int | str | None = None):
+                 capacity_factor: float | None = None, max_rows: int | str | None = None,
+                 tp_size: int | None = None):
         super().__init__()
         if buffer is not None:
             rank, world = buffer.rank, buffer.world
@@ -172,9 +180,18 @@ class MoE(nn.Module):
             rank, world = dist.get_rank(group), dist.get_world_size(group)
         else:
             rank, world = 0, 1
-        if num_experts % world:
+        if tp_size is None:
+            tp_size = getattr(buffer, "tp_size", 1) if buffer is not None else 1
+        tp = symm.tp_size_setting(tp_size, world)
+        ep = world // tp
+        if num_experts % ep:
+            group_size = f"expert-parallel group size {world}" if tp == 1 else \
+                f"EP = group size {world} / tp_size {tp} = {ep}"
             raise ValueError(f"comet.nn.MoE: num_experts={num_experts} is not divisible by the "
-                             f"expert-parallel group size {world}")
+                             f"{group_size}")
+        if ffn_hidden_size % tp:
+            raise ValueError(f"comet.nn.MoE: ffn_hidden_size={ffn_hidden_size} is not divisible "
+                             f"by tp_size={tp}")
         if not 1 <= topk <= num_experts:
             raise ValueError(f"comet.nn.MoE: topk={topk} must be in [1, num_experts={num_experts}]")
         if shared_ffn_hidden_size is not None and (isinstance(shared_ffn_hidden_size, bool) or
@@ -195,18 +212,18 @@ class MoE(nn.Module):
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
         self.group, self.buffer, self.n_comm, self.tile = group, buffer, n_comm, tile
-        self.rank, self.world = rank, world
-        self.num_local_experts = num_experts // world
-        self.expert_offset = rank * self.num_local_experts
+        self.rank, self.world, self.tp_size = rank, world, tp
+        self.num_local_experts = num_experts // ep
+        self.expert_offset = (rank // tp) * self.num_local_experts
         self.seed, self.init_std = int(seed), float(init_std)
         self.out_std = init_std / math.sqrt(2 * num_layers) if num_layers else init_std
         factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device,
                                 dtype=torch.float32)
-        self.w0 = nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden_size,
+        self.w0 = nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden_size // tp,
                                            hidden_size, **factory))
-        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, ffn_hidden_size,
-                                           **factory))
+        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size,
+                                           ffn_hidden_size // tp, **factory))
         for p in (self.w0, self.w1):
             p.comet_expert_parallel = True
             p.allreduce = False
@@ -231,8 +248,10 @@ class MoE(nn.Module):
         self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g) * self.init_std)
         for le in range(self.num_local_experts):
             ge = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * (self.expert_offset + le) + 1)
-            self.w0[le].copy_(torch.randn(self.w0.shape[1:], generator=ge) * self.init_std)
-            self.w1[le].copy_(torch.randn(self.w1.shape[1:], generator=ge) * self.out_std)
+            w0 = torch.randn(2 * self.ffn_hidden_size, self.hidden_size, generator=ge)
+            w1 = torch.randn(self.hidden_size, self.ffn_hidden_size, generator=ge)
+            self.w0[le].copy_(self._w0_shard(w0 * self.init_std))
+            self.w1[le].copy_(self._w1_shard(w1 * self.out_std))
         if self.shared_w0 is not None:  # own generator: the routed weights do not depend on it
             gs = torch.Generator().manual_seed(self.seed * 1_000_003 + 104_729)
             self.shared_w0.copy_(torch.randn(self.shared_w0.shape, generator=gs) * self.init_std)
@@ -241,12 +260,26 @@ class MoE(nn.Module):
                 self.shared_gate.copy_(torch.randn(self.shared_gate.shape, generator=gs) *
                                        self.init_std)
 
+    def _w0_shard(self, w0: torch.Tensor) -> torch.Tensor:
+        """This rank's tp shard of full w0 rows [..., 2F, H]: its gate rows, then its up rows."""
+        if self.tp_size == 1:
+            return w0
+        f, r = self.ffn_hidden_size // self.tp_size, self.rank % self.tp_size
+        gate, up = w0.chunk(2, dim=-2)
+        return torch.cat([gate[..., r * f:(r + 1) * f, :], up[..., r * f:(r + 1) * f, :]], dim=-2)
+
+    def _w1_shard(self, w1: torch.Tensor) -> torch.Tensor:
+        """This rank's tp shard of full w1 [..., H, F]: its F / t columns."""
+        f, r = self.ffn_hidden_size // self.tp_size, self.rank % self.tp_size
+        return w1[..., r * f:(r + 1) * f]
+
     @torch.no_grad()
     def load_global_experts(self, w0: torch.Tensor, w1: torch.Tensor) -> None:
-        """Copy this rank's slice of global expert weights w0 [E, 2F, H], w1 [E, H, F]."""
+        """Copy this rank's slice of global expert weights w0 [E, 2F, H], w1 [E, H, F] (its EP
+        rank's experts; with tp_size > 1 its shard of them)."""
         sl = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
-        self.w0.copy_(w0[sl])
-        self.w1.copy_(w1[sl])
+        self.w0.copy_(self._w0_shard(w0[sl]))
+        self.w1.copy_(self._w1_shard(w1[sl]))
 
     def expert_parameters(self):
         return [self.w0, self.w1]
@@ -274,13 +307,15 @@ class MoE(nn.Module):
     def row_bound(self, tokens: int) -> int | None:
         """The ops' max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
         if self.max_rows == WORST_CASE:
-            return worst_case_rows(tokens, self.topk, self.num_experts, self.world)
+            return worst_case_rows(tokens, self.topk, self.num_experts, self.world,
+                                   tp_size=self.tp_size)
         if self.max_rows is not None:
             return None if self.max_rows < 0 else self.max_rows
         capacity = self.capacity(tokens)
         if capacity is None:
             return None
-        return worst_case_rows(tokens, self.topk, self.num_experts, self.world, capacity)
+        return worst_case_rows(tokens, self.topk, self.num_experts, self.world, capacity,
+                               self.tp_size)
 
     def shared_expert(self, tokens: torch.Tensor) -> torch.Tensor:
         """The shared expert alone on tokens [T, H] (None without one): SwiGLU MLP, times
@@ -305,7 +340,8 @@ class MoE(nn.Module):
         kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
         ready = sidestream.mark_ready(tokens) if self.shared_w0 is not None else None
         y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts,
-                                      max_rows=self.row_bound(tokens.shape[0]), **kw)
+                                      max_rows=self.row_bound(tokens.shape[0]),
+                                      tp_size=self.tp_size, **kw)
         # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
         shared = sidestream.run_beside(self.shared_expert, tokens, ready)
         out = comet.moe_layer1(swiglu(y0), self.w1, weights, layout, **kw)
@@ -326,7 +362,8 @@ class MoE(nn.Module):
                 f"aux_loss_coeff={self.aux_loss_coeff}, "
                 f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
                 f"shared_expert_gate={self.shared_gate is not None}, "
-                f"capacity_factor={self.capacity_factor}, max_rows={self.max_rows!r}")
+                f"capacity_factor={self.capacity_factor}, max_rows={self.max_rows!r}, "
+                f"tp_size={self.tp_size}")
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

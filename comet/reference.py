@@ -70,6 +70,9 @@ __all__ = [
     "layer0_dist",
     "layer1_dist",
     "moe_dist",
+    "tp_dispatch_rows",
+    "tp_shard",
+    "moe_tp_sim",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -657,3 +660,79 @@ def moe_dist(
     """layer0 -> ``activation`` -> layer1 over a process group; returns this rank's ``[T, H]``."""
     y0 = layer0_dist(x, w0, topk_ids, num_experts, group=group)
     return layer1_dist(activation(y0), w1, topk_weights, topk_ids, num_experts, group=group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert tensor parallelism (tp_size t > 1): the semantics in terms of the full experts
+# --------------------------------------------------------------------------------------------------
+#
+# The group of W ranks is TP-innermost: rank r is tp rank r % t of EP rank r // t; the E experts
+# are split over the EP = W / t EP ranks (E_local = E / EP each) and rank r holds shard r % t of
+# each of its EP rank's experts: w0 rows [N0/t * (r%t), N0/t * (r%t + 1)), w1 columns likewise of
+# N1. The MoE layer it computes is the one of the full experts (an elementwise activation applied
+# to each shard of y0 is the activation of the full y0), so its reference is the per-token
+# formula over the full weights (moe_tp_sim); the per-rank layout is tp_dispatch_rows.
+
+
+def tp_dispatch_rows(topk_ids_list: Sequence[torch.Tensor], num_experts: int, dest: int,
+                     tp: int) -> List[Row]:
+    """The rows of rank ``dest`` with tp_size ``tp``, in dispatch order: the rows routed to its
+    EP rank ``q = dest // tp`` from every one of the W sources, grouped by local expert, then by
+    source in ring order from ``q * tp`` (the same on the tp ranks of q), then token, then slot."""
+    world = len(topk_ids_list)
+    if tp < 1 or world % tp:
+        raise ValueError(f"tp_size={tp} must divide the group size {world}")
+    ep = world // tp
+    e_local = check_world(num_experts, ep)
+    q = dest // tp
+    rows: List[Row] = []
+    for le in range(e_local):
+        expert = q * e_local + le
+        for s in ring_order(q * tp, world):
+            for t, token_ids in enumerate(topk_ids_list[s].tolist()):
+                for j, e in enumerate(token_ids):
+                    if e == expert:
+                        rows.append(Row(s, t, j, le))
+    return rows
+
+
+def tp_shard(w: torch.Tensor, world: int, tp: int, rank: int, dim: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of a full per-expert tensor ``w [E, ...]``: its EP rank's experts, and
+    along ``dim`` (1 or 2) the ``rank % tp``-th of ``tp`` equal pieces (contiguous copy)."""
+    ep = world // tp
+    e_local = check_world(w.shape[0], ep)
+    q, r = rank // tp, rank % tp
+    mine = w[q * e_local:(q + 1) * e_local]
+    width = mine.shape[dim] // tp
+    return mine.narrow(dim, r * width, width).contiguous()
+
+
+def moe_tp_sim(
+    xs: Sequence[torch.Tensor],
+    w0: torch.Tensor,
+    w1: torch.Tensor,
+    topk_ids_list: Sequence[torch.Tensor],
+    topk_weights_list: Sequence[torch.Tensor],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    b0: Optional[torch.Tensor] = None,
+    b1: Optional[torch.Tensor] = None,
+) -> List[torch.Tensor]:
+    """The MoE layer over the full experts ``w0 [E, N0, H]``, ``w1 [E, H, N1]`` (biases
+    ``[E, N0]`` / ``[E, H]``) for every rank's tokens: ``y0 = x @ W0[e]^T + b0[e]`` in fp32, cast
+    to x's dtype; ``h = activation(y0)`` (elementwise); ``out[t] = sum_j w[t, j] * (h @ W1[e_j]^T
+    + b1[e_j])`` in fp32, j ascending, dropped slots skipped, cast to x's dtype. What the ops with
+    any tp_size compute, up to the fp32 rounding of dot products (and, with t > 1, the rounding of
+    each tp rank's partial sum to the activation dtype before the home adds them)."""
+    num_experts = w0.shape[0]
+    outs = []
+    for x, ids, wts in zip(xs, topk_ids_list, topk_weights_list):
+        check_routing(ids, num_experts)
+        T, k = ids.shape
+        flat = ids.to(torch.int64).reshape(-1)
+        rows = x.repeat_interleave(k, dim=0) if T else x.new_zeros(0, x.shape[1])
+        experts = flat.clamp(min=0)
+        y0 = _expert_gemm(rows, experts, w0, b0).to(x.dtype)
+        h = activation(y0)
+        part = _expert_gemm(h, experts, w1, b1).reshape(T, k, w1.shape[1])
+        outs.append(_combine(part, wts, ids).to(x.dtype))
+    return outs

@@ -182,11 +182,14 @@ int32_t mtile_ring_distance(const I64& expert_off, const I64& seg_off, int32_t w
   return comet::mtile_ring_distance(mt.at(size_t(mtile)), seg_off.data(), world);
 }
 
-// reduce_rpn > 0: node-reduced partials of a token homed at `home` (layout.h: slot_groups).
+// reduce_rpn > 0: node-reduced partials of a token homed at `home` (layout.h: slot_groups);
+// tp > 1: expert tensor parallelism (flat only; el = E / (W / tp)).
 py::tuple partial_slot(const I32& token_ids, int32_t el, int32_t rank, int32_t reduce_rpn,
-                       int32_t home) {
+                       int32_t home, int32_t tp) {
+  if (tp < 1 || (tp > 1 && reduce_rpn > 0))
+    throw py::value_error("comet: partial_slot needs tp >= 1, and reduce_rpn 0 when tp > 1");
   auto p = comet::partial_slot(token_ids.data(), int32_t(token_ids.size()), el, rank,
-                               comet::slot_groups(reduce_rpn, home, rank));
+                               comet::slot_groups(reduce_rpn, home, rank), tp);
   return py::make_tuple(p.count, p.ordinal);
 }
 
@@ -218,7 +221,7 @@ void bind_engine(py::module_& m) {
         py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1);
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot, py::arg("token_ids"), py::arg("el"), py::arg("rank"),
-        py::arg("reduce_rpn") = 0, py::arg("home") = 0);
+        py::arg("reduce_rpn") = 0, py::arg("home") = 0, py::arg("tp") = 1);
   // comet/topology.h: (relay rank, mirror slot) of source s's data for node b.
   e.def("node_route", [](int32_t world, int32_t ranks_per_node, int32_t s, int32_t b) {
     const comet::NodeTopology t{world, ranks_per_node};
@@ -230,23 +233,24 @@ void bind_engine(py::module_& m) {
   e.def(
       "region_bytes",
       [](int32_t op, int64_t tokens, int32_t hidden, int32_t topk, int32_t experts, int32_t world,
-         int32_t elem_bytes, int32_t acc_bytes, int32_t ranks_per_node, bool node_reduce) {
+         int32_t elem_bytes, int32_t acc_bytes, int32_t ranks_per_node, bool node_reduce,
+         int32_t tp) {
         if (op < 0 || op > 1 || tokens < 0 || hidden < 0 || topk < 1 || experts < 1 ||
-            world < 1 || elem_bytes < 1 || acc_bytes < 1)
+            world < 1 || elem_bytes < 1 || acc_bytes < 1 || tp < 1 || world % tp != 0)
           throw py::value_error("comet: region_bytes needs op 0/1, tokens/hidden >= 0, "
-                                "topk/experts/world/elem/acc >= 1");
+                                "topk/experts/world/elem/acc >= 1, tp dividing world");
         const int32_t rpn = ranks_per_node > 0 ? ranks_per_node : world;
         if (world % rpn != 0)
           throw py::value_error("comet: ranks_per_node=" + std::to_string(rpn) +
                                 " does not divide the group size " + std::to_string(world));
         const comet::NodeTopology t{world, rpn, node_reduce ? 1 : 0};
         return int64_t(comet::call_regions(t, comet::OpKind(op), tokens, hidden, topk, experts,
-                                           elem_bytes, acc_bytes)
+                                           elem_bytes, acc_bytes, tp)
                            .total);
       },
       py::arg("op"), py::arg("tokens"), py::arg("hidden"), py::arg("topk"), py::arg("experts"),
       py::arg("world"), py::arg("elem_bytes"), py::arg("acc_bytes") = 4,
-      py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false);
+      py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false, py::arg("tp") = 1);
   e.def("header_bytes", [](int32_t world) { return int64_t(comet::header_bytes(world)); });
   // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
   e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,

@@ -72,16 +72,25 @@ bool Checker::int_dtype(const at::Tensor& t, const char* name, bool allow64) {
 }
 
 bool Checker::experts(int64_t num_experts, int64_t world, int64_t experts_local,
-                      const char* wname) {
+                      const char* wname, int64_t tp) {
   if (failed()) return false;
+  if (!value(tp >= 1 && tp <= world && world % tp == 0,
+             "tp_size=" + std::to_string(tp) + " does not divide the group size " +
+                 std::to_string(world) + " (the group is TP-innermost: EP = W / tp_size)"))
+    return false;
+  const int64_t ep = world / tp;
+  const std::string group = tp == 1 ? std::string("the expert-parallel group size ") +
+                                          std::to_string(world)
+                                    : "EP = group size " + std::to_string(world) +
+                                          " / tp_size " + std::to_string(tp) + " = " +
+                                          std::to_string(ep);
   return value(num_experts >= 1, "num_experts must be >= 1, got " + std::to_string(num_experts)) &&
-         value(num_experts % world == 0,
-               "num_experts=" + std::to_string(num_experts) +
-                   " is not divisible by the expert-parallel group size " + std::to_string(world)) &&
-         value(experts_local == num_experts / world,
+         value(num_experts % ep == 0, "num_experts=" + std::to_string(num_experts) +
+                                          " is not divisible by " + group) &&
+         value(experts_local == num_experts / ep,
                std::string(wname) + " holds " + std::to_string(experts_local) +
-                   " local experts but num_experts / group size = " +
-                   std::to_string(num_experts / world));
+                   " local experts but num_experts / " + (tp == 1 ? "group size" : "EP") + " = " +
+                   std::to_string(num_experts / ep));
 }
 
 bool Checker::bias(const std::optional<at::Tensor>& b, const char* name, int64_t experts_local,
@@ -141,7 +150,7 @@ bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const Launc
                  std::string("w0 must be ") + w0_form + " with H = " +
                      std::to_string(in.x.size(1)) + " (x's columns), got shape " +
                      shape_str(in.w0)) &&
-         c.experts(in.num_experts, world, in.w0.size(0), "w0") &&
+         c.experts(in.num_experts, world, in.w0.size(0), "w0", in.tp) &&
          c.bias(in.b0, "b0", in.w0.size(0), w0_out(in.w0, in.w0_transposed), in.x, "x") &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.max_rows(in.max_rows) &&
@@ -170,7 +179,7 @@ bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const Launc
                  std::string("w1 must be ") + w1_form + " with N1 = " +
                      std::to_string(in.h.size(1)) + " (h's columns), got shape " +
                      shape_str(in.w1)) &&
-         c.experts(in.num_experts, world, in.w1.size(0), "w1") &&
+         c.experts(in.num_experts, world, in.w1.size(0), "w1", in.tp) &&
          c.bias(in.b1, "b1", in.w1.size(0), w1_out(in.w1, in.w1_transposed), in.h, "h") &&
          c.max_rows(in.max_rows) &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
@@ -213,8 +222,9 @@ ScalarKind scalar_kind(at::ScalarType t) {
 
 CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
-                        int64_t max_rows, const CheckResult& check) {
+                        int64_t max_rows, const CheckResult& check, int64_t tp) {
   CallMeta m{};
+  m.tp = int32_t(tp);
   m.op = int32_t(op);
   m.world = world;
   m.group_hash = group_hash;

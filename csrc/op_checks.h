@@ -27,6 +27,7 @@ struct Layer0Inputs {
   const std::optional<at::Tensor>& b0;
   bool w0_transposed;  // w0 is [E_local, H, N0]
   int64_t max_rows;    // -1: no bound
+  int64_t tp = 1;      // tp_size (comet/layout.h): E_local = E / (W / tp)
 };
 
 struct Layer1Inputs {
@@ -40,6 +41,7 @@ struct Layer1Inputs {
   const std::optional<at::Tensor>& b1;
   bool w1_transposed;  // w1 is [E_local, N1, H]
   int64_t max_rows;    // -1: no bound; else h has max_rows rows
+  int64_t tp = 1;      // tp_size (comet/layout.h)
 };
 
 // Column counts of the weights whatever their layout: (N0, H) of w0, (H, N1) of w1.
@@ -77,7 +79,10 @@ class Checker {
   bool float_dtype(const at::Tensor& t, const char* name);
   bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
   bool int_dtype(const at::Tensor& t, const char* name, bool allow64);
-  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname);
+  // num_experts against the group: tp_size divides W, EP = W / tp divides E, the weight holds
+  // E / EP local experts (tp = 1: the expert-parallel rule).
+  bool experts(int64_t num_experts, int64_t world, int64_t experts_local, const char* wname,
+               int64_t tp = 1);
   // An optional bias [E_local, n] beside its GEMM's operand `like` (device, dtype, contiguity).
   bool bias(const std::optional<at::Tensor>& b, const char* name, int64_t experts_local, int64_t n,
             const at::Tensor& like, const char* like_name);
@@ -108,6 +113,7 @@ ScalarKind scalar_kind(at::ScalarType t);
 CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
                         int64_t max_rows,
-                        const CheckResult& check);  // for a dtype that passed the checks
+                        const CheckResult& check,  // for a dtype that passed the checks
+                        int64_t tp = 1);
 
 }  // namespace comet

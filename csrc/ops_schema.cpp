@@ -16,6 +16,10 @@
 //     The row-indexed outputs of layer0 (y0, a, row_*) then have max_rows rows (rows >= M: zero on
 //     the CPU backend, unspecified on CUDA) and layer1 takes h with max_rows rows, so shapes are
 //     static (CUDA-graph capture, torch.compile without data-dependent sizes). -1: no bound.
+//   tp_size >= 1: expert tensor parallelism (comet/layout.h, docs/api.md): the group is
+//     TP-innermost, EP = W / tp_size ranks hold E / EP experts each, every rank a shard of them
+//     (w0 [E_local, N0/tp, H], w1 [E_local, H, N1/tp]); layer0 gives the tp ranks of an EP rank
+//     the same rows, layer1 sums the tp partial rows at the token's home (b1 added once).
 //   band_n >= 0 (layer1): n-tiles per column band of its GEMM (comet/tile_order.h): h is read
 //     from HBM once per band, a band is handed to the reduce-and-send as a unit; 0 = all n-tiles
 //     in one band. The result does not depend on it (the reduction order is fixed).
@@ -25,10 +29,11 @@ TORCH_LIBRARY(comet, m) {
   m.def(
       "moe_layer0(Tensor x, Tensor w0, Tensor topk_ids, int num_experts, int buffer, int n_comm, "
       "int n_gemm, int tile_m, int tile_n, Tensor? b0=None, bool w0_transposed=False, "
-      "int max_rows=-1) -> (Tensor y0, Tensor a, Tensor recv_counts, "
+      "int max_rows=-1, int tp_size=1) -> (Tensor y0, Tensor a, Tensor recv_counts, "
       "Tensor send_pos, Tensor row_source, Tensor row_token, Tensor row_slot)");
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "
       "Tensor recv_counts, int num_experts, int buffer, int n_comm, int n_gemm, int tile_m, "
-      "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1, int band_n=1) -> Tensor");
+      "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1, int band_n=1, "
+      "int tp_size=1) -> Tensor");
 }

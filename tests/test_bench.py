@@ -222,6 +222,19 @@ def test_moe_layer_smoke(tmp_path):
     print(f"moe_layer.py --smoke: {elapsed:.1f} s")
 
 
+def test_moe_layer_tp_smoke(tmp_path):
+    """--tp 2: Comet's layer with expert tensor parallelism beside the expert-parallel one,
+    each checked against the reference before timing (bench/tp_compare.py)."""
+    proc, elapsed = _run("moe_layer.py", tmp_path, "--tp", "2", "--models", "mixtral")
+    data = json.loads((tmp_path / "moe_layer_tp_smoke.json").read_text())
+    assert data["smoke"] and "not GPU results" in data["label"]
+    (r,) = data["results"]
+    assert (r["model"], r["world"], r["tp"]) == ("mixtral", 2, 2)
+    assert r["median_ms"]["tp2"] > 0 and r["median_ms"]["tp1"] > 0
+    assert "EP x TP" in proc.stdout and "NOT GPU" in proc.stdout
+    print(f"moe_layer.py --smoke --tp 2: {elapsed:.1f} s")
+
+
 def test_sweep_ncomm_smoke(tmp_path):
     cache = tmp_path / "tune-cache"
     proc, elapsed = _run("sweep_ncomm.py", tmp_path, "--cache-dir", str(cache))

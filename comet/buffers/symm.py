@@ -19,8 +19,10 @@ from comet._native import _C
 
 DEFAULT_TIMEOUT = float(os.environ.get("COMET_TIMEOUT", "60"))
 
-# handle -> world size, for the fake (meta) kernels, which only see the integer handle.
+# handle -> world size, for the fake (meta) kernels, which only see the integer handle; and
+# handle -> group rank, for backward (which tp rank adds layer1's bias term).
 _WORLD_OF_HANDLE: dict[int, int] = {}
+_RANK_OF_HANDLE: dict[int, int] = {}
 
 
 def world_of_handle(handle: int) -> int:
@@ -28,6 +30,33 @@ def world_of_handle(handle: int) -> int:
         return _WORLD_OF_HANDLE[int(handle)]
     except KeyError:
         raise ValueError(f"comet: no live buffer with handle {handle}") from None
+
+
+def rank_of_handle(handle: int) -> int:
+    try:
+        return _RANK_OF_HANDLE[int(handle)]
+    except KeyError:
+        raise ValueError(f"comet: no live buffer with handle {handle}") from None
+
+
+def register_handle(handle: int, world: int, rank: int) -> None:
+    _WORLD_OF_HANDLE[int(handle)] = int(world)
+    _RANK_OF_HANDLE[int(handle)] = int(rank)
+
+
+def forget_handle(handle: int) -> None:
+    _WORLD_OF_HANDLE.pop(int(handle), None)
+    _RANK_OF_HANDLE.pop(int(handle), None)
+
+
+def tp_size_setting(tp_size, world: int) -> int:
+    """A buffer's tp_size (expert tensor parallelism; 1 = expert-parallel only): an int >= 1
+    dividing the group size."""
+    tp = 1 if tp_size is None else tp_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"comet: tp_size must be an int >= 1 dividing the group size {world}, "
+                         f"got {tp_size!r}")
+    return tp
 
 
 class Buffer:
@@ -54,13 +83,18 @@ class Buffer:
     instead of one per (token, sending rank): fewer inter-node bytes, one more rounding of the
     node's sum to the activation dtype (results match the reference at the dtype's tolerance,
     not a single node's bits). Only matters when the group spans nodes; the same on every rank.
+
+    `tp_size` (default 1): expert tensor parallelism, the default of the ops' tp_size for calls
+    through this buffer. The group is TP-innermost: rank r is tp rank r % tp_size of EP rank
+    r // tp_size, and EP = W / tp_size must divide num_experts (docs/api.md, "Expert tensor
+    parallelism"). The same on every rank (each call checks that the ranks agree).
     """
 
     def __init__(self, group=None, *, timeout: float | None = None,
                  threads_per_block: int | None = None, ranks_per_node: int | None = None,
                  link_latency_us: float | None = None, link_gbps: float | None = None,
                  node_reduce: bool | None = None, resident_blocks: int | None = None,
-                 _simulated=None):
+                 tp_size: int | None = None, _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
@@ -92,7 +126,8 @@ class Buffer:
             self._barrier()
             _C.heap_unlink_own(self.handle)
         self.node_reduce = _C.heap_node_reduce(self.handle)
-        _WORLD_OF_HANDLE[self.handle] = self.world
+        self.tp_size = tp_size_setting(tp_size, self.world)
+        register_handle(self.handle, self.world, self.rank)
         self._finalizer = weakref.finalize(self, _release, self.handle)
         if threads_per_block is not None:
             self.set_threads_per_block(threads_per_block)
@@ -105,10 +140,12 @@ class Buffer:
                         link_latency_us: float | None = None,
                         link_gbps: float | None = None,
                         node_reduce: bool | None = None,
-                        resident_blocks: int | None = None) -> list["Buffer"]:
+                        resident_blocks: int | None = None,
+                        tp_size: int | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        tp_size_setting(tp_size, world)
         job = f"{os.getpid():x}{secrets.token_hex(4)}"
         gh = _group_hash(list(range(world)))
         link = _link_settings(world, ranks_per_node, link_latency_us, link_gbps)
@@ -121,7 +158,7 @@ class Buffer:
         for h in handles:
             _C.heap_unlink_own(h)
         return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block,
-                    resident_blocks=resident_blocks)
+                    resident_blocks=resident_blocks, tp_size=tp_size)
                 for r, h in enumerate(handles)]
 
     def set_timeout(self, seconds: float) -> None:
@@ -184,21 +221,21 @@ class Buffer:
     def __repr__(self):
         return (f"comet.Buffer(rank={self.rank}, world={self.world}, "
                 f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
-                f"handle={self.handle})")
+                f"tp_size={self.tp_size}, handle={self.handle})")
 
 
 def required_bytes_of(buf, *, tokens: int, hidden: int, topk: int, num_experts: int,
                       dtype=None) -> int:
-    """required_bytes for buffer `buf`'s group (its world, ranks_per_node and node_reduce): what
-    reserve() grows to, on either backend."""
+    """required_bytes for buffer `buf`'s group (its world, ranks_per_node, node_reduce and
+    tp_size): what reserve() grows to, on either backend."""
     return required_bytes(tokens=tokens, hidden=hidden, topk=topk, num_experts=num_experts,
                           world=buf.world, dtype=dtype, ranks_per_node=buf.ranks_per_node,
-                          node_reduce=buf.node_reduce)
+                          node_reduce=buf.node_reduce, tp_size=getattr(buf, "tp_size", 1))
 
 
 def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, world: int,
                    dtype=None, ranks_per_node: int | None = None, node_reduce: bool = False,
-                   op: int | None = None) -> int:
+                   op: int | None = None, tp_size: int = 1) -> int:
     """Bytes of symmetric data segment per rank that calls with up to `tokens` tokens per rank
     need (both layers, or only `op` 0 / 1), on a group of `world` ranks in nodes of
     `ranks_per_node` (default: one node), with `node_reduce` as the buffer's; dtype: the
@@ -208,7 +245,8 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     exactly what a call of that shape grows the buffer to ask for. The FFN width does not enter:
     no symmetric region is FFN-wide (layer0's output and layer1's input live in ordinary device
     memory). Layer1's receive region dominates: min(topk, world) x tokens x hidden x element
-    bytes. The header (flags, call metadata; a few KiB) is separate."""
+    bytes (with tp_size t: min(topk, world / t) x t partial slots). The header (flags, call
+    metadata; a few KiB) is separate."""
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -222,7 +260,7 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     ops = (0, 1) if op is None else (op,)
     return max(int(_C.engine.region_bytes(o, tokens, hidden, topk, num_experts, world,
                                           dtype.itemsize, acc, ranks_per_node or 0,
-                                          bool(node_reduce)))
+                                          bool(node_reduce), tp_size_setting(tp_size, world)))
                for o in ops)
 
 
@@ -275,7 +313,7 @@ def _check_same_across_ranks(value, name, group, world):
 
 
 def _release(handle):
-    _WORLD_OF_HANDLE.pop(handle, None)
+    forget_handle(handle)
     _C.heap_release(handle)
 
 

@@ -158,7 +158,7 @@ class Buffer:
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
                  capacity_bytes: int | None = None, node_reduce: bool | None = None,
-                 reserve: dict | None = None):
+                 reserve: dict | None = None, tp_size: int | None = None):
         self.device = _device(device)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -198,8 +198,9 @@ class Buffer:
             raise
         self.nodes = self.world // self.ranks_per_node
         self._closed = False
-        symm._WORLD_OF_HANDLE[self.handle] = self.world
-        self._finalizer = weakref.finalize(self, symm._WORLD_OF_HANDLE.pop, self.handle, None)
+        self.tp_size = symm.tp_size_setting(tp_size, self.world)  # comet.Buffer's tp_size
+        symm.register_handle(self.handle, self.world, self.rank)
+        self._finalizer = weakref.finalize(self, symm.forget_handle, self.handle)
         if reserve is not None:
             self.reserve(**{k: v for k, v in reserve.items() if k in _RESERVE_KEYS})
 

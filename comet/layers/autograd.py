@@ -32,6 +32,12 @@ Biases: db0[e] / db1[e] are column sums of dy0 / (w * dispatched dout) over the 
 dw[t,j] gains <dout[t], b1[e_j]>. Transposed weights need no copy in backward: the dx / dh calls
 read the forward's weight in the other layout (w0 [E, N0, H] is layer1's w1 read transposed).
 With max_rows, every backward call keeps the forward's bound (padded rows are not read).
+Expert tensor parallelism (tp_size t > 1): every backward call keeps the forward's t. dx and
+layer1's dw sum the t ranks' partials at home (layer1's tp reduction); dW0 / dW1 / db0 are this
+rank's shard; db1 (b1 is added once) is the full gradient on every tp rank (the same value); the
+bias term of dw is added by tp rank 0 only; the t partials of dw travel in t separate column
+blocks of the virtual-token rows (see _rows_to_slots), so they are summed at home in fp32, in
+tp rank order, not in the transport dtype.
 
 Every call backward makes takes only what the CUDA kernels accept (bf16/fp16 activations, fp32
 top-k weights, 16-byte rows): proven on the CPU with COMET_CPU_CUDA_RULES=1
@@ -83,6 +89,7 @@ import threading
 import torch
 
 from comet.layers import ops as _ops  # noqa: F401  (the ops and their fake kernels)
+from comet.buffers import symm
 
 __all__ = [
     "DeferredWeightGrads",
@@ -512,12 +519,13 @@ def decode_scalars(rows: torch.Tensor) -> torch.Tensor:
     return (p[:, 0] + p[:, 1]) + p[:, 2]
 
 
-def _identity_experts(experts_local, rows):
-    return torch.eye(VT_WIDTH, dtype=rows.dtype, device=rows.device).expand(
-        experts_local, VT_WIDTH, VT_WIDTH).contiguous()
+def _identity_experts(experts_local, rows, width=VT_WIDTH):
+    return torch.eye(width, dtype=rows.dtype, device=rows.device).expand(
+        experts_local, width, width).contiguous()
 
 
-def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg, max_rows=-1):
+def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg, max_rows=-1,
+                   tp=1):
     """values [T, k] on the source rank -> [M] on the destination ([max_rows] with a bound), in
     the dispatch layout of topk_ids (a moe_layer0 call with every (t, j) as its own token)."""
     T, k = topk_ids.shape
@@ -525,23 +533,36 @@ def _slots_to_rows(values, topk_ids, experts_local, num_experts, buffer, cfg, ma
     enc = encode_scalars(v)
     rows = torch.ops.comet.moe_layer0(enc, _identity_experts(experts_local, enc),
                                       topk_ids.reshape(T * k, 1), num_experts, buffer, *cfg,
-                                      None, False, max_rows)[0]
+                                      None, False, max_rows, tp)[0]
     return decode_scalars(rows)
 
 
 def _rows_to_slots(rows, topk_ids, send_pos, recv_counts, num_experts, buffer, cfg, max_rows=-1,
-                   band_n=1):
+                   band_n=1, tp=1, tp_rank=0):
     """rows [M] ([max_rows]) in the dispatch layout of topk_ids -> [T, k] on each row's home rank
     (a moe_layer1 call over the virtual-token layout with unit weights, in bands of band_n
-    n-tiles); dropped slots get 0."""
+    n-tiles); dropped slots get 0.
+
+    With tp > 1 each row is this tp rank's partial and the result their sum: tp rank r's pieces
+    go in column block r of a [M, VT_WIDTH * tp] row (zeros elsewhere), so layer1's combine adds
+    only exact zeros to each piece, and the t decoded partials are summed here in fp32 (fp64),
+    ascending tp rank: a fixed order, and no rounding of a partial sum to the transport dtype."""
     T, k = topk_ids.shape
     enc = encode_scalars(rows)
+    if tp > 1:
+        wide = enc.new_zeros(enc.shape[0], VT_WIDTH * tp)
+        wide[:, VT_WIDTH * tp_rank:VT_WIDTH * (tp_rank + 1)] = enc
+        enc = wide
     unit = torch.ones(T * k, 1, dtype=torch.float32, device=rows.device)
-    out = torch.ops.comet.moe_layer1(enc, _identity_experts(recv_counts.shape[1], enc), unit,
+    out = torch.ops.comet.moe_layer1(enc, _identity_experts(recv_counts.shape[1], enc,
+                                                            enc.shape[1]), unit,
                                      topk_ids.reshape(T * k, 1), send_pos.reshape(T * k, 1),
                                      recv_counts, num_experts, buffer, *cfg, None, False,
-                                     max_rows, band_n)
-    out = decode_scalars(out).reshape(T, k)
+                                     max_rows, band_n, tp)
+    total = decode_scalars(out[:, :VT_WIDTH])
+    for r in range(1, tp):
+        total = total + decode_scalars(out[:, VT_WIDTH * r:VT_WIDTH * (r + 1)].contiguous())
+    out = total.reshape(T, k)
     return torch.where(topk_ids >= 0, out, torch.zeros_like(out))
 
 
@@ -584,10 +605,11 @@ def _grads(ctx, grads: dict):
 
 def _layer0_setup_context(ctx, inputs, output):
     (x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0, w0_transposed,
-     max_rows) = inputs
+     max_rows, *rest) = inputs
     _y0, a, recv_counts, send_pos, _rs, _rt, _rsl = output
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
+    ctx.tp = int(rest[0]) if rest else 1
     ctx.w0_transposed, ctx.max_rows = bool(w0_transposed), int(max_rows)
     ctx.x_dtype = x.dtype
     ctx.b0_dtype = None if b0 is None else b0.dtype
@@ -628,7 +650,7 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
             w_t = False
         dx = torch.ops.comet.moe_layer1(h.contiguous(), w.contiguous(), unit, topk_ids, send_pos,
                                         recv_counts, num_experts, buffer, *cfg, None, w_t,
-                                        max_rows)
+                                        max_rows, 1, ctx.tp)
     return _grads(ctx, {0: dx, 1: None if dw0 is None else dw0.result(), 9: db0})
 
 
@@ -639,11 +661,13 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
 def _layer1_setup_context(ctx, inputs, output):
     (h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer, n_comm, n_gemm,
-     tile_m, tile_n, b1, w1_transposed, max_rows, *band) = inputs
+     tile_m, tile_n, b1, w1_transposed, max_rows, *rest) = inputs
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
     ctx.w1_transposed, ctx.max_rows = bool(w1_transposed), int(max_rows)
-    ctx.band_n = int(band[0]) if band else 1  # backward's layer1 call runs in the forward's bands
+    ctx.band_n = int(rest[0]) if rest else 1  # backward's layer1 call runs in the forward's bands
+    ctx.tp = int(rest[1]) if len(rest) > 1 else 1
+    ctx.tp_rank = symm.rank_of_handle(buffer) % ctx.tp if ctx.tp > 1 else 0
     ctx.wgrad_queue = _active_queue()
     ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1)
 
@@ -668,12 +692,12 @@ def _layer1_backward(ctx, dout):
     # g[row] = dout[t] @ W1[e]: moe_layer0 with w1 as its [E_local, N0=N1, H] weight (w1 read
     # transposed, no copy; w1_transposed: as it is); a_d = the dispatched dout rows.
     g, a_d, *_ = torch.ops.comet.moe_layer0(dout, w1, topk_ids, num_experts, buffer, *cfg, None,
-                                             not w1_t, max_rows)
+                                             not w1_t, max_rows, ctx.tp)
     gf = g.to(acc)
     dh = dw1 = dweights = db1 = None
     if need_h or need_w1 or need_b1:
         row_w = _slots_to_rows(topk_weights.to(sdt), topk_ids, el, num_experts, buffer, cfg,
-                               max_rows)
+                               max_rows, ctx.tp)
         row_w = row_w.to(acc).unsqueeze(1)
         wd = a_d.to(acc) * row_w  # the weighted dispatched dout: d(h @ W1^T + b1) per row
         if need_w1:  # dW1 while the weight gradients travel home; in w1's own layout
@@ -686,10 +710,11 @@ def _layer1_backward(ctx, dout):
             dh = (gf * row_w).to(h.dtype)
     if need_w:
         drow = (gf * h.to(acc)).sum(1)
-        if b1 is not None:  # d out / d w[t, j] includes the bias: <dout[t], b1[e_j]>
+        if b1 is not None and ctx.tp_rank == 0:  # d out / d w[t, j] has <dout[t], b1[e_j]>
+            # (once: b1 is added by tp rank 0 only)
             drow = drow + (a_d.to(acc) * b1.to(acc)[_row_experts(recv_counts, a_d.shape[0])]).sum(1)
         dweights = _rows_to_slots(drow.to(sdt), topk_ids, send_pos, recv_counts, num_experts,
-                                  buffer, cfg, max_rows, ctx.band_n)
+                                  buffer, cfg, max_rows, ctx.band_n, ctx.tp, ctx.tp_rank)
         dweights = dweights.to(topk_weights.dtype)
     return _grads(ctx, {0: dh, 1: None if dw1 is None else dw1.result(), 2: dweights, 12: db1})
 

@@ -30,6 +30,9 @@ class Layout:
                 when the call had a bound (rows >= M: -1 on the CPU backend).
     max_rows    the bound moe_layer0 was called with (-1: none); moe_layer1 passes it on, so h
                 has max_rows rows too.
+    tp_size     the call's expert tensor parallelism (1: none); moe_layer1 passes it on. With
+                t > 1 the ring starts at this rank's EP rank's first rank, and the t ranks of one
+                EP rank hold the same layout.
     """
 
     num_experts: int
@@ -41,6 +44,7 @@ class Layout:
     row_token: torch.Tensor
     row_slot: torch.Tensor
     max_rows: int = -1
+    tp_size: int = 1
 
     @property
     def world(self) -> int:
@@ -65,15 +69,16 @@ class Layout:
 
 @torch.library.register_fake("comet::moe_layer0")
 def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
-                 w0_transposed=False, max_rows=-1):
+                 w0_transposed=False, max_rows=-1, tp_size=1):
     world = symm.world_of_handle(buffer)
+    ep = max(1, world // max(1, tp_size))
     # With a bound the shapes are static; without one M is data-dependent.
     rows = max_rows if max_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty(rows, w0.shape[2 if w0_transposed else 1]),
         x.new_empty(rows, x.shape[1]),
-        torch.empty(world, num_experts // world, **i32),
+        torch.empty(world, num_experts // ep, **i32),
         torch.empty(topk_ids.shape, **i32),
         torch.empty(rows, **i32),
         torch.empty(rows, **i32),
@@ -84,7 +89,7 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
 @torch.library.register_fake("comet::moe_layer1")
 def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer,
                  n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1,
-                 band_n=1):
+                 band_n=1, tp_size=1):
     return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1])
 
 
@@ -156,7 +161,7 @@ def _static_int(v) -> int:
 @torch.compiler.assume_constant_result
 def launch_choice(device_type: str, device_index, layer: int, world: int, num_experts: int,
                   topk: int, hidden: int, n: int, token_bucket: int, dtype: str,
-                  n_comm=None, tile=None, ranks_per_node=None, node_reduce=False):
+                  n_comm=None, tile=None, ranks_per_node=None, node_reduce=False, tp_size=1):
     """(n_comm, n_gemm, tile_m, tile_n, source, band_n): launch_config's answer; source is the
     tuner's ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were
     given, or "fallback" when the shape is not one the tuner handles (the op's checks then report
@@ -188,14 +193,15 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
     default_tile = CPU_TILE if cpu else CUDA_TILE
     tuner = tn.default_tuner()
     raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
-           tile, ranks_per_node, node_reduce)
+           tile, ranks_per_node, node_reduce, tp_size)
     hit = _launch_memo.get(raw)
     # Valid while the tuner still memoises the same answer (tune/store/clear drop its memo).
     if hit is not None and hit[1] is tuner and hit[2] in getattr(tuner, "_memo", ()):
         return hit[0]
     try:
         key = tn.TuneKey(arch, blocks, dtype, world, num_experts, topk, hidden, n, token_bucket,
-                         layer, ranks_per_node=ranks_per_node, node_reduce=node_reduce)
+                         layer, ranks_per_node=ranks_per_node, node_reduce=node_reduce,
+                         tp_size=tp_size)
         cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
     except Exception:  # noqa: BLE001 - never fail here: bad inputs are reported by the op itself
         nc = 1 if cpu else max(1, round(0.2 * blocks))
@@ -212,7 +218,7 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
                   layer: int, world: int, num_experts: int, x, w, topk_ids,
                   w_transposed: bool = False, ranks_per_node: int | None = None,
-                  node_reduce: bool = False, with_band: bool = False):
+                  node_reduce: bool = False, with_band: bool = False, tp_size: int = 1):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tune.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
     with_band: also layer1's band_n (n-tiles per column band), the tuner's choice.
@@ -240,7 +246,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
                               str(x.dtype).replace("torch.", ""),
                               None if n_comm is None else int(n_comm),
                               None if tile is None else (int(tile[0]), int(tile[1])),
-                              ranks_per_node, bool(node_reduce)))
+                              ranks_per_node, bool(node_reduce), int(tp_size)))
 
 
 def _buffer_for(buffer, group, t):
@@ -306,7 +312,8 @@ def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) ->
 
 def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: bool = False,
                max_rows: int | None = None, group=None, n_comm: int | None = None,
-               tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None):
+               tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
+               tp_size: int | None = None):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
     x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
@@ -314,18 +321,23 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     max_rows: an upper bound on the rows any rank of the group receives (the same on every rank):
     the row-indexed outputs then have max_rows rows (static shapes, no host synchronisation on
     CUDA, CUDA-graph capturable); a call exceeding it raises on every rank.
+    tp_size: expert tensor parallelism (default: the buffer's, 1 unless Buffer(tp_size=) says
+    otherwise). The group is TP-innermost (rank r: EP rank r // t, tp rank r % t), w0 / b0 are
+    this rank's shard [E / (W / t), N0 / t, H] / [E_local, N0 / t], and y0 [M, N0 / t] holds the
+    rows routed to this rank's EP rank from all W ranks, in the same order on its t ranks.
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
     buf = _buffer_for(buffer, group, x)
     device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
+    tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
     cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
-                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed)
+                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp)
     bound = -1 if max_rows is None else int(max_rows)
     y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
-        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound)
+        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound, tp)
     return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl,
-                      bound)
+                      bound, tp)
 
 
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
@@ -338,6 +350,8 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     or h's dtype), b1 [E_local, H] an optional expert bias (weighted per slot like the rest).
     band: n-tiles per column band of the GEMM (h is read once per band; 0 = all n-tiles), default
     the tuner's; the result does not depend on it.
+    With the layout's tp_size t > 1, h [M, N1 / t] and w1 [E_local, H, N1 / t] are this rank's
+    shard; out is the full sum over the t shards and the top-k slots (b1 added once).
     Returns out [T, H] on every rank for its own tokens.
     """
     buf = _buffer_for(buffer, group, h)
@@ -349,8 +363,10 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
                         node_reduce=getattr(buf, "node_reduce", False),
                         num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
-                        w_transposed=w1_transposed, with_band=True)
+                        w_transposed=w1_transposed, with_band=True,
+                        tp_size=int(layout.tp_size))
     band_n = cfg[4] if band is None else int(band)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
-                                      b1, bool(w1_transposed), int(layout.max_rows), band_n)
+                                      b1, bool(w1_transposed), int(layout.max_rows), band_n,
+                                      int(layout.tp_size))

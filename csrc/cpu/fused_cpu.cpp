@@ -35,9 +35,9 @@ void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch
 
 // The call's regions, with room for the mirrors of remote sources when the group spans nodes.
 DataRegions regions_of(const SymmHeap& heap, OpKind op, int64_t tmax, int64_t hidden, int32_t k,
-                       int32_t experts, int64_t elem, int32_t acc_bytes = 4) {
+                       int32_t experts, int64_t elem, int32_t acc_bytes = 4, int32_t tp = 1) {
   return call_regions(heap.topology(), op, tmax, int32_t(hidden), k, experts, int32_t(elem),
-                      acc_bytes);
+                      acc_bytes, tp);
 }
 
 // Where each source's published region is read (its segment, or its mirror on this node).
@@ -117,7 +117,7 @@ int64_t max_tokens(const SymmHeap& heap) {
 Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, const CpuLaunch& l,
                        int32_t* send_pos, int32_t* recv_counts)
     : heap_(heap), epoch_(epoch), p_(p), l_(l) {
-  const int32_t W = heap.world(), d = heap.rank(), E = p.experts, El = E / W, k = p.topk;
+  const int32_t W = heap.world(), d = heap.rank(), E = p.experts, El = E / (W / p.tp), k = p.topk;
   const int64_t T = p.tokens, elem = scalar_bytes(p.kind);
   const DataRegions reg = regions_of(heap, OpKind::Layer0, max_tokens(heap), p.hidden, k, E, elem);
   heap.reserve(reg.total);
@@ -159,19 +159,19 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
   seg_off_.resize(size_t(El) * (W + 1));
   rows_ = dispatch_layout(heap, l, DispatchLayoutArgs{counts_from.data(), reg.bucket_off, d, W, El,
                                                       recv_counts, expert_off_.data(),
-                                                      seg_off_.data(), false});
+                                                      seg_off_.data(), false, p.tp});
   mtiles_ = plan_tiles(heap, l, expert_off_, seg_off_, El, rows_, &order_);
 }
 
 int64_t Layer0Call::max_rows_of_group() const {
-  const int32_t W = heap_.world(), El = p_.experts / W;
+  const int32_t W = heap_.world(), El = p_.experts / (W / p_.tp);
   const DataRegions reg = regions_of(heap_, OpKind::Layer0, max_tokens(heap_), p_.hidden, p_.topk,
                                      p_.experts, scalar_bytes(p_.kind));
   const std::vector<const char*> datas = source_bases(heap_, reg);
   std::vector<int32_t> counts(size_t(W) * size_t(El));
   int64_t most = 0;
   for (int32_t dest = 0; dest < W; ++dest) {
-    gather_recv_counts(datas.data(), reg.bucket_off, dest, W, El, counts.data());
+    gather_recv_counts(datas.data(), reg.bucket_off, dest, W, El, counts.data(), p_.tp);
     int64_t m = 0;
     for (int32_t c : counts) m += c;
     most = std::max(most, m);
@@ -181,7 +181,7 @@ int64_t Layer0Call::max_rows_of_group() const {
 
 void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
                      int32_t* row_slot) {
-  const int32_t W = heap_.world(), d = heap_.rank(), El = p_.experts / W;
+  const int32_t W = heap_.world(), d = heap_.rank(), El = p_.experts / (W / p_.tp);
   const int64_t H = p_.hidden, N0 = p_.n0, elem = scalar_bytes(p_.kind);
   const int64_t MT = int64_t(mtiles_.size());
   const DataRegions reg =
@@ -194,6 +194,7 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
                     row_source, row_token, row_slot};
   ca.sources = sources_.data();
   ca.rows_ready = rows_ready_.data();
+  ca.tp = p_.tp;
   const int32_t NT = int32_t(ceil_div(N0, l_.tile_n));
   const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
                             nullptr, nullptr};
@@ -224,12 +225,12 @@ template <class Acc>
 void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, const CpuLaunch& l,
                  Acc* c, void* out) {
   const int32_t W = heap.world(), d = heap.rank();
-  const int32_t E = p.experts, El = E / W, k = p.topk;
+  const int32_t E = p.experts, El = E / (W / p.tp), k = p.topk;
   const int64_t T = p.tokens, M = p.rows, N1 = p.n1, H = p.hidden;
   const int64_t elem = scalar_bytes(p.kind);
   const int64_t tmax = max_tokens(heap);
   const DataRegions reg =
-      regions_of(heap, OpKind::Layer1, tmax, H, k, E, elem, int32_t(sizeof(Acc)));
+      regions_of(heap, OpKind::Layer1, tmax, H, k, E, elem, int32_t(sizeof(Acc)), p.tp);
   heap.reserve(std::max<size_t>(reg.total, 1));
 
   // Publish this rank's routing, bucket positions, weights and pair lists for the destinations.
@@ -242,7 +243,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   {
     GridScratch scratch(barrier_grid(l), l.threads, W, T * k, 0);
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
-      pair_list_program(ctx, ps, p.ids, T, k, E, W, reinterpret_cast<int32_t*>(mine + reg.pair_off),
+      pair_list_program(ctx, ps, p.ids, T, k, E, W / p.tp,
+                        reinterpret_cast<int32_t*>(mine + reg.pair_off),
                         reinterpret_cast<int32_t*>(mine + reg.pair_slot));
     });
   }
@@ -256,7 +258,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   // (recv_counts is only read when no counts_from is given; checked on the host)
   int32_t* given = const_cast<int32_t*>(p.recv_counts);
   dispatch_layout(heap, l, DispatchLayoutArgs{nullptr, 0, d, W, El, given, expert_off.data(),
-                                              seg_off.data(), false});
+                                              seg_off.data(), false, p.tp});
   std::vector<MTile> mtiles = plan_tiles(heap, l, expert_off, seg_off, El, M, nullptr);
   const int64_t MT = int64_t(mtiles.size());
 
@@ -274,7 +276,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   {
     GridScratch scratch(barrier_grid(l), l.threads, W, 0, std::max(El, W));
     const ReducePlanArgs<Acc> ra{src.data(), d, W, k, El, seg_off.data(), cap, plan, &slots,
-                                 heap.topology().reduce_rpn()};
+                                 heap.topology().reduce_rpn(), p.tp};
     run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
       const int64_t n = reduce_plan_program(ctx, ps, ra);
       if (grid_rank(ctx) == 0) entries = n;
@@ -296,6 +298,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const int64_t per_item = std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm)));
   Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
                          flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out, p.kind};
+  la.tp = p.tp;
   // Across nodes: partial rows for remote homes are staged in the symmetric segment (reg.stage)
   // and put whole, or (node-reduced) written into their relay's node_stage.
   if (heap.topology().nodes() > 1) {
@@ -311,7 +314,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
   ga.band_n = l.band_n;
   const char* w1 = static_cast<const char*>(p.w1);
-  const char* b1 = static_cast<const char*>(p.b1);
+  // b1 once per (token, expert): on tp rank 0, the other tp ranks' partials carry none.
+  const char* b1 = adds_layer1_bias(d, p.tp) ? static_cast<const char*>(p.b1) : nullptr;
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
   run_blocks(
       heap, 1, l.n_comm, l.n_gemm, l.threads, l.resident, l.stress_seed,
@@ -321,7 +325,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
         layer1_gemm(ctx, g, l.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t{p.h, p.kind, w1 + int64_t(mt.expert) * H * N1 * elem, p.kind, c,
                                c_kind, N1, H, p.w1_transposed,
-                               p.b1 ? b1 + int64_t(mt.expert) * H * elem : nullptr};
+                               b1 ? b1 + int64_t(mt.expert) * H * elem : nullptr};
           const int64_t col0 = int64_t(nt) * l.tile_n;
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);
         });

@@ -32,6 +32,7 @@ struct Layer0Problem {
   int32_t experts, topk;
   bool w0_transposed = false;
   const void* b0 = nullptr;  // [E_local, N0] (kind), or none
+  int32_t tp = 1;            // tp_size (comet/layout.h): E_local = E / (W / tp), w0 the rank's shard
 };
 
 // layer0 in two steps, because the caller allocates outputs sized by the dispatched row count.
@@ -72,7 +73,8 @@ struct Layer1Problem {
   int64_t tokens, rows, n1, hidden;
   int32_t experts, topk;
   bool w1_transposed = false;
-  const void* b1 = nullptr;  // [E_local, H] (kind), or none
+  const void* b1 = nullptr;  // [E_local, H] (kind), or none (added by tp rank 0 only)
+  int32_t tp = 1;            // tp_size (comet/layout.h): w1 and h are the rank's N1 shard
 };
 
 // layer1: publishes routing, builds the reduce plan from every peer's, runs the fused kernel.

@@ -35,10 +35,18 @@ std::shared_ptr<SymmHeap> heap_or_throw(int64_t handle) {
 
 CallMeta make_meta(OpKind op, const SymmHeap& heap, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, const at::Tensor& act, int64_t tokens,
-                   int64_t max_rows, const CheckResult& check) {
+                   int64_t max_rows, const CheckResult& check, int64_t tp) {
   return make_call_meta(op, heap.world(), heap.group_hash(), num_experts, topk, hidden, cols,
                         check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1, tokens,
-                        max_rows, check);
+                        max_rows, check, tp);
+}
+
+// Expert tensor parallelism runs on one node (the node-first routing and node-reduced partials
+// of comet/topology.h are per rank, not per EP rank).
+void check_tp_topology(Checker& c, const SymmHeap& heap, int64_t tp) {
+  c.value(tp == 1 || heap.topology().nodes() == 1,
+          "tp_size=" + std::to_string(tp) + " > 1 needs a group on one node (this group spans " +
+              std::to_string(heap.topology().nodes()) + " nodes)");
 }
 
 // Exchanges metadata; raises (on every rank alike) if any rank's input was bad or ranks disagree.
@@ -95,25 +103,26 @@ const void* bias_ptr(const std::optional<at::Tensor>& b) {
 Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                             int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
-                            bool w0_transposed, int64_t max_rows) {
+                            bool w0_transposed, int64_t max_rows, int64_t tp_size) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
-  check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows},
+  check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size},
                heap->world(), launch);
+  check_tp_topology(checker, *heap, tp_size);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer0, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? x.size(1) : 0, ok ? w0_out(w0, w0_transposed) : 0, x,
-                                ok ? x.size(0) : 0, max_rows, check);
+                                ok ? x.size(0) : 0, max_rows, check, tp_size);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer0");
   if (n_gemm == 0) n_gemm = 1;
   int64_t too_many = -1;  // the group's largest M when it exceeds max_rows
   Layer0Result result = guarded_call(*heap, epoch, [&]() -> Layer0Result {
     const int64_t T = x.size(0), H = x.size(1), N0 = w0_out(w0, w0_transposed),
                   k = topk_ids.size(1);
-    const int32_t W = heap->world(), El = int32_t(num_experts) / W;
+    const int32_t W = heap->world(), El = int32_t(num_experts) / (W / int32_t(tp_size));
     at::Tensor ids = topk_ids.to(at::kInt).contiguous();
     at::Tensor send_pos = at::empty({T, k}, ids.options());
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
@@ -121,6 +130,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                     scalar_kind(x.scalar_type()), T, H, N0, int32_t(num_experts), int32_t(k)};
     p.w0_transposed = w0_transposed;
     p.b0 = bias_ptr(b0);
+    p.tp = int32_t(tp_size);
     Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
                     send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
     const int64_t M = call.rows();
@@ -155,7 +165,7 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        const at::Tensor& send_pos, const at::Tensor& recv_counts,
                        int64_t num_experts, const CpuLaunch& launch,
-                       const std::optional<at::Tensor>& b1, bool w1_transposed) {
+                       const std::optional<at::Tensor>& b1, bool w1_transposed, int64_t tp) {
   const at::ScalarType acc_type = sizeof(Acc) == 8 ? at::kDouble : at::kFloat;
   at::Tensor ids = topk_ids.to(at::kInt).contiguous();
   at::Tensor weights = topk_weights.to(acc_type).contiguous();
@@ -169,6 +179,7 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
                        h.size(1), H, int32_t(num_experts), int32_t(topk_ids.size(1))};
   p.w1_transposed = w1_transposed;
   p.b1 = bias_ptr(b1);
+  p.tp = int32_t(tp);
   at::Tensor c = at::empty({M, H}, h.options().dtype(acc_type));
   at::Tensor out = at::empty({T, H}, h.options());
   try {
@@ -184,28 +195,29 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           const at::Tensor& recv_counts, int64_t num_experts, int64_t buffer,
                           int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n,
                           const std::optional<at::Tensor>& b1, bool w1_transposed,
-                          int64_t max_rows, int64_t band_n) {
+                          int64_t max_rows, int64_t band_n, int64_t tp_size) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
-                         w1_transposed, max_rows},
+                         w1_transposed, max_rows, tp_size},
                heap->world(), launch);
+  check_tp_topology(checker, *heap, tp_size);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
                                 ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0, h,
-                                ok ? topk_ids.size(0) : 0, max_rows, check);
+                                ok ? topk_ids.size(0) : 0, max_rows, check, tp_size);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
     const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, band_n);
     if (h.scalar_type() == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
-                                 recv_counts, num_experts, launch, b1, w1_transposed);
+                                 recv_counts, num_experts, launch, b1, w1_transposed, tp_size);
     return layer1_body<float>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos, recv_counts,
-                              num_experts, launch, b1, w1_transposed);
+                              num_experts, launch, b1, w1_transposed, tp_size);
   });
 }
 

@@ -71,6 +71,7 @@ struct DeviceState {
 struct CallParams {
   // group and call
   int32_t rank, world, num_experts, experts_local, topk;
+  int32_t tp;             // tp_size (comet/layout.h): experts_local = E / (W / tp)
   int32_t op;             // OpKind
   int32_t kind;           // ScalarKind of x / h (and w0 / w1)
   int32_t elem_bytes;

@@ -38,12 +38,13 @@ static __device__ void layer0_comm_block(const CallParams& p, int32_t block, uin
     } else {
       CommContext ctx(p, block, p.n_comm, epoch, /*wait_source_data=*/true, smem);
       const bool nodes = p.topo.nodes() > 1;
-      const Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
+      Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
                              p.hidden * p.elem_bytes,          epoch,           p.regions,
                              p.seg_off,        p.mtiles,        p.mtile_order,   num_mtiles,
                              p.a,              p.mtile_ready,   p.row_source,    p.row_token,
                              p.row_slot,       nodes ? p.sources : nullptr,
                              nodes ? p.rows_ready : nullptr};
+      a.tp = p.tp;
       layer0_comm(ctx, a);
     }
   }
@@ -56,7 +57,7 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
   ReducePlan<float> plan = p.plan;
   plan.entries = p.state->plan_entries;
   const int64_t per_item = ceil_div(plan.entries, int64_t(4) * p.n_comm);
-  return Layer1CommArgs<float>{p.rank,       p.world,         p.experts_local,
+  Layer1CommArgs<float> a{p.rank,       p.world,         p.experts_local,
                                p.topk,       int32_t(p.hidden), p.tile_n,
                                p.num_ntiles, p.tcap,          epoch,
                                p.regions,    p.c,             p.ntile_ready,
@@ -69,6 +70,8 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
                                p.chunk_done,
                                // node-reduced: rows into the relays' node_stage, summed there
                                p.topo.node_reduce,  p.metas};
+  a.tp = p.tp;
+  return a;
 }
 
 // layer1's comm blocks only reduce and send; the combine and the "done" handshake follow in the

@@ -87,7 +87,7 @@ class CudaBuffer {
   // Largest token count whose regions fit the data segment for this shape (equal on every rank
   // that agrees on the shape, so it is the agreed stride of the regions).
   int64_t token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
-                         int32_t elem_bytes) const;
+                         int32_t elem_bytes, int32_t tp = 1) const;
   // Collective: every rank grows together (they decide from the same call summary); for a
   // subgroup buffer, every process of the NVSHMEM world (reserve()). Frees the old segment
   // before allocating the new one (the heap never holds both).

@@ -32,6 +32,7 @@
 
 #include "call_verdict.h"
 #include "comet/exec_context.h"
+#include "comet/layout.h"
 #include "comet/symm_layout.h"
 #include "cuda_buffer.h"
 #include "launch.h"
@@ -260,9 +261,17 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
 
 CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
                    int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
-                   int64_t max_rows, const CheckResult& check) {
+                   int64_t max_rows, const CheckResult& check, int64_t tp) {
   return make_call_meta(op, b.world(), b.group_hash(), num_experts, topk, hidden, cols, dtype,
-                        tokens, max_rows, check);
+                        tokens, max_rows, check, tp);
+}
+
+// Expert tensor parallelism runs on one node (as on the CPU backend: the node-first routing and
+// node-reduced partials of comet/topology.h are per rank, not per EP rank).
+void check_tp_topology(Checker& c, const CudaBuffer& b, int64_t tp) {
+  c.value(tp == 1 || b.topology().nodes() == 1,
+          "tp_size=" + std::to_string(tp) + " > 1 needs a group on one node (this group spans " +
+              std::to_string(b.topology().nodes()) + " nodes)");
 }
 
 // One workspace allocation per call, carved into 256-byte aligned pieces.
@@ -343,12 +352,13 @@ const void* bias_ptr(const std::optional<at::Tensor>& b) {
 
 CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int64_t topk,
                        int64_t n_comm, const LaunchPlan& lp, int32_t num_ntiles,
-                       int64_t max_rows) {
+                       int64_t max_rows, int32_t tp) {
   CallParams p{};
   p.rank = b.rank();
   p.world = b.world();
+  p.tp = tp;
   p.num_experts = int32_t(num_experts);
-  p.experts_local = b.world() > 0 ? int32_t(num_experts / b.world()) : 0;
+  p.experts_local = b.world() > 0 ? int32_t(num_experts / (b.world() / tp)) : 0;
   p.topk = int32_t(topk);
   p.op = int32_t(op);
   p.headers = b.headers_table();
@@ -388,7 +398,7 @@ void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, boo
   p.cols = cols;
   p.tcap = tcap;
   p.regions = call_regions(topo, op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
-                           num_experts, elem);
+                           num_experts, elem, 4, p.tp);
 }
 
 // The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
@@ -413,7 +423,7 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     TORCH_CHECK_VALUE(false, v);
   }
   const size_t need = call_regions(b.topology(), OpKind(p.op), s.state.max_tokens,
-                                   int32_t(p.hidden), p.topk, p.num_experts, p.elem_bytes)
+                                   int32_t(p.hidden), p.topk, p.num_experts, p.elem_bytes, 4, p.tp)
                           .total;
   if (need > b.capacity()) {
     if (b.subgroup()) {  // growing would need every process of the NVSHMEM world
@@ -461,7 +471,7 @@ using Layer0Result =
 Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                              int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                              int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
-                             bool w0_transposed, int64_t max_rows_arg) {
+                             bool w0_transposed, int64_t max_rows_arg, int64_t tp_size) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -474,13 +484,15 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev);
-  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows}, W,
+  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size}, W,
                {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
+  check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
+  const int32_t tp = shaped ? int32_t(tp_size) : 1;
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
   const int64_t N0 = shaped ? w0_out(w0, w0_transposed) : 0, k = shaped ? topk_ids.size(1) : 0;
-  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
+  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / (W / tp);
   const ScalarKind kind = shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
   // w0 read in place: [El, N0, H], or [El, H, N0] when transposed (MN-major B).
@@ -488,15 +500,16 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
                                     shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
                                     b.multi_node());
-  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem) : 0;
+  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me =
-      make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, max_rows, check);
+      make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, max_rows, check,
+                tp_size);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok));
+                             int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology());
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
@@ -562,9 +575,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   }
   if (max_rows < 0) {
     const CallSummary s = settle(b, p, with_pending(check, pending), "comet.moe_layer0", stream, proxy);
-    tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem);
+    tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem, tp);
     p.tcap = tcap;
-    p.regions = call_regions(b.topology(), OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, elem);
+    p.regions =
+        call_regions(b.topology(), OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, elem, 4, tp);
     // The rows are known only now: allocate with the proxy stopped (its end kernel is queued
     // behind the begin kernel, so a device synchronisation in the allocator completes).
     proxy.pause();
@@ -609,7 +623,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            const at::Tensor& send_pos, const at::Tensor& recv_counts,
                            int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                            int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b1,
-                           bool w1_transposed, int64_t max_rows_arg, int64_t band_n) {
+                           bool w1_transposed, int64_t max_rows_arg, int64_t band_n,
+                           int64_t tp_size) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -623,16 +638,18 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
-                   w1_transposed, max_rows},
+                   w1_transposed, max_rows, tp_size},
                W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
+  check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
+  const int32_t tp = shaped ? int32_t(tp_size) : 1;
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
   // h's rows: M (the layout's row count) without a bound, max_rows with one (rows >= M unused);
   // only the begin kernel knows M. Everything sized here from h_rows is an upper bound.
   const int64_t h_rows = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
   const int64_t H = shaped ? w1_out(w1, w1_transposed) : 0;
-  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / W;
+  const int32_t E = shaped ? int32_t(num_experts) : W, El = E / (W / tp);
   const ScalarKind kind = shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
   const int32_t elem = 2;
   // w1 read in place: [El, H, N1], or [El, N1, H] when transposed (MN-major B).
@@ -640,15 +657,16 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
                                     b.multi_node());
-  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem) : 0;
+  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
 
   const CallMeta me =
-      make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, max_rows, check);
+      make_meta(OpKind::Layer1, b, num_experts, k, H, N1, int32_t(kind), T, max_rows, check,
+                tp_size);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok));
+                             int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology());
   p.h_rows = h_rows;
   p.band_n = int32_t(band_n);  // checked: 0 .. INT32_MAX
@@ -712,14 +730,15 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   }
   if (max_rows < 0) {
     settle(b, p, with_pending(check, pending), "comet.moe_layer1", stream, proxy);
-    tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem);
+    tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem, tp);
     p.tcap = tcap;
-    p.regions = call_regions(b.topology(), OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, elem);
+    p.regions =
+        call_regions(b.topology(), OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, elem, 4, tp);
   }
 
   p.h = h.data_ptr();
   p.w1 = w1.data_ptr();
-  p.b1 = bias_ptr(b1);
+  p.b1 = adds_layer1_bias(p.rank, tp) ? bias_ptr(b1) : nullptr;  // once per (token, expert)
   p.c = cbuf.data_ptr<float>();
   p.out = out.data_ptr();
 
@@ -755,8 +774,8 @@ std::string buffer_fail_call(int64_t handle, int64_t op, const std::string& mess
   b.claim_stream(stream);
   const CheckResult check{1, message};
   const OpKind kind = op == 0 ? OpKind::Layer0 : OpKind::Layer1;
-  const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, -1, check);
-  CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0, b.max_rows());
+  const CallMeta me = make_meta(kind, b, b.world(), 1, 0, 0, -1, 0, -1, check, 1);
+  CallParams p = base_params(b, kind, b.world(), 1, 1, LaunchPlan{}, 0, b.max_rows(), 1);
   p.regions = data_regions(kind, 0, 0, 1, b.world(), b.world(), 2, 4);
   Carver ws;
   ws.take(p.metas, b.world());

@@ -74,7 +74,7 @@ __device__ int32_t verdict(const CallMeta* m, int32_t world) {
     if (m[s].error != 0) return s;
   for (int32_t s = 1; s < world; ++s)
     if (m[s].op != m[0].op || m[s].world != m[0].world || m[s].group_hash != m[0].group_hash ||
-        m[s].num_experts != m[0].num_experts || m[s].topk != m[0].topk ||
+        m[s].tp != m[0].tp || m[s].num_experts != m[0].num_experts || m[s].topk != m[0].topk ||
         m[s].hidden != m[0].hidden || m[s].cols != m[0].cols || m[s].dtype != m[0].dtype ||
         m[s].max_rows != m[0].max_rows)
       return -1;
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant_
     send_plan_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.bucket, p.send_slot,
                       p.send_pos);
   else
-    pair_list_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.world, p.pair_off,
+    pair_list_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.world / p.tp, p.pair_off,
                       p.pair_slot);
 }
 
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
   if (!layer0 && meta.error == 0)
     rows = dispatch_layout_program(
         ctx, sc, DispatchLayoutArgs{nullptr, 0, d, W, El, p.recv_counts, p.expert_off, p.seg_off,
-                                    true});
+                                    true, p.tp});
   else
     grid_sync(ctx, sc.bar);
 
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     grid_sync(ctx, sc.bar);
     rows = dispatch_layout_program(
         ctx, sc, DispatchLayoutArgs{p.sources, p.regions.bucket_off, d, W, El, p.recv_counts,
-                                    p.expert_off, p.seg_off, false});
+                                    p.expert_off, p.seg_off, false, p.tp});
     if (g == 0) {
       st->rows = rows;
       if (p.max_rows >= 0 && rows > p.max_rows) {
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   if (layer1) {
     const ReducePlanArgs<float> ra{p.plan_sources, d, W, p.topk, El, p.seg_off, p.plan_cap,
                                    p.plan, &st->plan_slots,
-                                   p.topo.reduce_rpn()};
+                                   p.topo.reduce_rpn(), p.tp};
     entries = reduce_plan_program(ctx, s, ra);
     if (entries < 0) {
       // The peers' routing does not match this rank's layout (recv_counts): refuse rather than

@@ -263,9 +263,9 @@ char* const* CudaBuffer::datas_table() const {
 }
 
 int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int32_t num_experts,
-                                   int32_t elem_bytes) const {
+                                   int32_t elem_bytes, int32_t tp) const {
   auto fits = [&](int64_t t) {
-    return call_regions(topology(), op, t, int32_t(hidden), topk, num_experts, elem_bytes)
+    return call_regions(topology(), op, t, int32_t(hidden), topk, num_experts, elem_bytes, 4, tp)
                .total <= capacity_;
   };
   if (!fits(0)) return -1;

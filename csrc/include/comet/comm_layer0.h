@@ -32,6 +32,7 @@ struct Layer0CommArgs {
   // says their rows are in the mirror (null: the source is on this node). Null arrays: one node.
   const char* const* sources = nullptr;  // [W]
   uint64_t* const* rows_ready = nullptr; // [W]
+  int32_t tp = 1;  // tp_size (layout.h): the EP rank's buckets, the ring from its anchor
 };
 
 // Rows of an m-tile are handled in batches of up to kRowBatch rows, their descriptors in the
@@ -48,6 +49,7 @@ COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
   // x region's (at the same offset in every rank's segment, whose bases are page-aligned).
   const bool vec = a.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a.a) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(ctx.data(a.rank) + a.regions.x) % 16 == 0;
+  const int32_t anchor = ring_anchor(a.rank, a.tp), q = ep_rank_of(a.rank, a.tp);
   for (int64_t i = ctx.block(); i < a.num_mtiles; i += ctx.blocks()) {
     const int64_t id = a.mtile_order[i];
     const MTile mt = a.mtiles[id];
@@ -56,7 +58,7 @@ COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
     const int32_t p_first = row_origin(a.seg_off, a.world, mt.expert, mt.row_begin).ring_pos;
     const int32_t p_last = mtile_ring_distance(mt, a.seg_off, a.world);
     for (int32_t p = p_first; p <= p_last; ++p) {
-      const int32_t src = ring_source(a.rank, p, a.world);
+      const int32_t src = ring_source(anchor, p, a.world);
       ctx.acquire(src);
       if (a.rows_ready && a.rows_ready[src])
         ctx.wait(a.rows_ready[src], a.epoch, WaitSite::MirrorRows, src);
@@ -67,11 +69,11 @@ COMET_HD void layer0_comm(Ctx& ctx, const Layer0CommArgs& a) {
       for (int32_t r = ctx.thread(); r < n; r += ctx.threads()) {
         const int64_t row = b0 + r;
         const RowOrigin o = row_origin(a.seg_off, a.world, mt.expert, row);
-        const int32_t src = ring_source(a.rank, o.ring_pos, a.world);
+        const int32_t src = ring_source(anchor, o.ring_pos, a.world);
         const char* sd = a.sources ? a.sources[src] : ctx.data(src);
         const int32_t* bucket_off = reinterpret_cast<const int32_t*>(sd + a.regions.bucket_off);
         const int32_t* send_slot = reinterpret_cast<const int32_t*>(sd + a.regions.send_slot);
-        const int32_t slot = send_slot[bucket_off[a.rank * a.experts_local + mt.expert] + o.index];
+        const int32_t slot = send_slot[bucket_off[q * a.experts_local + mt.expert] + o.index];
         const int32_t token = slot / a.topk;
         batch[r] = RowCopy{a.a + row * a.row_bytes, sd + a.regions.x + int64_t(token) * a.row_bytes};
         a.row_source[row] = src;

@@ -68,6 +68,9 @@ struct Layer1CommArgs {
   // the relays sum and send them in the combine step (layer1_node_relay).
   int32_t node_reduce = 0;
   const CallMeta* metas = nullptr;  // [W] every rank's call: the relayed homes' token counts
+  // Expert tensor parallelism (comet/layout.h; flat partials only): each of the t ranks of an EP
+  // rank sends its partial row of a token, the home adds EPs x t partials (partial_slot).
+  int32_t tp = 1;
 };
 
 template <class Acc>
@@ -363,7 +366,8 @@ COMET_HD void layer1_combine(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     const int64_t t = t0 + q / groups;
     const int64_t col = int64_t(q % groups) * (vec ? kColGroup : 1);
     const int32_t parts =
-        partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank, groups_of(a, a.rank, a.rank))
+        partial_slot(a.ids + t * a.topk, a.topk, a.experts_local, a.rank,
+                     groups_of(a, a.rank, a.rank), a.tp)
             .count;
     if (vec) {
       float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};

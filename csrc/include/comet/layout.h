@@ -8,11 +8,28 @@
 // Destination side (rank d): rows are grouped by local expert, then by source rank in ring order
 // starting at d, then follow the source's bucket order. expert_off[el] is where expert el starts;
 // seg_off[el*(W+1) + p] is where ring position p (source (d+p) mod W) starts, as an absolute row.
+//
+// Expert tensor parallelism (docs/design.md, "Expert tensor parallelism"): a group of W ranks with
+// tp_size t is TP-innermost, rank r = ep_rank * t + tp_rank, and the E experts are split over the
+// EP = W / t expert-parallel ranks (E_local = E / EP each), every tp rank of an EP rank holding a
+// shard of the same experts. Source side nothing changes (buckets are per global expert); the
+// destination side is the EP rank's: every tp rank of it reads the buckets of its EP rank's
+// experts (from every one of the W sources) and starts its ring at the EP rank's first rank (the
+// ring anchor), so the t ranks of one EP rank build the same layout, row for row. t = 1 is the
+// expert-parallel layout above, bit for bit (ep_rank = anchor = rank).
 #pragma once
 
 #include "comet/config.h"
 
 namespace comet {
+
+COMET_HD int32_t ep_rank_of(int32_t rank, int32_t tp) { return rank / tp; }
+COMET_HD int32_t tp_rank_of(int32_t rank, int32_t tp) { return rank % tp; }
+// The rank whose ring every tp rank of `rank`'s EP rank uses (its EP rank's tp rank 0).
+COMET_HD int32_t ring_anchor(int32_t rank, int32_t tp) { return rank - rank % tp; }
+// Whether `rank` adds layer1's bias b1: once per token and expert, so on tp rank 0 only (the
+// home sums the t ranks' partial rows).
+COMET_HD bool adds_layer1_bias(int32_t rank, int32_t tp) { return rank % tp == 0; }
 
 COMET_HD int32_t ring_source(int32_t dest, int32_t ring_pos, int32_t world) {
   return (dest + ring_pos) % world;
@@ -24,8 +41,8 @@ COMET_HD int32_t ring_position(int32_t dest, int32_t source, int32_t world) {
 // Source side: the send plan (bucket_off, send_slot, send_pos) is built by send_plan_program
 // (comet/prologue.h), a stable counting sort of the routing slots by expert.
 
-// Destination side. recv_counts[s*E_local + el]: rows source s sends to local expert el of `dest`.
-// Outputs expert_off[E_local+1] and seg_off[E_local*(W+1)] (absolute rows). Returns M (total rows).
+// Destination side. recv_counts[s*E_local + el]: rows source s sends to local expert el of `dest`
+// (with tp > 1: pass the ring anchor as `dest`). Outputs expert_off[E_local+1] and seg_off[E_local*(W+1)] (absolute rows). Returns M (total rows).
 COMET_HD int64_t build_dispatch_layout(const int32_t* recv_counts, int32_t dest, int32_t world,
                                        int32_t experts_local, int64_t* expert_off,
                                        int64_t* seg_off) {
@@ -42,7 +59,8 @@ COMET_HD int64_t build_dispatch_layout(const int32_t* recv_counts, int32_t dest,
   return row;
 }
 
-// Row of slot (source s, position pos inside s's bucket for local expert el) on the destination.
+// Row of slot (source s, position pos inside s's bucket for local expert el) on the destination
+// (dest: the destination's ring anchor when tp > 1).
 COMET_HD int64_t dispatch_row(const int64_t* seg_off, int32_t world, int32_t dest, int32_t source,
                               int32_t el, int32_t pos) {
   return seg_off[el * (world + 1) + ring_position(dest, source, world)] + pos;
@@ -71,6 +89,9 @@ COMET_HD RowOrigin row_origin(const int64_t* seg_off, int32_t world, int32_t el,
 // that node first), keyed by the node's first rank, so the order stays ascending in rank.
 // Within a node (SlotGroups::only_node >= 0): only that node's ranks count, each on its own (the
 // order in which a relay adds its node's partials).
+// Expert tensor parallelism (tp > 1, flat only): the contributors are the t ranks of each distinct
+// EP rank among the token's slots, ascending in rank (EP rank, then tp rank): count = EPs x t, and
+// the home adds the t partial rows of the first EP rank, then the next EP rank's, and so on.
 struct PartialSlot {
   int32_t count;    // distinct contributors of the token
   int32_t ordinal;  // index of `rank`'s contributor among them (valid when it is one of them)
@@ -101,9 +122,9 @@ COMET_HD SlotGroups slot_groups(int32_t reduce_rpn, int32_t home, int32_t sender
 }
 
 COMET_HD PartialSlot partial_slot(const int32_t* token_ids, int32_t k, int32_t experts_local,
-                                  int32_t rank, SlotGroups g = SlotGroups{}) {
+                                  int32_t rank, SlotGroups g = SlotGroups{}, int32_t tp = 1) {
   PartialSlot r{0, 0};
-  const int32_t mine = g.key(rank);
+  const int32_t mine = g.key(ep_rank_of(rank, tp));
   for (int32_t j = 0; j < k; ++j) {
     if (token_ids[j] < 0) continue;
     const int32_t kj = g.key(token_ids[j] / experts_local);
@@ -115,6 +136,8 @@ COMET_HD PartialSlot partial_slot(const int32_t* token_ids, int32_t k, int32_t e
     ++r.count;
     if (kj < mine) ++r.ordinal;
   }
+  r.count *= tp;
+  r.ordinal = r.ordinal * tp + tp_rank_of(rank, tp);
   return r;
 }
 

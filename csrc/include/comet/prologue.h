@@ -77,10 +77,13 @@ COMET_HD int32_t first_slot_destination(const int32_t* token_ids, int32_t j, int
 // layer1, source side: pair_off[W+1] and pair_slot[pairs] = t*k + j of token t's first slot on
 // destination d, ordered by (d, t). One step over tokens (a thread walks its tokens' k slots and
 // keys each by first_slot_destination), then the stable counting sort over the slots by key.
+// With expert tensor parallelism the destinations are the EP ranks (ep_world = W / tp entries of
+// pair_off used): every tp rank of EP rank q reads q's list.
 template <class Ctx>
 COMET_HD int64_t pair_list_program(Ctx& ctx, const PrologueScratch& s, const int32_t* ids,
-                                   int64_t tokens, int32_t k, int32_t num_experts, int32_t world,
+                                   int64_t tokens, int32_t k, int32_t num_experts, int32_t ep_world,
                                    int32_t* pair_off, int32_t* pair_slot) {
+  const int32_t world = ep_world;
   const int32_t el = num_experts / world;
   const Share sh = share_of(tokens, grid_rank(ctx), grid_size(ctx));
   for (int64_t t = sh.begin; t < sh.end; ++t)
@@ -100,12 +103,14 @@ COMET_HD int64_t pair_list_program(Ctx& ctx, const PrologueScratch& s, const int
 // source's published bucket offsets (W*E_local reads on one thread: the sequential oracle of
 // dispatch_layout_program, used where one thread is the point, e.g. max_rows_of_group on the CPU).
 COMET_HD void gather_recv_counts(const char* const* datas, size_t bucket_off_region, int32_t rank,
-                                 int32_t world, int32_t experts_local, int32_t* recv_counts) {
+                                 int32_t world, int32_t experts_local, int32_t* recv_counts,
+                                 int32_t tp = 1) {
+  const int32_t ep = ep_rank_of(rank, tp);
   for (int32_t s = 0; s < world; ++s) {
     const int32_t* bo = reinterpret_cast<const int32_t*>(datas[s] + bucket_off_region);
     for (int32_t el = 0; el < experts_local; ++el)
       recv_counts[s * experts_local + el] =
-          bo[rank * experts_local + el + 1] - bo[rank * experts_local + el];
+          bo[ep * experts_local + el + 1] - bo[ep * experts_local + el];
   }
 }
 
@@ -119,6 +124,7 @@ struct DispatchLayoutArgs {
   int64_t* expert_off;   // out [E_local+1]
   int64_t* seg_off;      // out [E_local*(W+1)]
   bool check_counts;     // count negative recv_counts (a malformed layer1 layout)
+  int32_t tp = 1;        // tp_size (layout.h): buckets of the EP rank, ring from its anchor
 };
 
 // build_dispatch_layout (layout.h) as a grid program, bit for bit: cell el*(W+1) + p of seg_off
@@ -131,7 +137,8 @@ struct DispatchLayoutArgs {
 template <class Ctx>
 COMET_HD int64_t dispatch_layout_program(Ctx& ctx, const PrologueScratch& s,
                                          const DispatchLayoutArgs& a) {
-  const int32_t W = a.world, El = a.experts_local, d = a.rank;
+  const int32_t W = a.world, El = a.experts_local, d = ring_anchor(a.rank, a.tp);
+  const int32_t q = ep_rank_of(a.rank, a.tp);  // whose experts' buckets are read
   const int64_t cells = int64_t(El) * (W + 1);
   const int64_t g = grid_rank(ctx), P = grid_size(ctx);
   const Share sh = share_of(cells, g, P);
@@ -147,7 +154,7 @@ COMET_HD int64_t dispatch_layout_program(Ctx& ctx, const PrologueScratch& s,
     if (a.counts_from != nullptr) {
       const int32_t* bo =
           reinterpret_cast<const int32_t*>(a.counts_from[src] + a.bucket_off_region);
-      *cnt = bo[d * El + el + 1] - bo[d * El + el];
+      *cnt = bo[q * El + el + 1] - bo[q * El + el];
     }
     negative += *cnt < 0;
     a.seg_off[c] = *cnt;
@@ -243,6 +250,7 @@ struct ReducePlanArgs {
   ReducePlan<Acc> plan;        // out (plan.entries is set by the caller from the return value)
   int64_t* slots_out;          // out: number of slots
   int32_t reduce_rpn = 0;      // ranks per node when layer1's partials are node-reduced, else 0
+  int32_t tp = 1;              // tp_size (layout.h); > 1 only with flat partials (reduce_rpn 0)
 };
 
 // layer1's reduce plan on this rank, parallel over entries: entry bases per source (one thread,
@@ -256,10 +264,11 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
                                      const ReducePlanArgs<Acc>& a) {
   int64_t* base = s.small;  // [W+1] first entry of each source
   const int32_t d = a.rank, k = a.topk, el = a.experts_local;
+  const int32_t q = ep_rank_of(d, a.tp), anchor = ring_anchor(d, a.tp);  // (layout.h)
   if (grid_rank(ctx) == 0) {
     base[0] = 0;
     for (int32_t src = 0; src < a.world; ++src)
-      base[src + 1] = base[src] + (a.src[src].pair_off[d + 1] - a.src[src].pair_off[d]);
+      base[src + 1] = base[src] + (a.src[src].pair_off[q + 1] - a.src[src].pair_off[q]);
     ctx.work(a.world);
   }
   grid_sync(ctx, s.bar);
@@ -269,13 +278,14 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
   for (int64_t e = sh.begin; e < sh.end; ++e) {
     const int32_t src = part_of(base, a.world, e);
     const PlanSource<Acc>& p = a.src[src];
-    const int32_t t = p.pair_slot[p.pair_off[d] + (e - base[src])] / k;
+    const int32_t t = p.pair_slot[p.pair_off[q] + (e - base[src])] / k;
     const int32_t* ids = p.ids + int64_t(t) * k;
     a.plan.entry_source[e] = src;
     a.plan.entry_token[e] = t;
-    a.plan.entry_partial[e] = partial_slot(ids, k, el, d, slot_groups(a.reduce_rpn, src, d)).ordinal;
+    a.plan.entry_partial[e] =
+        partial_slot(ids, k, el, d, slot_groups(a.reduce_rpn, src, d), a.tp).ordinal;
     int64_t n = 0;
-    for (int32_t j = 0; j < k; ++j) n += ids[j] >= 0 && ids[j] / el == d;
+    for (int32_t j = 0; j < k; ++j) n += ids[j] >= 0 && ids[j] / el == q;
     a.plan.entry_begin[e] = n;
   }
   ctx.work(sh.size());
@@ -293,8 +303,9 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
     int64_t sl = a.plan.entry_begin[e];
     for (int32_t j = 0; j < k; ++j) {
       const int32_t id = p.ids[t * k + j];
-      if (id < 0 || id / el != d) continue;
-      a.plan.slot_row[sl] = dispatch_row(a.seg_off, a.world, d, src, id % el, p.send_pos[t * k + j]);
+      if (id < 0 || id / el != q) continue;
+      a.plan.slot_row[sl] =
+          dispatch_row(a.seg_off, a.world, anchor, src, id % el, p.send_pos[t * k + j]);
       a.plan.slot_weight[sl] = p.weights[t * k + j];
       ++sl;
     }

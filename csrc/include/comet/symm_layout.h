@@ -25,6 +25,8 @@ struct CallMeta {
   int32_t cols;         // N0 (layer0) / N1, h's columns (layer1)
   int32_t dtype;        // ScalarKind of x / h
   int32_t error;        // nonzero: this rank's input was rejected; text in message
+  int32_t tp;           // tp_size: expert tensor parallelism (comet/layout.h), 1 = none
+  int32_t reserved;
   int64_t tokens;       // T on this rank
   int64_t data_bytes;   // data segment bytes this rank's call needs
   int64_t max_rows;     // the call's bound on dispatched rows (-1: none); shapes every rank's
@@ -119,13 +121,14 @@ struct DataRegions {
   size_t total;
 };
 
-// partials = min(k, W): a token's slots reach at most that many distinct ranks. acc_bytes is the
+// partials = min(k, W / tp) * tp: a token's slots reach at most min(k, EP) distinct EP ranks, and
+// each of their tp ranks sends its partial row (comet/layout.h: partial_slot). acc_bytes is the
 // accumulator size of the weights (4: fp32; 8: fp64 on the CPU backend). node_stage_rows:
 // NodeTopology::node_stage_rows(k) when layer1's partials are node-reduced, else 0.
 COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32_t topk,
                                   int32_t num_experts, int32_t world, int32_t elem_bytes,
                                   int32_t acc_bytes = 4, int32_t mirrors = 0,
-                                  int32_t node_stage_rows = 0) {
+                                  int32_t node_stage_rows = 0, int32_t tp = 1) {
   const size_t A = 256;  // every region starts on a 256-byte boundary (16-byte vector copies)
   DataRegions r{};
   size_t off = 0;
@@ -142,7 +145,8 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.x = take(size_t(tmax) * hidden * elem_bytes);
     r.source_bytes = off;
   } else {
-    int32_t partials = topk < world ? topk : world;
+    const int32_t ep = world / tp;
+    const int32_t partials = (topk < ep ? topk : ep) * tp;
     r.ids = take(slots * 4);
     r.send_pos = take(slots * 4);
     r.weights = take(slots * acc_bytes);
@@ -161,12 +165,12 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
 }
 
 // The regions of a call on a group of topology t: room for the mirrors of the other nodes'
-// sources and, with node-reduced partials, for the relay's node_stage.
+// sources and, with node-reduced partials, for the relay's node_stage. tp: the call's tp_size.
 COMET_HD DataRegions call_regions(const NodeTopology& t, OpKind op, int64_t tmax, int32_t hidden,
                                   int32_t topk, int32_t num_experts, int32_t elem_bytes,
-                                  int32_t acc_bytes = 4) {
+                                  int32_t acc_bytes = 4, int32_t tp = 1) {
   return data_regions(op, tmax, hidden, topk, num_experts, t.world, elem_bytes, acc_bytes,
-                      t.nodes() - 1, t.reduces_nodes() ? t.node_stage_rows(topk) : 0);
+                      t.nodes() - 1, t.reduces_nodes() ? t.node_stage_rows(topk) : 0, tp);
 }
 
 }  // namespace comet
