@@ -227,8 +227,9 @@ def _reference_grads(case, inputs, seeds):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case,transposed", [(CASES[0], False), (CASES[1], True),
-                                             (CASES[2], False)], ids=["ep1tp2", "ep2tp2-T",
-                                                                      "ep1tp4"])
+                                             (CASES[2], False), (CASES[4], True),
+                                             (CASES[5], False)],
+                         ids=["ep1tp2", "ep2tp2-T", "ep1tp4", "ep3tp2-T", "ep2tp3"])
 def test_backward_matches_reference_autograd(case, transposed, dtype):
     inputs = make_inputs(case, dtype)
     results = run(case, inputs, transposed=transposed, grad=True)
