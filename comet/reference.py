@@ -32,6 +32,9 @@ Terms (see docs/design.md, section "Semantics")
   torch's fp32 matmul uses; it is not part of the semantics, so other implementations (tiled
   GEMMs) match this reference up to fp32 rounding of the dot products, not bitwise.
 
+Expert tensor parallelism (``tp_size`` t > 1): see the section at the end of this module
+(``tp_dispatch_rows``, ``tp_shard``, ``moe_tp_sim``).
+
 Two forms
 ---------
 * Simulated world (``*_sim``): lists of per-rank tensors, ``W = len(list)``; runs in one process.

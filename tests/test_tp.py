@@ -227,8 +227,9 @@ def _reference_grads(case, inputs, seeds):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case,transposed", [(CASES[0], False), (CASES[1], True),
-                                             (CASES[2], False)], ids=["ep1tp2", "ep2tp2-T",
-                                                                      "ep1tp4"])
+                                             (CASES[2], False), (CASES[4], True),
+                                             (CASES[5], False)],
+                         ids=["ep1tp2", "ep2tp2-T", "ep1tp4", "ep3tp2-T", "ep2tp3"])
 def test_backward_matches_reference_autograd(case, transposed, dtype):
     inputs = make_inputs(case, dtype)
     results = run(case, inputs, transposed=transposed, grad=True)
@@ -279,6 +280,32 @@ def test_backward_under_the_cuda_kernels_rules(monkeypatch):
     for r, (_, _, _, got) in enumerate(results):
         torch.testing.assert_close(got["x"], want["x"][r].grad, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(got["w"], want["w"][r].grad, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("reserve", [False, True], ids=["grow", "reserve"])
+def test_required_bytes_with_tp_is_what_the_calls_ask_for(reserve):
+    """comet.buffers.symm.required_bytes(tp_size=t) (layer1's receive region: min(k, EP) x t partial
+    slots) is exactly what a t > 1 call grows the buffer to; Buffer(tp_size=t).reserve() sizes
+    for it, so the calls do not grow it."""
+    case = CASES[5]  # k = 3 > EP = 2: t x min(k, EP) = 6 slots, more than min(k, W) = 3
+    inputs = make_inputs(case, torch.bfloat16)
+    need = comet.buffers.symm.required_bytes(tokens=max(case.tokens), hidden=case.hidden,
+                                     topk=case.topk, num_experts=case.experts, world=case.world,
+                                     dtype=torch.bfloat16, tp_size=case.tp)
+    assert need > comet.buffers.symm.required_bytes(tokens=max(case.tokens), hidden=case.hidden,
+                                            topk=case.topk, num_experts=case.experts,
+                                            world=case.world, dtype=torch.bfloat16)
+    bufs = comet.Buffer.simulated_world(case.world, timeout=20, tp_size=case.tp,
+                                        ranks_per_node=case.world)
+    if reserve:
+        run_threads(case.world, lambda r, b: b.reserve(
+            tokens=max(case.tokens), hidden=case.hidden, topk=case.topk,
+            num_experts=case.experts, dtype=torch.bfloat16), buffers=bufs)
+        assert all(b.capacity_bytes == need for b in bufs)
+    run(case, inputs, buffers=bufs)
+    assert all(b.requested_bytes == need for b in bufs)
+    if reserve:
+        assert all(b.capacity_bytes == need for b in bufs)
 
 
 # -- bad input: a clear error on every rank, before any kernel ---------------------------------
