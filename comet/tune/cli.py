@@ -17,6 +17,7 @@ and prints them; without those hooks it says that profiling needs the compiled o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -368,8 +369,9 @@ def _best(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int) -> Dict[str, object]
 
 def tp_table() -> str:
     """docs/tuning.md's expert-tensor-parallel table: for flux's four configurations, the model's
-    layer0 / layer1 prediction (its TP path, split and fused time) beside flux's published
-    measurement, and the EP-only alternative (t = 1) on the same 8 ranks."""
+    layer0 / layer1 prediction for the path the kernels implement (direct: every slot row to each
+    tp rank, t partial rows home) and for the group path they do not implement yet, beside flux's
+    published measurement, and the EP-only alternative (t = 1) on the same 8 ranks."""
     spec = pm.GPUS["h100"]
     T = FLUX_TOKENS // FLUX_WORLD
     rows = []
@@ -378,15 +380,19 @@ def tp_table() -> str:
             tp = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN // t, T=T,
                              tp_size=t)
             ep_only = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN, T=T)
-            p, q = _best(tp, spec, layer), _best(ep_only, spec, layer)
+            built = _best(dataclasses.replace(tp, tp_path=pm.BUILT_TP_PATH), spec, layer)
+            group = _best(dataclasses.replace(tp, tp_path="group"), spec, layer)
+            q = _best(ep_only, spec, layer)
             alt = pm.tp_alternatives(tp, spec, layer)
-            rows.append([f"E{E} top{k}", f"EP{ep} x TP{t}", f"layer{layer}", str(p["tp_path"]),
+            rows.append([f"E{E} top{k}", f"EP{ep} x TP{t}", f"layer{layer}",
                          f"{alt['direct']['nvlink_rows']:.0f} / {alt['group']['nvlink_rows']:.0f}",
-                         str(p["n_comm"]), _ms(p["comm"]), _ms(p["gemm"]), _ms(p["fused"]),
-                         f"{flux_ms:.3f}", _ms(q["fused"])])
-    return _md_table(["experts", "ranks", "layer", "TP path", "NVLink rows direct / group",
-                      "n_comm", "comm ms", "GEMM ms", "model fused ms", "flux measured ms",
-                      "EP8 only, model ms"], rows, "lllllrrrrrr")
+                         str(built["n_comm"]), _ms(built["comm"]), _ms(built["gemm"]),
+                         _ms(built["fused"]), _ms(group["fused"]), f"{flux_ms:.3f}",
+                         _ms(q["fused"])])
+    return _md_table(["experts", "ranks", "layer", "NVLink rows direct / group", "n_comm",
+                      "comm ms", "GEMM ms", "model fused ms (direct: built)",
+                      "model fused ms (group: not built)", "flux measured ms",
+                      "EP8 only, model ms"], rows, "llllrrrrrrr")
 
 
 FP8_WORLD, FP8_TOKENS, FP8_GPU = 8, 4096, "h800"

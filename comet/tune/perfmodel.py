@@ -907,7 +907,12 @@ TP_PATHS = ("direct", "group")
 # TP group in step (a policy margin, not a measured constant).
 TP_PATH_SLACK = 0.02
 
-__all__ += ["TP_PATHS", "TP_PATH_SLACK", "tp_traffic", "choose_tp_path", "resolve_tp_path", "tp_alternatives",
+# The path comet's kernels implement (csrc/include/comet/layout.h, comm_layer1.h): layer0's tp ranks
+# each pull every slot row from its source, layer1's t partial rows all go home. The tuner prices
+# real calls with it; "group" (MoNTA's split) is modelled so the docs can say what it would save.
+BUILT_TP_PATH = "direct"
+
+__all__ += ["BUILT_TP_PATH", "TP_PATHS", "TP_PATH_SLACK", "tp_traffic", "choose_tp_path", "resolve_tp_path", "tp_alternatives",
             "dtype_name", "fp8_scale_bytes", "FP8_SCALE_BLOCK", "FP8_SCALE_BYTES", "FP8_OUT_BYTES"]
 
 

@@ -226,7 +226,8 @@ class TuneKey:
                            T=self.tokens if tokens is None else int(tokens),
                            dtype_bytes=pm.DTYPE_BYTES[self.dtype],
                            ranks_per_node=self.ranks_per_node, node_reduce=self.node_reduce,
-                           tp_size=self.tp_size)
+                           tp_size=self.tp_size,
+                           tp_path=pm.BUILT_TP_PATH if self.tp_size > 1 else None)
 
     @classmethod
     def from_shape(cls, arch: str, sm_count: int, dtype, shape: pm.MoEShape, layer: int) -> "TuneKey":
