@@ -146,6 +146,14 @@ CheckResult with_pending(CheckResult r, const std::string& pending) {
 }
 
 // The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
+// FP8 (comet/fp8_rows.h) runs on the CPU backend only so far: the CUDA kernels refuse it here,
+// before anything runs, on every rank alike (the verdict travels with the call metadata).
+bool check_cuda_fp8(Checker& c, bool fp8) {
+  return c.type(!fp8, "FP8 inputs (float8_e4m3fn, dispatch_fp8) run on the CPU backend only in "
+                      "this build: the CUDA kernels take bfloat16/float16 (dequantise with "
+                      "comet.fp8.dequantize_rows / dequantize_blocks)");
+}
+
 bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
   return c.value(tile_m == kTileM && tile_n == kTileN,
                  "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
@@ -461,7 +469,10 @@ using Layer0Result =
 Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                              int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                              int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
-                             bool w0_transposed, int64_t max_rows_arg) {
+                             bool w0_transposed, int64_t max_rows_arg,
+                             const std::optional<at::Tensor>& x_scale,
+                             const std::optional<at::Tensor>& w0_scale,
+                             std::optional<at::ScalarType> out_dtype, bool dispatch_fp8) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -474,8 +485,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev);
-  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows}, W,
-               {n_comm, n_gemm, tile_m, tile_n}) &&
+  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, x_scale, w0_scale,
+                   out_dtype, dispatch_fp8},
+               W, {n_comm, n_gemm, tile_m, tile_n}) &&
+      check_cuda_fp8(c, is_fp8(x) || is_fp8(w0) || dispatch_fp8) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
@@ -609,7 +622,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            const at::Tensor& send_pos, const at::Tensor& recv_counts,
                            int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                            int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b1,
-                           bool w1_transposed, int64_t max_rows_arg, int64_t band_n) {
+                           bool w1_transposed, int64_t max_rows_arg, int64_t band_n,
+                           const std::optional<at::Tensor>& h_scale,
+                           const std::optional<at::Tensor>& w1_scale,
+                           std::optional<at::ScalarType> out_dtype) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -623,8 +639,9 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
-                   w1_transposed, max_rows},
+                   w1_transposed, max_rows, h_scale, w1_scale, out_dtype},
                W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
+      check_cuda_fp8(c, is_fp8(h) || is_fp8(w1)) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
