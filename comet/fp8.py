@@ -14,6 +14,9 @@ code moe_layer0 runs on the sending side for ``dispatch_fp8=True`` (so both give
 Packed rows: with FP8 token rows on the wire, moe_layer0's ``a`` output (the dispatched rows) holds
 each row's scales and values together, uint8 ``[rows, row_bytes(H)]`` (csrc/include/comet/
 fp8_rows.h); :func:`unpack_rows` splits them.
+
+Training: :func:`moe_layer0` / :func:`moe_layer1` take bf16 master weights, quantise them per
+call and return bf16 gradients for them (see below).
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import torch
 
 from comet._native import _C  # noqa: F401  (registers the ops)
 
-__all__ = ["BLOCK", "FP8_MAX", "dequantize_blocks", "dequantize_rows", "quantize_blocks",
-           "quantize_rows", "row_bytes", "unpack_rows"]
+__all__ = ["BLOCK", "FP8_MAX", "dequantize_blocks", "dequantize_rows", "moe_layer0", "moe_layer1",
+           "quantize_blocks", "quantize_rows", "row_bytes", "unpack_rows"]
 
 BLOCK = 128
 FP8_MAX = 448.0
@@ -73,3 +76,136 @@ def unpack_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Te
     scale = rows[:, :4 * nb].contiguous().view(torch.float32)
     q = rows[:, 4 * nb:4 * nb + hidden].contiguous().view(DTYPE)
     return q, scale
+
+
+# -- Training with bf16 master weights -------------------------------------------------------------
+#
+# torch casts a gradient to its input's dtype, so an FP8 tensor's gradient is FP8. Training keeps
+# the weights in bf16 (the master) and quantises them per call: these wrappers quantise w0 / w1
+# (and, as asked, the activations), call the op on the FP8 tensors and hand the op's own backward
+# (comet.autograd: bf16 backward on the dequantised values) the gradients' destinations, the bf16
+# tensors the caller passed. Weight gradients are computed in the call's backward (not deferred by
+# comet.autograd.defer_weight_grads: the FP8 copy they would be recorded against is not a leaf).
+
+
+class _OpCtx:
+    """What comet.autograd's setup_context / backward read from an autograd ctx."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = tuple(needs_input_grad)
+
+    def set_materialize_grads(self, _value):
+        pass
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _needs(n, grads: dict):
+    return tuple(bool(grads.get(i, False)) for i in range(n))
+
+
+def _undeferred(fn):
+    from comet import autograd
+
+    active, autograd._tls.active = autograd._tls.active, []
+    try:
+        return fn()
+    finally:
+        autograd._tls.active = active
+
+
+class _MasterLayer0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w0, b0, topk_ids, static):
+        from comet import autograd
+
+        num_experts, handle, cfg, bound, out_dtype, dispatch = static
+        q, s = quantize_blocks(w0)
+        args = (x, q, topk_ids, num_experts, handle, *cfg, b0, False, bound, None, s, out_dtype,
+                dispatch)
+        out = torch.ops.comet.moe_layer0(*args)
+        ctx.inner = _OpCtx(_needs(16, {0: x.requires_grad, 1: w0.requires_grad,
+                                       9: b0 is not None and b0.requires_grad}))
+        autograd._layer0_setup_context(ctx.inner, args, out)
+        ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, dy0, *_rest):
+        from comet import autograd
+
+        g = _undeferred(lambda: autograd._layer0_backward(ctx.inner, dy0, None))
+        return g[0], g[1], g[9], None, None
+
+
+class _MasterLayer1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w1, topk_weights, b1, layout_tensors, static):
+        from comet import autograd
+
+        num_experts, handle, cfg, bound, band, out_dtype, quantize_h = static
+        q, s = quantize_blocks(w1)
+        hq, hs = quantize_rows(h) if quantize_h else (h, None)
+        args = (hq, q, topk_weights, *layout_tensors, num_experts, handle, *cfg, b1, False, bound,
+                band, hs, s, out_dtype)
+        out = torch.ops.comet.moe_layer1(*args)
+        ctx.inner = _OpCtx(_needs(19, {0: h.requires_grad, 1: w1.requires_grad,
+                                       2: topk_weights.requires_grad,
+                                       12: b1 is not None and b1.requires_grad}))
+        autograd._layer1_setup_context(ctx.inner, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from comet import autograd
+
+        g = _undeferred(lambda: autograd._layer1_backward(ctx.inner, dout))
+        return g[0], g[1], g[2], g[12], None, None
+
+
+def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, dispatch_fp8: bool = True,
+               out_dtype: torch.dtype | None = None, max_rows: int | None = None, group=None,
+               n_comm: int | None = None, tile=None, buffer=None):
+    """comet.moe_layer0 in FP8 from bf16 (master) weights: w0 [E_local, N0, H] is quantised per
+    call (quantize_blocks), x travels as FP8 rows (dispatch_fp8, the default) or as it is.
+    Differentiable: x gets its gradient in its dtype, w0 (and b0) in bf16 (x's dtype).
+    Returns (y0, Layout) as comet.moe_layer0."""
+    from comet import ops
+
+    buf = ops._buffer_for(buffer, group, x)
+    ops._same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
+    cfg = ops.launch_config(x.device, n_comm, tile, layer=0, world=buf.world,
+                            num_experts=num_experts, ranks_per_node=getattr(buf, "ranks_per_node",
+                                                                            None),
+                            x=x, w=w0, topk_ids=topk_ids, fp8=True)
+    bound = -1 if max_rows is None else int(max_rows)
+    y0, _a, recv_counts, send_pos, rs, rt, rsl = _MasterLayer0.apply(
+        x, w0, b0, topk_ids, (int(num_experts), buf.handle, tuple(cfg), bound, out_dtype,
+                              bool(dispatch_fp8)))
+    return y0, ops.Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt,
+                          rsl, bound)
+
+
+def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
+               out_dtype: torch.dtype | None = None, group=None, n_comm: int | None = None,
+               tile=None, buffer=None, band: int | None = None):
+    """comet.moe_layer1 in FP8 from bf16 (master) weights: w1 [E_local, H, N1] quantised per call,
+    h quantised per row (quantize_rows) unless quantize_h=False. Differentiable: h, w1 (and b1) get
+    bf16 gradients (h's dtype), topk_weights its own dtype. Returns out [T, H]."""
+    from comet import ops
+
+    buf = ops._buffer_for(buffer, group, h)
+    if buf.handle != layout.buffer:
+        buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
+    ops._same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights, "b1": b1})
+    cfg = ops.launch_config(h.device, n_comm, tile, layer=1, world=buf.world,
+                            ranks_per_node=getattr(buf, "ranks_per_node", None),
+                            node_reduce=getattr(buf, "node_reduce", False),
+                            num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
+                            with_band=True, fp8=True)
+    band_n = cfg[4] if band is None else int(band)
+    return _MasterLayer1.apply(
+        h, w1, topk_weights, b1, (layout.topk_ids, layout.send_pos, layout.recv_counts),
+        (layout.num_experts, buf.handle, tuple(cfg[:4]), int(layout.max_rows), band_n, out_dtype,
+         bool(quantize_h)))

@@ -97,16 +97,20 @@ void exchange_sources(SymmHeap& heap, const CpuLaunch& l, uint64_t epoch, Push&&
     heap.wait(heap.source_ready(s), epoch, WaitSite::PeerData, s);
 }
 
-// The GEMM of one layer for expert 0 (of_expert moves it to another): A [M, k] of a_kind (packed
-// FP8 rows, comet/fp8_rows.h, when a_kind is F8E4M3: their values and scales), the weights [E_local]
-// x [n, k] (or [k, n] transposed) of w_kind with w_scale's 128 x 128 block scales when FP8, C
-// [M, n] of c_kind, the bias [E_local, n] in c_kind (layer1's caller sets its kind).
-TileGemmArgs expert_gemm_args(const void* a, ScalarKind a_kind, int64_t k, const void* w,
-                              ScalarKind w_kind, const float* w_scale, void* c, ScalarKind c_kind,
-                              int64_t n, bool w_transposed, const void* bias) {
+// The GEMM of one layer for expert 0 (of_expert moves it to another): A [M, k] of a_kind (FP8:
+// with a_scale [M, ceil(k/128)], or as layer0's packed rows, comet/fp8_rows.h, when a_scale is
+// null), the weights [E_local] x [n, k] (or [k, n] transposed) of w_kind with w_scale's 128 x 128
+// block scales when FP8, C [M, n] of c_kind, the bias [E_local, n] of bias_kind.
+TileGemmArgs expert_gemm_args(const void* a, ScalarKind a_kind, const float* a_scale, int64_t k,
+                              const void* w, ScalarKind w_kind, const float* w_scale, void* c,
+                              ScalarKind c_kind, int64_t n, bool w_transposed, const void* bias,
+                              ScalarKind bias_kind) {
   TileGemmArgs t{a, a_kind, w, w_kind, c, c_kind, k, n, w_transposed, bias};
-  t.bias_kind = c_kind;
-  if (a_kind == ScalarKind::F8E4M3 && k > 0) {  // layer0's packed rows
+  t.bias_kind = bias_kind;
+  if (a_scale) {
+    t.a_scale = a_scale;
+    t.a_scale_stride = scale_blocks(k);
+  } else if (a_kind == ScalarKind::F8E4M3 && k > 0) {  // layer0's packed rows
     const int64_t row = fp8_row_bytes(k);
     t.a = static_cast<const char*>(a) + fp8_row_values_at(k);
     t.a_stride = row;
@@ -226,8 +230,9 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
                             nullptr, nullptr};
   const int64_t tile_n = l_.tile_n;
-  const TileGemmArgs base = expert_gemm_args(a, p_.kind, H, p_.w0, p_.weight_kind(), p_.w0_scale,
-                                             y0, p_.output_kind(), N0, p_.w0_transposed, p_.b0);
+  const TileGemmArgs base =
+      expert_gemm_args(a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
+                       p_.output_kind(), N0, p_.w0_transposed, p_.b0, p_.output_kind());
   run_blocks(
       heap_, 0, l_.n_comm, l_.n_gemm, l_.threads, l_.resident, l_.stress_seed,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
@@ -337,13 +342,9 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
   ga.band_n = l.band_n;
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
-  TileGemmArgs base = expert_gemm_args(p.h, p.kind, N1, p.w1, p.weight_kind(), p.w1_scale, c,
-                                       c_kind, H, p.w1_transposed, p.b1);
-  base.bias_kind = p.output_kind();
-  if (p.h_scale) {
-    base.a_scale = p.h_scale;
-    base.a_scale_stride = scale_blocks(N1);
-  }
+  const TileGemmArgs base =
+      expert_gemm_args(p.h, p.kind, p.h_scale, N1, p.w1, p.weight_kind(), p.w1_scale, c, c_kind,
+                       H, p.w1_transposed, p.b1, p.output_kind());
   run_blocks(
       heap, 1, l.n_comm, l.n_gemm, l.threads, l.resident, l.stress_seed,
       [&](CpuContext& ctx) { layer1_reduce_send(ctx, la); },
