@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comet
+import comet.nn
 from comet import fp8
 from comet import reference as ref
 from tests.cases import Case, cases_for, make_inputs
@@ -492,3 +493,31 @@ def test_cuda_rules_refuse_fp8_result_dtypes(monkeypatch):
     err0, err1 = _bad(0, lambda a: _q0(a, out_dtype=torch.float32))
     assert re.search(r"out_dtype=float32 is not a result dtype: supported bfloat16, float16",
                      str(err1)), err1
+
+
+# -- comet.nn.MoE(fp8=True) --------------------------------------------------------------------
+
+
+def test_nn_moe_fp8_tracks_the_bf16_module_and_trains_its_master_weights():
+    """The same module (same seed) with fp8=True: output and every parameter's gradient (bf16,
+    the master weights') within FP8's error of the bf16 module's."""
+    Hm, Fm, Em, Km = 160, 136, 4, 2
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, Hm, generator=g).to(torch.bfloat16) for n in (9, 6)]
+
+    def run(use_fp8):
+        def rank(r, buf):
+            moe = comet.nn.MoE(Hm, Fm, Em, Km, buffer=buf, init_std=0.1, seed=5, n_comm=1,
+                               tile=(8, 32), dtype=torch.bfloat16, fp8=use_fp8)
+            x = xs[r].clone().requires_grad_()
+            out = moe(x)
+            out.float().sum().backward()
+            return out.detach(), x.grad, moe.w0.grad, moe.w1.grad, moe.router.weight.grad
+
+        return run_threads(2, rank)
+
+    for q, b in zip(run(True), run(False)):
+        for a, c in zip(q, b):
+            assert a.dtype == c.dtype
+            rel = (a.float() - c.float()).norm() / c.float().norm().clamp_min(1e-6)
+            assert rel < 0.1, rel
