@@ -222,6 +222,18 @@ def test_moe_layer_smoke(tmp_path):
     print(f"moe_layer.py --smoke: {elapsed:.1f} s")
 
 
+def test_moe_layer_smoke_fp8(tmp_path):
+    """--dtype fp8: Comet in FP8 checked against the bf16 baselines (inside the script), and
+    layer0's token-row bytes per call are (H + 4 H/128) / (2 H) of bf16's (H = 512)."""
+    proc, elapsed = _run("moe_layer.py", tmp_path, "--dtype", "fp8", "--hidden", "512",
+                         "--models", "mixtral")
+    (r,) = json.loads((tmp_path / "moe_layer_smoke.json").read_text())["results"]
+    assert r["dtype"] == "fp8" and r["median_ms"]["comet"] > 0
+    b = r["layer0_bytes"]
+    assert b["fp8"] > 0 and b["ratio"] == b["ratio_formula"] == (512 + 4 * 512 / 128) / 1024
+    print(f"moe_layer.py --smoke --dtype fp8: {elapsed:.1f} s")
+
+
 def test_sweep_ncomm_smoke(tmp_path):
     cache = tmp_path / "tune-cache"
     proc, elapsed = _run("sweep_ncomm.py", tmp_path, "--cache-dir", str(cache))
