@@ -146,14 +146,6 @@ CheckResult with_pending(CheckResult r, const std::string& pending) {
 }
 
 // The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
-// FP8 (comet/fp8_rows.h) runs on the CPU backend only so far: the CUDA kernels refuse it here,
-// before anything runs, on every rank alike (the verdict travels with the call metadata).
-bool check_cuda_fp8(Checker& c, bool fp8) {
-  return c.type(!fp8, "FP8 inputs (float8_e4m3fn, dispatch_fp8) run on the CPU backend only in "
-                      "this build: the CUDA kernels take bfloat16/float16 (dequantise with "
-                      "comet.fp8.dequantize_rows / dequantize_blocks)");
-}
-
 bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
   return c.value(tile_m == kTileM && tile_n == kTileN,
                  "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
@@ -488,7 +480,6 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, x_scale, w0_scale,
                    out_dtype, dispatch_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n}) &&
-      check_cuda_fp8(c, is_fp8(x) || is_fp8(w0) || dispatch_fp8) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
@@ -641,7 +632,6 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows, h_scale, w1_scale, out_dtype},
                W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
-      check_cuda_fp8(c, is_fp8(h) || is_fp8(w1)) &&
       check_cuda_launch(c, tile_m, tile_n);
   const bool shaped = !c.failed();
   const int64_t T = shaped ? topk_ids.size(0) : 0, k = shaped ? topk_ids.size(1) : 0;
