@@ -525,3 +525,20 @@ def test_nn_moe_fp8_tracks_the_bf16_module_and_trains_its_master_weights():
             assert a.dtype == c.dtype
             rel = (a.float() - c.float()).norm() / c.float().norm().clamp_min(1e-6)
             assert rel < 0.1, rel
+
+
+def test_every_fp8_code_widens_as_torch_widens_it():
+    """The kernels' e4m3 decoding (comet/numeric.h) against torch's on all 254 finite codes: x is
+    every code (scale 1), w0 the identity (1.0 and 0 are exact), so y0 = x exactly."""
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    x = codes.view(F8).reshape(2, 127)
+    x_scale = torch.ones(2, 1)
+    w0 = torch.eye(127).to(F8).reshape(1, 127, 127)
+
+    def rank(r, buf):
+        return comet.moe_layer0(x, w0, torch.zeros(2, 1, dtype=torch.int64), num_experts=1,
+                                buffer=buf, x_scale=x_scale, w0_scale=torch.ones(1, 1, 1),
+                                out_dtype=torch.float32)[0]
+
+    (y0,) = run_threads(1, rank)
+    assert torch.equal(y0, x.float())
