@@ -542,3 +542,29 @@ def test_every_fp8_code_widens_as_torch_widens_it():
 
     (y0,) = run_threads(1, rank)
     assert torch.equal(y0, x.float())
+
+
+# -- the ops as PyTorch operators ------------------------------------------------------------------
+
+LAUNCH = (1, 1, 8, 8)
+# opcheck's test_schema compares tensors with arithmetic torch lacks for float8 (mul): left out.
+UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("form,max_rows", [("fp8", -1), ("dispatch", 40), ("bf16-act", -1)])
+def test_opcheck_fp8_calls(form, max_rows):
+    """Schema, fake kernels (result dtypes, the packed rows' shape) and autograd registration agree
+    with the CPU kernels for FP8 calls, with and without a row bound, on a world of one."""
+    buf = comet.Buffer.simulated_world(1)[0]
+    case = CASES[0]
+    xq, w0q, w1q, ids, wts = _fp8_inputs(case)
+    x, w0, kw = _layer0_args(FORMS[form][:2], xq[0], w0q[0])
+    args0 = (x, w0, ids[0], case.experts, buf.handle, *LAUNCH, None, False, max_rows,
+             kw["x_scale"], kw["w0_scale"], None, kw["dispatch_fp8"])
+    torch.library.opcheck(torch.ops.comet.moe_layer0.default, args0, test_utils=UTILS)
+    y0, _a, rc, sp, *_ = torch.ops.comet.moe_layer0(*args0)
+    h, hs = fp8.quantize_rows(y0[:, :case.n1].float())
+    w1, w1s = w1q[0]
+    torch.library.opcheck(torch.ops.comet.moe_layer1.default,
+                          (h, w1, wts[0], ids[0], sp, rc, case.experts, buf.handle, *LAUNCH, None,
+                           False, max_rows, 1, hs, w1s, None), test_utils=UTILS)
