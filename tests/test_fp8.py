@@ -568,3 +568,17 @@ def test_opcheck_fp8_calls(form, max_rows):
     torch.library.opcheck(torch.ops.comet.moe_layer1.default,
                           (h, w1, wts[0], ids[0], sp, rc, case.experts, buf.handle, *LAUNCH, None,
                            False, max_rows, 1, hs, w1s, None), test_utils=UTILS)
+
+
+def test_tuner_profilers_run_fp8_calls():
+    """comet.profiling's hooks measure FP8 calls for an FP8 key (bf16 tokens quantised on dispatch,
+    FP8 weights, FP8 h), as the autotuner's --profile asks for them."""
+    import types
+
+    from comet import profiling
+    from comet import tuner as tn
+
+    key = types.SimpleNamespace(arch="cpu", W=1, E=4, k=2, H=256, N=136, tokens=16, dtype="fp8",
+                                sm_count=3, id=lambda: "fp8-key")
+    for factory in (profiling.layer0_profiler, profiling.layer1_profiler):
+        assert factory(key)(tn.Config(1, 16, 16)) > 0
