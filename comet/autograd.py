@@ -601,15 +601,24 @@ def _dequantized_weight(w, scale, dtype):
     return fp8.dequantize_blocks(w, scale, dtype) if w.dtype == _FP8 else w
 
 
-def _fp8_args(rest, defaults):
-    """The trailing FP8 arguments of a call (a call may leave them out)."""
-    return tuple(rest) + tuple(defaults[len(rest):])
+def arg(op, inputs, name):
+    """The argument `name` of a call of `op` (setup_context's inputs are every argument of the
+    schema, in its order): by name, so that arguments added to the schema move nothing here."""
+    names = _ARG_NAMES.get(op)
+    if names is None:
+        schema = getattr(torch.ops.comet, op).default._schema
+        names = _ARG_NAMES[op] = {a.name: i for i, a in enumerate(schema.arguments)}
+    return inputs[names[name]]
+
+
+_ARG_NAMES: dict = {}
 
 
 def _layer0_setup_context(ctx, inputs, output):
     (x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0, w0_transposed,
-     max_rows, *rest) = inputs
-    _x_scale, w0_scale, _out_dtype, dispatch_fp8 = _fp8_args(rest, (None, None, None, False))
+     max_rows) = inputs[:12]
+    w0_scale = arg("moe_layer0", inputs, "w0_scale")
+    dispatch_fp8 = arg("moe_layer0", inputs, "dispatch_fp8")
     _y0, a, recv_counts, send_pos, _rs, _rt, _rsl = output
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
@@ -672,8 +681,8 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
 def _layer1_setup_context(ctx, inputs, output):
     (h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer, n_comm, n_gemm,
-     tile_m, tile_n, b1, w1_transposed, max_rows, *rest) = inputs
-    band, h_scale, w1_scale, _out_dtype = _fp8_args(rest, (1, None, None, None))
+     tile_m, tile_n, b1, w1_transposed, max_rows, band) = inputs[:16]
+    h_scale, w1_scale = (arg("moe_layer1", inputs, n) for n in ("h_scale", "w1_scale"))
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
     ctx.w1_transposed, ctx.max_rows = bool(w1_transposed), int(max_rows)

@@ -101,8 +101,17 @@ class _OpCtx:
         self.saved_tensors = tensors
 
 
-def _needs(n, grads: dict):
-    return tuple(bool(grads.get(i, False)) for i in range(n))
+def _schema_args(op_name: str, first: tuple, **named) -> tuple:
+    """Every argument of a call of torch.ops.comet.<op_name> in its schema's order (as
+    setup_context receives them): `first` positionally, the rest by name or their defaults."""
+    schema = getattr(torch.ops.comet, op_name).default._schema
+    rest = schema.arguments[len(first):]
+    return tuple(first) + tuple(named[a.name] if a.name in named else a.default_value
+                                for a in rest)
+
+
+def _needs(args: tuple, grads: dict):
+    return tuple(bool(grads.get(i, False)) for i in range(len(args)))
 
 
 def _undeferred(fn):
@@ -122,11 +131,12 @@ class _MasterLayer0(torch.autograd.Function):
 
         num_experts, handle, cfg, bound, out_dtype, dispatch = static
         q, s = quantize_blocks(w0)
-        args = (x, q, topk_ids, num_experts, handle, *cfg, b0, False, bound, None, s, out_dtype,
-                dispatch)
+        args = _schema_args("moe_layer0", (x, q, topk_ids, num_experts, handle, *cfg, b0, False,
+                                           bound), w0_scale=s, out_dtype=out_dtype,
+                            dispatch_fp8=dispatch)
         out = torch.ops.comet.moe_layer0(*args)
-        ctx.inner = _OpCtx(_needs(16, {0: x.requires_grad, 1: w0.requires_grad,
-                                       9: b0 is not None and b0.requires_grad}))
+        ctx.inner = _OpCtx(_needs(args, {0: x.requires_grad, 1: w0.requires_grad,
+                                         9: b0 is not None and b0.requires_grad}))
         autograd._layer0_setup_context(ctx.inner, args, out)
         ctx.mark_non_differentiable(*out[1:])
         return out
@@ -147,12 +157,13 @@ class _MasterLayer1(torch.autograd.Function):
         num_experts, handle, cfg, bound, band, out_dtype, quantize_h = static
         q, s = quantize_blocks(w1)
         hq, hs = quantize_rows(h) if quantize_h else (h, None)
-        args = (hq, q, topk_weights, *layout_tensors, num_experts, handle, *cfg, b1, False, bound,
-                band, hs, s, out_dtype)
+        args = _schema_args("moe_layer1", (hq, q, topk_weights, *layout_tensors, num_experts,
+                                           handle, *cfg, b1, False, bound, band),
+                            h_scale=hs, w1_scale=s, out_dtype=out_dtype)
         out = torch.ops.comet.moe_layer1(*args)
-        ctx.inner = _OpCtx(_needs(19, {0: h.requires_grad, 1: w1.requires_grad,
-                                       2: topk_weights.requires_grad,
-                                       12: b1 is not None and b1.requires_grad}))
+        ctx.inner = _OpCtx(_needs(args, {0: h.requires_grad, 1: w1.requires_grad,
+                                         2: topk_weights.requires_grad,
+                                         12: b1 is not None and b1.requires_grad}))
         autograd._layer1_setup_context(ctx.inner, args, out)
         return out
 

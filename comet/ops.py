@@ -353,7 +353,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     bound = -1 if max_rows is None else int(max_rows)
     y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
         x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound,
-        x_scale, w0_scale, out_dtype, bool(dispatch_fp8))
+        x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype, dispatch_fp8=bool(dispatch_fp8))
     return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl,
                       bound)
 
@@ -388,7 +388,7 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
                                       b1, bool(w1_transposed), int(layout.max_rows), band_n,
-                                      h_scale, w1_scale, out_dtype)
+                                      h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
 
 
 # Backward formulas of both ops (torch.library.register_autograd), so the ops and these wrappers

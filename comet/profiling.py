@@ -113,9 +113,9 @@ def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
     op = torch.ops.comet.moe_layer0
 
     def run(cfg: tn.Config) -> float:
-        args = (s["x"], w0, s["ids"], s["E"], s["buf"].handle, *s["launch"](cfg), None, False, -1,
-                None, w0_scale, None, s["fp8"])
-        return s["timer"](lambda: op(*args))
+        args = (s["x"], w0, s["ids"], s["E"], s["buf"].handle, *s["launch"](cfg))
+        fp8 = dict(w0_scale=w0_scale, dispatch_fp8=s["fp8"])
+        return s["timer"](lambda: op(*args, **fp8))
 
     return run
 
@@ -137,8 +137,9 @@ def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
 
     def run(cfg: tn.Config) -> float:
         args = (h, w1, s["weights"], s["ids"], send_pos, recv_counts, s["E"], s["buf"].handle,
-                *s["launch"](cfg), None, False, -1, int(cfg.band_n), h_scale, w1_scale)
-        return s["timer"](lambda: op(*args))
+                *s["launch"](cfg), None, False, -1, int(cfg.band_n))
+        fp8 = dict(h_scale=h_scale, w1_scale=w1_scale)
+        return s["timer"](lambda: op(*args, **fp8))
 
     return run
 

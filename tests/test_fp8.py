@@ -240,7 +240,7 @@ def test_dispatched_rows_are_packed_fp8_rows():
 
     def rank(r, buf):
         out = torch.ops.comet.moe_layer0(xq[r][0], w0q[r][0], ids[r], case.experts, buf.handle,
-                                         1, 1, 8, 8, None, False, -1, xq[r][1], w0q[r][1])
+                                         1, 1, 8, 8, x_scale=xq[r][1], w0_scale=w0q[r][1])
         return out[1], out[5]
 
     for r, (a, row_token) in enumerate(run_threads(case.world, rank)):
@@ -319,15 +319,14 @@ def test_opcheck_fp8_calls(form, max_rows):
     case = CASES[0]
     xq, w0q, w1q, ids, wts = _fp8_inputs(case)
     x, w0, kw = _layer0_args(FORMS[form][:2], xq[0], w0q[0])
-    args0 = (x, w0, ids[0], case.experts, buf.handle, *LAUNCH, None, False, max_rows,
-             kw["x_scale"], kw["w0_scale"], None, kw["dispatch_fp8"])
-    torch.library.opcheck(torch.ops.comet.moe_layer0.default, args0, test_utils=UTILS)
-    y0, _a, rc, sp, *_ = torch.ops.comet.moe_layer0(*args0)
+    args0 = (x, w0, ids[0], case.experts, buf.handle, *LAUNCH, None, False, max_rows)
+    torch.library.opcheck(torch.ops.comet.moe_layer0.default, args0, kw, test_utils=UTILS)
+    y0, _a, rc, sp, *_ = torch.ops.comet.moe_layer0(*args0, **kw)
     h, hs = fp8.quantize_rows(y0[:, :case.n1].float())
     w1, w1s = w1q[0]
     torch.library.opcheck(torch.ops.comet.moe_layer1.default,
                           (h, w1, wts[0], ids[0], sp, rc, case.experts, buf.handle, *LAUNCH, None,
-                           False, max_rows, 1, hs, w1s, None), test_utils=UTILS)
+                           False, max_rows, 1), dict(h_scale=hs, w1_scale=w1s), test_utils=UTILS)
 
 
 def test_tuner_profilers_run_fp8_calls():
