@@ -8,7 +8,8 @@
   against the bf16 layer at FP8 tolerance;
 * bitwise the same for any comm/GEMM split and tile;
 * layer0's link bytes with FP8 rows: (H + 4 H/128) / (2 H) of bf16's;
-* every e4m3 code decoded as torch decodes it; opcheck of FP8 calls; the tuner's FP8 profiling.
+* every e4m3 code decoded as torch decodes it; opcheck of FP8 calls; the tuner's FP8 profiling;
+* three real processes (gloo) against the reference's torch.distributed form.
 Gradients: tests/test_fp8_grad.py; bad input: tests/test_fp8_checks.py.
 """
 import pytest
@@ -341,3 +342,29 @@ def test_tuner_profilers_run_fp8_calls():
                                 sm_count=3, id=lambda: "fp8-key")
     for factory in (profiling.layer0_profiler, profiling.layer1_profiler):
         assert factory(key)(tn.Config(1, 16, 16)) > 0
+
+
+def _fp8_across_processes(rank, world):
+    case = CASES[2] if world == 3 else CASES[1]
+    xq, w0q, w1q, ids, wts = _fp8_inputs(case)
+    y0, layout = comet.moe_layer0(xq[rank][0], w0q[rank][0], ids[rank], num_experts=case.experts,
+                                  x_scale=xq[rank][1], w0_scale=w0q[rank][1],
+                                  out_dtype=torch.float32)
+    h, hs = fp8.quantize_rows(torch.tanh(y0[:, :case.n1]))
+    out = comet.moe_layer1(h, w1q[rank][0], wts[rank], layout, h_scale=hs, w1_scale=w1q[rank][1],
+                           out_dtype=torch.float32)
+    y0_ref = ref.layer0_dist(fp8.dequantize_rows(*xq[rank]), fp8.dequantize_blocks(*w0q[rank]),
+                             ids[rank], case.experts)
+    out_ref = ref.layer1_dist(fp8.dequantize_rows(h, hs), fp8.dequantize_blocks(*w1q[rank]),
+                              wts[rank], ids[rank], case.experts)
+    torch.testing.assert_close(y0, y0_ref, **FP32_TIGHT)
+    torch.testing.assert_close(out, out_ref, **FP32_TIGHT)
+    return out.shape[0]
+
+
+def test_fp8_across_processes():
+    """Three processes (torch.distributed gloo, the shared-memory heap between processes): FP8 rows
+    and their scales dispatched, both layers against the reference's torch.distributed form."""
+    from tests.dist_utils import run_ranks
+
+    assert run_ranks(_fp8_across_processes, 3, timeout=120) == list(CASES[2].tokens)
