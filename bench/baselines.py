@@ -156,6 +156,29 @@ def comet_forward(inp: Dict, n_comm=None, tile=None, buffer=None) -> torch.Tenso
                             tile=tile, buffer=buffer)
 
 
+def quantized_weights(inp: Dict) -> Dict:
+    """w0 / w1 in comet's FP8 format (comet.fp8.quantize_blocks), once, as inference keeps them."""
+    from comet import fp8
+
+    return dict(w0=fp8.quantize_blocks(inp["w0"]), w1=fp8.quantize_blocks(inp["w1"]))
+
+
+def comet_forward_fp8(inp: Dict, q: Dict, n_comm=None, tile=None, buffer=None):
+    """comet_forward in FP8: the bf16 tokens quantised on dispatch (their rows travel as FP8 with
+    their scales), FP8 weights `q`, the SwiGLU output quantised per row; result in x's dtype."""
+    import comet
+    from comet import fp8
+
+    (w0, s0), (w1, s1) = q["w0"], q["w1"]
+    dtype = inp["x"].dtype
+    y0, layout = comet.moe_layer0(inp["x"], w0, inp["ids"], num_experts=inp["E"], w0_scale=s0,
+                                  dispatch_fp8=True, out_dtype=dtype, n_comm=n_comm, tile=tile,
+                                  buffer=buffer)
+    h, hs = fp8.quantize_rows(swiglu(y0))
+    return comet.moe_layer1(h, w1, inp["weights"], layout, n_comm=n_comm, tile=tile,
+                            buffer=buffer, h_scale=hs, w1_scale=s1, out_dtype=dtype)
+
+
 def parts(inp: Dict, world: int, group=None):
     """(comm_only, gemm_only) callables for this rank's routing: the three all-to-alls of
     ``sequential`` on prepared buffers, and its grouped GEMMs + activation on prepared rows."""

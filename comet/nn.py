@@ -161,6 +161,10 @@ class MoE(nn.Module):
             the shard's gate rows then its up rows (so SwiGLU applies per shard), w1
             [E_local, H, F / t]. Initialisation and load_global_experts give every shard the
             same full experts as tp_size=1 (the same seed gives the same model).
+        fp8: run the expert GEMMs in FP8 (comet.fp8): w0 / w1 stay the (master) parameters in
+            `dtype` and are quantised per forward (128 x 128 blocks), tokens are quantised on
+            dispatch and the SwiGLU output per row (1 x 128); backward in `dtype` on the
+            dequantised values, so the parameters get their gradients in their own dtype.
     """
 
     aux_loss_scale: float = 1.0
@@ -172,8 +176,9 @@ class MoE(nn.Module):
                  seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
                  shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  capacity_factor: float | None = None, max_rows: int | str | None = None,
-                 tp_size: int | None = None):
+                 tp_size: int | None = None, fp8: bool = False):
         super().__init__()
+        self.fp8 = bool(fp8)
         if buffer is not None:
             rank, world = buffer.rank, buffer.world
         elif group is not None or (dist.is_available() and dist.is_initialized()):
@@ -339,12 +344,18 @@ class MoE(nn.Module):
             drop_over_capacity(routed_ids, self.num_experts, capacity)
         kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
         ready = sidestream.mark_ready(tokens) if self.shared_w0 is not None else None
-        y0, layout = comet.moe_layer0(tokens, self.w0, ids, num_experts=self.num_experts,
-                                      max_rows=self.row_bound(tokens.shape[0]),
-                                      tp_size=self.tp_size, **kw)
+        if self.fp8:  # master weights quantised per call, results in the module's dtype
+            from comet import fp8
+
+            layer0, layer1 = fp8.moe_layer0, fp8.moe_layer1
+            kw["out_dtype"] = tokens.dtype
+        else:
+            layer0, layer1 = comet.moe_layer0, comet.moe_layer1
+        y0, layout = layer0(tokens, self.w0, ids, num_experts=self.num_experts,
+                            max_rows=self.row_bound(tokens.shape[0]), tp_size=self.tp_size, **kw)
         # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
         shared = sidestream.run_beside(self.shared_expert, tokens, ready)
-        out = comet.moe_layer1(swiglu(y0), self.w1, weights, layout, **kw)
+        out = layer1(swiglu(y0), self.w1, weights, layout, **kw)
         if shared is not None:
             out = out + sidestream.join(shared).to(out.dtype)
         self.aux_loss = None
@@ -363,7 +374,7 @@ class MoE(nn.Module):
                 f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
                 f"shared_expert_gate={self.shared_gate is not None}, "
                 f"capacity_factor={self.capacity_factor}, max_rows={self.max_rows!r}, "
-                f"tp_size={self.tp_size}")
+                f"tp_size={self.tp_size}, fp8={self.fp8}")
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

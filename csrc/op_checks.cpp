@@ -1,5 +1,7 @@
 #include "op_checks.h"
 
+#include "comet/fp8_rows.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +55,74 @@ bool Checker::float_dtype(const at::Tensor& t, const char* name) {
   return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || d == at::kDouble,
               std::string(name) + " has dtype " + dtype_name(d) +
                   "; supported: float32, bfloat16, float16, float64");
+}
+
+bool Checker::operand_dtype(const at::Tensor& t, const char* name) {
+  if (failed()) return false;
+  const auto d = t.scalar_type();
+  if (d == at::kFloat8_e4m3fn) return true;
+  if (d == at::kFloat8_e5m2 || d == at::kFloat8_e4m3fnuz || d == at::kFloat8_e5m2fnuz)
+    return type(false, std::string(name) + " has dtype " + dtype_name(d) +
+                           "; comet's FP8 format is float8_e4m3fn with float32 block scales "
+                           "(comet.fp8.quantize_rows / quantize_blocks)");
+  return float_dtype(t, name);
+}
+
+bool Checker::fp8_scale(const std::optional<at::Tensor>& s, const char* name, const at::Tensor& q,
+                        const char* qname, at::IntArrayRef shape, const std::string& form) {
+  if (failed()) return false;
+  const bool given = s.has_value() && s->defined();
+  if (!is_fp8(q))
+    return value(!given, std::string(name) + " is given but " + qname + " has dtype " +
+                             dtype_name(q.scalar_type()) + ": scales go with float8_e4m3fn only");
+  if (!value(given, std::string(qname) + " is float8_e4m3fn but " + name +
+                        " is missing: pass its float32 scales " + form +
+                        " (comet.fp8 makes both)"))
+    return false;
+  if (!(tensor(*s, name, int64_t(shape.size())) &&
+        type(s->scalar_type() == at::kFloat, std::string(name) + " has dtype " +
+                                                 dtype_name(s->scalar_type()) +
+                                                 "; scales are float32") &&
+        value(s->sizes() == shape, std::string(name) + " must be " + form + " = " +
+                                       c10::str(shape) + ", got shape " + shape_str(*s))))
+    return false;
+  if (!read_values_ || s->numel() == 0) return true;
+  const at::Tensor bad = s->isfinite().logical_not().logical_or(s->le(0)).flatten();
+  const int64_t n = bad.any().item<bool>() ? bad.nonzero()[0][0].item<int64_t>() : -1;
+  if (n < 0) return true;
+  return value(false, std::string(name) + " holds " +
+                          c10::str(s->flatten()[n].item<float>()) + " at flat index " +
+                          std::to_string(n) + ": every scale must be finite and > 0");
+}
+
+bool Checker::precision(const at::Tensor& act, const char* act_name, const at::Tensor& w,
+                        const char* w_name, bool w_transposed, bool fp8_wire,
+                        std::optional<at::ScalarType> out_dtype) {
+  if (failed()) return false;
+  if (!(operand_dtype(act, act_name) && operand_dtype(w, w_name))) return false;
+  const bool fp8 = is_fp8(act) || is_fp8(w) || fp8_wire;
+  if (!fp8)
+    return same_dtype(w, w_name, act, act_name) &&
+           type(!out_dtype || *out_dtype == act.scalar_type(),
+                "out_dtype=" + (out_dtype ? dtype_name(*out_dtype) : std::string()) +
+                    " is for FP8 calls; this call's result has " + act_name + "'s dtype " +
+                    dtype_name(act.scalar_type()));
+  // The CUDA kernels have no FP8 path yet; the CPU backend under their rules refuses it alike.
+  if (!type(!cuda_rules_,
+            "FP8 inputs (float8_e4m3fn, dispatch_fp8) run on the CPU backend only in this build: "
+            "the CUDA kernels take bfloat16/float16 (dequantise with comet.fp8.dequantize_rows / "
+            "dequantize_blocks)" +
+                std::string(device_.is_cuda() ? "" : " [COMET_CPU_CUDA_RULES is set]")))
+    return false;
+  if (!value(!(is_fp8(w) && w_transposed),
+             std::string(w_name) + " is float8_e4m3fn: FP8 weights are taken in their own "
+                                   "layout only (no " + w_name + "_transposed)"))
+    return false;
+  if (!out_dtype) return true;
+  const auto d = *out_dtype;
+  return type(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf || d == at::kDouble,
+              "out_dtype=" + dtype_name(d) +
+                  " is not a result dtype: supported float32, bfloat16, float16, float64");
 }
 
 bool Checker::same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
@@ -144,14 +214,24 @@ bool Checker::launch(const LaunchShape& l) {
 
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {
   const char* w0_form = in.w0_transposed ? "[E_local, H, N0] (w0_transposed)" : "[E_local, N0, H]";
-  return c.tensor(in.x, "x", 2) && c.float_dtype(in.x, "x") && c.tensor(in.w0, "w0", 3) &&
-         c.same_dtype(in.w0, "w0", in.x, "x") &&
-         c.value(w0_in(in.w0, in.w0_transposed) == in.x.size(1),
+  if (!(c.tensor(in.x, "x", 2) && c.tensor(in.w0, "w0", 3) &&
+        c.precision(in.x, "x", in.w0, "w0", in.w0_transposed, in.dispatch_fp8, in.out_dtype)))
+    return false;
+  const int64_t H = in.x.size(1), N0 = w0_out(in.w0, in.w0_transposed);
+  const bool fp8 = is_fp8(in.x) || is_fp8(in.w0) || in.dispatch_fp8;
+  const at::Tensor out_like = at::empty({0}, in.x.options().dtype(
+      result_dtype(in.x, in.w0, in.dispatch_fp8, in.out_dtype)));
+  return c.value(w0_in(in.w0, in.w0_transposed) == H,
                  std::string("w0 must be ") + w0_form + " with H = " +
                      std::to_string(in.x.size(1)) + " (x's columns), got shape " +
                      shape_str(in.w0)) &&
          c.experts(in.num_experts, world, in.w0.size(0), "w0", in.tp) &&
-         c.bias(in.b0, "b0", in.w0.size(0), w0_out(in.w0, in.w0_transposed), in.x, "x") &&
+         c.fp8_scale(in.x_scale, "x_scale", in.x, "x", {in.x.size(0), scale_blocks(H)},
+                     "[T, ceil(H/128)]") &&
+         c.fp8_scale(in.w0_scale, "w0_scale", in.w0, "w0",
+                     {in.w0.size(0), scale_blocks(N0), scale_blocks(H)},
+                     "[E_local, ceil(N0/128), ceil(H/128)]") &&
+         c.bias(in.b0, "b0", in.w0.size(0), N0, fp8 ? out_like : in.x, fp8 ? "y0 (out_dtype)" : "x") &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.max_rows(in.max_rows) &&
          c.launch(launch);
@@ -173,22 +253,33 @@ bool rows_match(Checker& c, const Layer1Inputs& in) {
 
 bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const LaunchShape& launch) {
   const char* w1_form = in.w1_transposed ? "[E_local, N1, H] (w1_transposed)" : "[E_local, H, N1]";
-  return c.tensor(in.h, "h", 2) && c.float_dtype(in.h, "h") && c.tensor(in.w1, "w1", 3) &&
-         c.same_dtype(in.w1, "w1", in.h, "h") &&
-         c.value(w1_in(in.w1, in.w1_transposed) == in.h.size(1),
+  if (!(c.tensor(in.h, "h", 2) && c.tensor(in.w1, "w1", 3) &&
+        c.precision(in.h, "h", in.w1, "w1", in.w1_transposed, false, in.out_dtype)))
+    return false;
+  const int64_t N1 = in.h.size(1), H = w1_out(in.w1, in.w1_transposed);
+  const bool fp8 = is_fp8(in.h) || is_fp8(in.w1);
+  const at::ScalarType out_type = result_dtype(in.h, in.w1, false, in.out_dtype);
+  const at::Tensor out_like = at::empty({0}, in.h.options().dtype(out_type));
+  return c.value(w1_in(in.w1, in.w1_transposed) == in.h.size(1),
                  std::string("w1 must be ") + w1_form + " with N1 = " +
                      std::to_string(in.h.size(1)) + " (h's columns), got shape " +
                      shape_str(in.w1)) &&
          c.experts(in.num_experts, world, in.w1.size(0), "w1", in.tp) &&
-         c.bias(in.b1, "b1", in.w1.size(0), w1_out(in.w1, in.w1_transposed), in.h, "h") &&
+         c.fp8_scale(in.h_scale, "h_scale", in.h, "h", {in.h.size(0), scale_blocks(N1)},
+                     "[rows of h, ceil(N1/128)]") &&
+         c.fp8_scale(in.w1_scale, "w1_scale", in.w1, "w1",
+                     {in.w1.size(0), scale_blocks(H), scale_blocks(N1)},
+                     "[E_local, ceil(H/128), ceil(N1/128)]") &&
+         c.bias(in.b1, "b1", in.w1.size(0), H, fp8 ? out_like : in.h, fp8 ? "out (out_dtype)" : "h") &&
          c.max_rows(in.max_rows) &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.topk_ids.size(0), in.num_experts) &&
          c.tensor(in.topk_weights, "topk_weights", 2) &&
          c.type(in.topk_weights.scalar_type() == at::kFloat ||
-                    in.topk_weights.scalar_type() == in.h.scalar_type(),
+                    in.topk_weights.scalar_type() == out_type,
                 "topk_weights has dtype " + dtype_name(in.topk_weights.scalar_type()) +
-                    "; expected float32 or h's dtype") &&
+                    "; expected float32 or " +
+                    (fp8 ? "the result's dtype " + dtype_name(out_type) : "h's dtype")) &&
          c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
                  "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +
                      shape_str(in.topk_ids)) &&
@@ -216,6 +307,7 @@ ScalarKind scalar_kind(at::ScalarType t) {
     case at::kFloat: return ScalarKind::F32;
     case at::kBFloat16: return ScalarKind::BF16;
     case at::kDouble: return ScalarKind::F64;
+    case at::kFloat8_e4m3fn: return ScalarKind::F8E4M3;
     default: return ScalarKind::F16;
   }
 }

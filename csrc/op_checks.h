@@ -28,6 +28,14 @@ struct Layer0Inputs {
   bool w0_transposed;  // w0 is [E_local, H, N0]
   int64_t max_rows;    // -1: no bound
   int64_t tp = 1;      // tp_size (comet/layout.h): E_local = E / (W / tp)
+  // FP8 (comet/fp8_rows.h): x_scale [T, ceil(H/128)] with an FP8 x, w0_scale [E_local,
+  // ceil(N0/128), ceil(H/128)] with FP8 w0, y0's dtype, and whether a 16/32-bit x goes on the
+  // wire quantised to FP8.
+  const std::optional<at::Tensor>& x_scale = kNone;
+  const std::optional<at::Tensor>& w0_scale = kNone;
+  std::optional<at::ScalarType> out_dtype = std::nullopt;
+  bool dispatch_fp8 = false;
+  static inline const std::optional<at::Tensor> kNone{};
 };
 
 struct Layer1Inputs {
@@ -42,7 +50,23 @@ struct Layer1Inputs {
   bool w1_transposed;  // w1 is [E_local, N1, H]
   int64_t max_rows;    // -1: no bound; else h has max_rows rows
   int64_t tp = 1;      // tp_size (comet/layout.h)
+  // FP8: h_scale [rows of h, ceil(N1/128)], w1_scale [E_local, ceil(H/128), ceil(N1/128)], out's dtype.
+  const std::optional<at::Tensor>& h_scale = Layer0Inputs::kNone;
+  const std::optional<at::Tensor>& w1_scale = Layer0Inputs::kNone;
+  std::optional<at::ScalarType> out_dtype = std::nullopt;
 };
+
+inline bool is_fp8(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+// The dtype of a call's result: out_dtype, else bfloat16 when an input is FP8 (or goes FP8 on the
+// wire), else the activation's dtype.
+inline at::ScalarType result_dtype(const at::Tensor& act, const at::Tensor& w, bool fp8_wire,
+                                   std::optional<at::ScalarType> out_dtype) {
+  if (out_dtype) return *out_dtype;
+  return is_fp8(act) || is_fp8(w) || fp8_wire ? at::kBFloat16 : act.scalar_type();
+}
 
 // Column counts of the weights whatever their layout: (N0, H) of w0, (H, N1) of w1.
 inline int64_t w0_out(const at::Tensor& w0, bool t) { return w0.size(t ? 2 : 1); }
@@ -77,6 +101,18 @@ class Checker {
 
   bool tensor(const at::Tensor& t, const char* name, int64_t dim);
   bool float_dtype(const at::Tensor& t, const char* name);
+  // A GEMM operand's dtype (float_dtype's, or float8_e4m3fn) and, for FP8, its fp32 block scales
+  // of `shape` (`form` spells it): finite and > 0 when values are read. A non-FP8 operand takes
+  // no scale.
+  bool operand_dtype(const at::Tensor& t, const char* name);
+  bool fp8_scale(const std::optional<at::Tensor>& s, const char* name, const at::Tensor& q,
+                 const char* qname, at::IntArrayRef shape, const std::string& form);
+  // The operands' dtypes together: the same dtype, unless one is FP8 (or `fp8_wire`); then
+  // out_dtype (if given) is a float dtype. A call without FP8 takes out_dtype only as the
+  // activation's own dtype.
+  bool precision(const at::Tensor& act, const char* act_name, const at::Tensor& w,
+                 const char* w_name, bool w_transposed, bool fp8_wire,
+                 std::optional<at::ScalarType> out_dtype);
   bool same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name);
   bool int_dtype(const at::Tensor& t, const char* name, bool allow64);
   // num_experts against the group: tp_size divides W, EP = W / tp divides E, the weight holds

@@ -23,17 +23,28 @@
 //   band_n >= 0 (layer1): n-tiles per column band of its GEMM (comet/tile_order.h): h is read
 //     from HBM once per band, a band is handed to the reduce-and-send as a unit; 0 = all n-tiles
 //     in one band. The result does not depend on it (the reduction order is fixed).
+//   FP8 (comet/fp8_rows.h, docs/api.md): x / h / w0 / w1 may be float8_e4m3fn with their float32
+//     block scales x_scale [T, ceil(H/128)], h_scale [rows of h, ceil(N1/128)], w0_scale
+//     [E_local, ceil(N0/128), ceil(H/128)], w1_scale [E_local, ceil(H/128), ceil(N1/128)];
+//     out_dtype: of y0 / out (default bfloat16 when an input is FP8); dispatch_fp8: a 16/32-bit x
+//     is quantised on the sending side and travels as FP8 rows with their scales. With FP8 rows on
+//     the wire, layer0's `a` is the packed rows, uint8 [rows, fp8_row_bytes(H)].
+//
+// fp8_quantize_rows / fp8_quantize_blocks: comet.fp8's quantisers (csrc/fp8_quant.cpp).
 #include <torch/library.h>
 
 TORCH_LIBRARY(comet, m) {
   m.def(
       "moe_layer0(Tensor x, Tensor w0, Tensor topk_ids, int num_experts, int buffer, int n_comm, "
       "int n_gemm, int tile_m, int tile_n, Tensor? b0=None, bool w0_transposed=False, "
-      "int max_rows=-1, int tp_size=1) -> (Tensor y0, Tensor a, Tensor recv_counts, "
+      "int max_rows=-1, int tp_size=1, Tensor? x_scale=None, Tensor? w0_scale=None, "
+      "ScalarType? out_dtype=None, bool dispatch_fp8=False) -> (Tensor y0, Tensor a, Tensor recv_counts, "
       "Tensor send_pos, Tensor row_source, Tensor row_token, Tensor row_slot)");
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "
       "Tensor recv_counts, int num_experts, int buffer, int n_comm, int n_gemm, int tile_m, "
       "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1, int band_n=1, "
-      "int tp_size=1) -> Tensor");
+      "int tp_size=1, Tensor? h_scale=None, Tensor? w1_scale=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("fp8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
+  m.def("fp8_quantize_blocks(Tensor w) -> (Tensor q, Tensor scale)");
 }

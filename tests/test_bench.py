@@ -233,6 +233,16 @@ def test_moe_layer_tp_smoke(tmp_path):
     assert r["median_ms"]["tp2"] > 0 and r["median_ms"]["tp1"] > 0
     assert "EP x TP" in proc.stdout and "NOT GPU" in proc.stdout
     print(f"moe_layer.py --smoke --tp 2: {elapsed:.1f} s")
+def test_moe_layer_smoke_fp8(tmp_path):
+    """--dtype fp8: Comet in FP8 checked against the bf16 baselines (inside the script), and
+    layer0's token-row bytes per call are (H + 4 H/128) / (2 H) of bf16's (H = 512)."""
+    proc, elapsed = _run("moe_layer.py", tmp_path, "--dtype", "fp8", "--hidden", "512",
+                         "--models", "mixtral")
+    (r,) = json.loads((tmp_path / "moe_layer_smoke.json").read_text())["results"]
+    assert r["dtype"] == "fp8" and r["median_ms"]["comet"] > 0
+    b = r["layer0_bytes"]
+    assert b["fp8"] > 0 and b["ratio"] == b["ratio_formula"] == (512 + 4 * 512 / 128) / 1024
+    print(f"moe_layer.py --smoke --dtype fp8: {elapsed:.1f} s")
 
 
 def test_sweep_ncomm_smoke(tmp_path):
@@ -347,7 +357,7 @@ def test_bench_runs_every_script_and_the_docs_count_them():
     from bench import __main__ as bench_main
 
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__", "__main__", "common",
-                                                                 "baselines"}
+                                                                 "baselines", "tp_compare"}
     assert set(bench_main.SCRIPTS) == scripts
     count = {4: "four", 5: "five", 6: "six", 7: "seven"}[len(scripts)]
     assert f"The {count} CPU benchmarks" in bench_main.__doc__

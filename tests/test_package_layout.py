@@ -18,9 +18,10 @@ GROUPS = {"layers", "buffers", "tune", "plan"}
 # Which groups a group may import from (a group never imports the package's top, except comet._native).
 MAY_IMPORT = {
     "buffers": {"buffers"},
-    "tune": {"tune", "buffers", "plan"},   # python -m comet.tune --skew prints the planners' table
+    "tune": {"tune", "buffers", "plan",    # python -m comet.tune --skew prints the planners' table
+             "fp8"},                       # the profiling hooks quantise FP8 candidates
     "plan": {"plan", "tune"},              # the planners price placements with the cost model
-    "layers": {"layers", "buffers", "tune"},
+    "layers": {"layers", "buffers", "tune", "fp8"},  # comet.fp8 defines the FP8 row/block format
 }
 
 

@@ -603,22 +603,64 @@ def _grads(ctx, grads: dict):
 # --------------------------------------------------------------------------------------------------
 
 
+# FP8 (comet.fp8): forward in FP8, backward in bf16. The FP8 inputs a call saved (x's dispatched
+# rows as packed FP8 rows, FP8 weights) are dequantised to the backward's dtype, the activation's
+# (bfloat16 for an FP8 activation), and the backward runs the 16-bit formulas above on them. The
+# gradient of an FP8 input is computed in that dtype too (torch then casts it to the input's own
+# dtype: train through comet.fp8.moe_layer0/1, whose bf16 master weights get it in bf16).
+
+_FP8 = torch.float8_e4m3fn
+
+
+def _backward_dtype(act: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if act.dtype == _FP8 else act.dtype
+
+
+def _dequantized_weight(w, scale, dtype):
+    from comet import fp8
+
+    return fp8.dequantize_blocks(w, scale, dtype) if w.dtype == _FP8 else w
+
+
+def arg(op, inputs, name):
+    """The argument `name` of a call of `op` (setup_context's inputs are every argument of the
+    schema, in its order): by name, so that arguments added to the schema move nothing here."""
+    names = _ARG_NAMES.get(op)
+    if names is None:
+        schema = getattr(torch.ops.comet, op).default._schema
+        names = _ARG_NAMES[op] = {a.name: i for i, a in enumerate(schema.arguments)}
+    return inputs[names[name]]
+
+
+_ARG_NAMES: dict = {}
+
+
 def _layer0_setup_context(ctx, inputs, output):
     (x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0, w0_transposed,
-     max_rows, *rest) = inputs
+     max_rows) = inputs[:12]
+    w0_scale = arg("moe_layer0", inputs, "w0_scale")
+    dispatch_fp8 = arg("moe_layer0", inputs, "dispatch_fp8")
     _y0, a, recv_counts, send_pos, _rs, _rt, _rsl = output
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
-    ctx.tp = int(rest[0]) if rest else 1
+    ctx.tp = int(arg("moe_layer0", inputs, "tp_size"))
     ctx.w0_transposed, ctx.max_rows = bool(w0_transposed), int(max_rows)
-    ctx.x_dtype = x.dtype
+    ctx.x_dtype = _backward_dtype(x)
+    ctx.fp8_rows = x.dtype == _FP8 or bool(dispatch_fp8)  # `a` holds packed FP8 rows
+    ctx.hidden = x.shape[1]
     ctx.b0_dtype = None if b0 is None else b0.dtype
     ctx.wgrad_queue = _active_queue()
-    ctx.save_for_backward(w0, topk_ids, a, recv_counts, send_pos)
+    ctx.save_for_backward(w0, topk_ids, a, recv_counts, send_pos, w0_scale)
 
 
 def _layer0_backward(ctx, dy0, da, *_int_grads):
-    w0, topk_ids, a, recv_counts, send_pos = ctx.saved_tensors
+    w0, topk_ids, a, recv_counts, send_pos, w0_scale = ctx.saved_tensors
+    w0 = _dequantized_weight(w0, w0_scale, ctx.x_dtype)
+    if ctx.fp8_rows:
+        from comet import fp8
+
+        a = fp8.dequantize_rows(*fp8.unpack_rows(a, ctx.hidden), ctx.x_dtype)
+        da = None  # the packed rows are not differentiable (a gradient there has no meaning)
     num_experts, buffer, cfg = ctx.cfg
     w0_t, max_rows = ctx.w0_transposed, ctx.max_rows
     need_x, need_w0, need_b0 = _needs(ctx, 0, 1, 9)
@@ -661,19 +703,26 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
 
 def _layer1_setup_context(ctx, inputs, output):
     (h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer, n_comm, n_gemm,
-     tile_m, tile_n, b1, w1_transposed, max_rows, *rest) = inputs
+     tile_m, tile_n, b1, w1_transposed, max_rows, band) = inputs[:16]
+    h_scale, w1_scale = (arg("moe_layer1", inputs, n) for n in ("h_scale", "w1_scale"))
     ctx.set_materialize_grads(False)
     ctx.cfg = (int(num_experts), int(buffer), (n_comm, n_gemm, tile_m, tile_n))
     ctx.w1_transposed, ctx.max_rows = bool(w1_transposed), int(max_rows)
-    ctx.band_n = int(rest[0]) if rest else 1  # backward's layer1 call runs in the forward's bands
-    ctx.tp = int(rest[1]) if len(rest) > 1 else 1
+    ctx.band_n = int(band)  # backward's layer1 call runs in the forward's bands
+    ctx.tp = int(arg("moe_layer1", inputs, "tp_size"))
     ctx.tp_rank = symm.rank_of_handle(buffer) % ctx.tp if ctx.tp > 1 else 0
     ctx.wgrad_queue = _active_queue()
-    ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1)
+    ctx.save_for_backward(h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1, h_scale,
+                          w1_scale)
 
 
 def _layer1_backward(ctx, dout):
-    h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1 = ctx.saved_tensors
+    h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1, h_scale, w1_scale = ctx.saved_tensors
+    if h.dtype == _FP8:
+        from comet import fp8
+
+        h = fp8.dequantize_rows(h, h_scale, torch.bfloat16)
+    w1 = _dequantized_weight(w1, w1_scale, h.dtype)
     num_experts, buffer, cfg = ctx.cfg
     w1_t, max_rows = ctx.w1_transposed, ctx.max_rows
     need_h, need_w1, need_w, need_b1 = _needs(ctx, 0, 1, 2, 12)

@@ -67,16 +67,31 @@ class Layout:
         return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
+def result_dtype(act, w, fp8_wire: bool = False, out_dtype=None) -> torch.dtype:
+    """The dtype of a call's y0 / out: out_dtype, else bfloat16 when an input is FP8 (or goes FP8
+    on the wire), else the activation's dtype (csrc/op_checks.h: result_dtype)."""
+    if out_dtype is not None:
+        return out_dtype
+    fp8 = fp8_wire or act.dtype == torch.float8_e4m3fn or w.dtype == torch.float8_e4m3fn
+    return torch.bfloat16 if fp8 else act.dtype
+
+
 @torch.library.register_fake("comet::moe_layer0")
 def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
-                 w0_transposed=False, max_rows=-1, tp_size=1):
+                 w0_transposed=False, max_rows=-1, tp_size=1, x_scale=None, w0_scale=None,
+                 out_dtype=None, dispatch_fp8=False):
+    from comet import fp8
+
     world = symm.world_of_handle(buffer)
     ep = max(1, world // max(1, tp_size))
     # With a bound the shapes are static; without one M is data-dependent.
     rows = max_rows if max_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
+    fp8_rows = dispatch_fp8 or x.dtype == torch.float8_e4m3fn
     return (
-        x.new_empty(rows, w0.shape[2 if w0_transposed else 1]),
+        x.new_empty(rows, w0.shape[2 if w0_transposed else 1],
+                    dtype=result_dtype(x, w0, dispatch_fp8, out_dtype)),
+        x.new_empty(rows, fp8.row_bytes(x.shape[1]), dtype=torch.uint8) if fp8_rows else
         x.new_empty(rows, x.shape[1]),
         torch.empty(world, num_experts // ep, **i32),
         torch.empty(topk_ids.shape, **i32),
@@ -89,8 +104,9 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
 @torch.library.register_fake("comet::moe_layer1")
 def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer,
                  n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1,
-                 band_n=1, tp_size=1):
-    return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1])
+                 band_n=1, tp_size=1, h_scale=None, w1_scale=None, out_dtype=None):
+    return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1],
+                       dtype=result_dtype(h, w1, False, out_dtype))
 
 
 # -- Launch configuration: the tuner's choice unless the caller says otherwise ---------------------
@@ -218,14 +234,16 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int] | None, *,
                   layer: int, world: int, num_experts: int, x, w, topk_ids,
                   w_transposed: bool = False, ranks_per_node: int | None = None,
-                  node_reduce: bool = False, with_band: bool = False, tp_size: int = 1):
+                  node_reduce: bool = False, with_band: bool = False, tp_size: int = 1,
+                  fp8: bool = False):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tune.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
     with_band: also layer1's band_n (n-tiles per column band), the tuner's choice.
 
     layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1]
     (w_transposed: the last two dimensions swapped); topk_ids [T, k]. Malformed inputs get a
-    fallback config (the op's checks report them).
+    fallback config (the op's checks report them). fp8: the call runs in FP8 (its dtype key is
+    float8_e4m3fn whatever x's dtype).
     """
     pick = (lambda c: (*c[:4], c[5])) if with_band else (lambda c: c[:4])
     if n_comm is not None and tile is not None:
@@ -243,7 +261,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
     return pick(launch_choice(device.type, device.index, layer, int(world), int(num_experts),
                               _static_int(topk_ids.shape[1]) if shaped else 0, _static_int(hidden),
                               _static_int(n), _token_bucket(tokens),
-                              str(x.dtype).replace("torch.", ""),
+                              "float8_e4m3fn" if fp8 else str(x.dtype).replace("torch.", ""),
                               None if n_comm is None else int(n_comm),
                               None if tile is None else (int(tile[0]), int(tile[1])),
                               ranks_per_node, bool(node_reduce), int(tp_size)))
@@ -310,10 +328,15 @@ def _same_device(buf: symm.Buffer, op: int, tensors: dict[str, torch.Tensor]) ->
     return first
 
 
+def _is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
+
+
 def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: bool = False,
                max_rows: int | None = None, group=None, n_comm: int | None = None,
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
-               tp_size: int | None = None):
+               tp_size: int | None = None, x_scale=None, w0_scale=None,
+               out_dtype: torch.dtype | None = None, dispatch_fp8: bool = False):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
     x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
@@ -325,24 +348,32 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     otherwise). The group is TP-innermost (rank r: EP rank r // t, tp rank r % t), w0 / b0 are
     this rank's shard [E / (W / t), N0 / t, H] / [E_local, N0 / t], and y0 [M, N0 / t] holds the
     rows routed to this rank's EP rank from all W ranks, in the same order on its t ranks.
+    FP8 (comet.fp8, docs/api.md): x and/or w0 float8_e4m3fn with x_scale [T, ceil(H/128)] /
+    w0_scale [E_local, ceil(N0/128), ceil(H/128)] float32; dispatch_fp8=True quantises a 16/32-bit
+    x on the sending side (its rows travel as FP8 with their scales); y0 in out_dtype (default
+    bfloat16 when FP8 is involved).
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
     buf = _buffer_for(buffer, group, x)
-    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
+    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0,
+                                   "x_scale": x_scale, "w0_scale": w0_scale})
     tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
     cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
-                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp)
+                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp,
+                        fp8=bool(dispatch_fp8) or _is_fp8(x))
     bound = -1 if max_rows is None else int(max_rows)
     y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
-        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound, tp)
+        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound, tp,
+        x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype, dispatch_fp8=bool(dispatch_fp8))
     return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl,
                       bound, tp)
 
 
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
                group=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
-               buffer: symm.Buffer | None = None, band: int | None = None):
+               buffer: symm.Buffer | None = None, band: int | None = None, h_scale=None,
+               w1_scale=None, out_dtype: torch.dtype | None = None):
     """Second expert GEMM fused with the weighted top-k reduce and the combine back home.
 
     h [M, N1] in `layout`'s dispatch layout ([max_rows, N1] when layer0 had a bound), w1
@@ -352,21 +383,25 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     the tuner's; the result does not depend on it.
     With the layout's tp_size t > 1, h [M, N1 / t] and w1 [E_local, H, N1 / t] are this rank's
     shard; out is the full sum over the t shards and the top-k slots (b1 added once).
+    FP8: h and/or w1 float8_e4m3fn with h_scale [rows of h, ceil(N1/128)] / w1_scale [E_local,
+    ceil(H/128), ceil(N1/128)] float32; out in out_dtype (default bfloat16 when FP8 is involved).
     Returns out [T, H] on every rank for its own tokens.
     """
     buf = _buffer_for(buffer, group, h)
     if buf.handle != layout.buffer:
         buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
     device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
-                                   "topk_ids": layout.topk_ids, "b1": b1})
+                                   "topk_ids": layout.topk_ids, "b1": b1, "h_scale": h_scale,
+                                   "w1_scale": w1_scale})
     cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
                         node_reduce=getattr(buf, "node_reduce", False),
                         num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
                         w_transposed=w1_transposed, with_band=True,
-                        tp_size=int(layout.tp_size))
+                        tp_size=int(layout.tp_size), fp8=_is_fp8(h))
     band_n = cfg[4] if band is None else int(band)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
                                       b1, bool(w1_transposed), int(layout.max_rows), band_n,
-                                      int(layout.tp_size))
+                                      int(layout.tp_size), h_scale=h_scale, w1_scale=w1_scale,
+                                      out_dtype=out_dtype)

@@ -29,6 +29,8 @@ from comet.buffers import symm
 from comet.tune import tuner as tn
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FP8 keys (comet.fp8) profile bf16 tokens quantised on dispatch, FP8 weights and an FP8 h.
+_FP8 = ("fp8", "float8_e4m3fn")
 
 
 def _device(key: tn.TuneKey) -> torch.device:
@@ -76,7 +78,8 @@ def _setup(key: tn.TuneKey, shape, group):
     if world != key.W:
         raise ValueError(f"profiling {key.id()}: the key has W={key.W} but the group has {world} "
                          f"ranks")
-    dtype = _DTYPES[key.dtype]
+    fp8 = key.dtype in _FP8
+    dtype = torch.bfloat16 if fp8 else _DTYPES[key.dtype]
     device = _device(key)
     T = int(shape.T if shape is not None else key.tokens)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -91,19 +94,28 @@ def _setup(key: tn.TuneKey, shape, group):
         return int(cfg.n_comm), int(n_gemm), int(cfg.tile_m), int(cfg.tile_n)
 
     return dict(x=x, ids=ids, weights=weights, buf=buf, device=device, gen=gen, dtype=dtype,
-                E=E, El=El, H=H, launch=launch, timer=Timer(device, group))
+                E=E, El=El, H=H, launch=launch, timer=Timer(device, group), fp8=fp8)
+
+
+def _weights(s, shape, fan_in):
+    """(w, scale or None): a synthetic expert weight, quantised for an FP8 key."""
+    from comet import fp8
+
+    w = (torch.randn(*shape, generator=s["gen"]) / fan_in ** 0.5).to(device=s["device"],
+                                                                      dtype=s["dtype"])
+    return fp8.quantize_blocks(w) if s["fp8"] else (w, None)
 
 
 def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
     """run_fn(config) -> seconds of one torch.ops.comet.moe_layer0 call (N = N0 columns)."""
     s = _setup(key, shape, group)
-    w0 = (torch.randn(s["El"], key.N, s["H"], generator=s["gen"]) / s["H"] ** 0.5).to(
-        device=s["device"], dtype=s["dtype"])
+    w0, w0_scale = _weights(s, (s["El"], key.N, s["H"]), s["H"])
     op = torch.ops.comet.moe_layer0
 
     def run(cfg: tn.Config) -> float:
         args = (s["x"], w0, s["ids"], s["E"], s["buf"].handle, *s["launch"](cfg))
-        return s["timer"](lambda: op(*args))
+        fp8 = dict(w0_scale=w0_scale, dispatch_fp8=s["fp8"])
+        return s["timer"](lambda: op(*args, **fp8))
 
     return run
 
@@ -111,20 +123,23 @@ def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
 def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
     """run_fn(config) -> seconds of one torch.ops.comet.moe_layer1 call (N = N1 reduction size);
     its input h and layout come from one layer0 call made here (on every rank)."""
+    from comet import fp8
+
     s = _setup(key, shape, group)
     w0 = (torch.randn(s["El"], key.N, s["H"], generator=s["gen"]) / s["H"] ** 0.5).to(
         device=s["device"], dtype=s["dtype"])
-    w1 = (torch.randn(s["El"], s["H"], key.N, generator=s["gen"]) / key.N ** 0.5).to(
-        device=s["device"], dtype=s["dtype"])
+    w1, w1_scale = _weights(s, (s["El"], s["H"], key.N), key.N)
     first = s["launch"](tn.Config(1))
     h, _a, recv_counts, send_pos, *_ = torch.ops.comet.moe_layer0(
         s["x"], w0, s["ids"], s["E"], s["buf"].handle, *first)
+    h, h_scale = fp8.quantize_rows(h) if s["fp8"] else (h, None)
     op = torch.ops.comet.moe_layer1
 
     def run(cfg: tn.Config) -> float:
         args = (h, w1, s["weights"], s["ids"], send_pos, recv_counts, s["E"], s["buf"].handle,
                 *s["launch"](cfg), None, False, -1, int(cfg.band_n))
-        return s["timer"](lambda: op(*args))
+        fp8 = dict(h_scale=h_scale, w1_scale=w1_scale)
+        return s["timer"](lambda: op(*args, **fp8))
 
     return run
 

@@ -97,6 +97,38 @@ void exchange_sources(SymmHeap& heap, const CpuLaunch& l, uint64_t epoch, Push&&
     heap.wait(heap.source_ready(s), epoch, WaitSite::PeerData, s);
 }
 
+// The GEMM of one layer for expert 0 (of_expert moves it to another): A [M, k] of a_kind (FP8:
+// with a_scale [M, ceil(k/128)], or as layer0's packed rows, comet/fp8_rows.h, when a_scale is
+// null), the weights [E_local] x [n, k] (or [k, n] transposed) of w_kind with w_scale's 128 x 128
+// block scales when FP8, C [M, n] of c_kind, the bias [E_local, n] of bias_kind.
+TileGemmArgs expert_gemm_args(const void* a, ScalarKind a_kind, const float* a_scale, int64_t k,
+                              const void* w, ScalarKind w_kind, const float* w_scale, void* c,
+                              ScalarKind c_kind, int64_t n, bool w_transposed, const void* bias,
+                              ScalarKind bias_kind) {
+  TileGemmArgs t{a, a_kind, w, w_kind, c, c_kind, k, n, w_transposed, bias};
+  t.bias_kind = bias_kind;
+  if (a_scale) {
+    t.a_scale = a_scale;
+    t.a_scale_stride = scale_blocks(k);
+  } else if (a_kind == ScalarKind::F8E4M3 && k > 0) {  // layer0's packed rows
+    const int64_t row = fp8_row_bytes(k);
+    t.a = static_cast<const char*>(a) + fp8_row_values_at(k);
+    t.a_stride = row;
+    t.a_scale = static_cast<const float*>(a);
+    t.a_scale_stride = row / 4;
+  }
+  if (w_kind == ScalarKind::F8E4M3) t.b_scale = w_scale;
+  return t;
+}
+
+TileGemmArgs of_expert(TileGemmArgs t, int32_t e) {
+  const int64_t w_elem = scalar_bytes(t.b_kind);
+  t.b = static_cast<const char*>(t.b) + int64_t(e) * t.n * t.k * w_elem;
+  if (t.bias) t.bias = static_cast<const char*>(t.bias) + int64_t(e) * t.n * scalar_bytes(t.bias_kind);
+  if (t.b_scale) t.b_scale += int64_t(e) * scale_blocks(t.n) * scale_blocks(t.k);
+  return t;
+}
+
 // A GEMM tile computed by all threads of a block: each its contiguous share of the tile's rows.
 // Every output element is one fixed-order dot product, so the split never changes a bit.
 template <class Acc>
@@ -118,8 +150,8 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
                        int32_t* send_pos, int32_t* recv_counts)
     : heap_(heap), epoch_(epoch), p_(p), l_(l) {
   const int32_t W = heap.world(), d = heap.rank(), E = p.experts, El = E / (W / p.tp), k = p.topk;
-  const int64_t T = p.tokens, elem = scalar_bytes(p.kind);
-  const DataRegions reg = regions_of(heap, OpKind::Layer0, max_tokens(heap), p.hidden, k, E, elem);
+  const int64_t T = p.tokens, row = p.row_bytes();
+  const DataRegions reg = regions_of(heap, OpKind::Layer0, max_tokens(heap), row, k, E, 1);
   heap.reserve(reg.total);
 
   // Publish this rank's send plan and tokens.
@@ -131,7 +163,7 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
                         reinterpret_cast<int32_t*>(mine + reg.send_slot), send_pos);
     });
   }
-  if (T > 0) std::memcpy(mine + reg.x, p.x, size_t(T * p.hidden * elem));
+  if (T > 0) std::memcpy(mine + reg.x, p.x, size_t(T * row));
   // Ranks of other nodes get our bucket offsets in their bucket box for us (symm_layout.h), as
   // the GPU's begin kernel sends them, and size their dispatch layout from it.
   const size_t box_row = size_t(E + 1) * 4;
@@ -140,7 +172,7 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
       heap.proxy()->put_signal(r, mine + reg.bucket_box + size_t(d) * box_row,
                                mine + reg.bucket_off, box_row,
                                header_flag(heap.header(d), W, PeerFlag::Data, d), epoch);
-  const NodePushArgs push{heap.topology(), d, E, El, k, T, p.hidden * elem, 0, epoch, reg, p.ids};
+  const NodePushArgs push{heap.topology(), d, E, El, k, T, row, 0, epoch, reg, p.ids};
   exchange_sources(heap, l, epoch, [&](CpuContext& ctx, const PrologueScratch& ps) {
     layer0_push_program(ctx, ps.bar, push);
   });
@@ -165,8 +197,8 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
 
 int64_t Layer0Call::max_rows_of_group() const {
   const int32_t W = heap_.world(), El = p_.experts / (W / p_.tp);
-  const DataRegions reg = regions_of(heap_, OpKind::Layer0, max_tokens(heap_), p_.hidden, p_.topk,
-                                     p_.experts, scalar_bytes(p_.kind));
+  const DataRegions reg = regions_of(heap_, OpKind::Layer0, max_tokens(heap_), p_.row_bytes(),
+                                     p_.topk, p_.experts, 1);
   const std::vector<const char*> datas = source_bases(heap_, reg);
   std::vector<int32_t> counts(size_t(W) * size_t(El));
   int64_t most = 0;
@@ -182,14 +214,14 @@ int64_t Layer0Call::max_rows_of_group() const {
 void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
                      int32_t* row_slot) {
   const int32_t W = heap_.world(), d = heap_.rank(), El = p_.experts / (W / p_.tp);
-  const int64_t H = p_.hidden, N0 = p_.n0, elem = scalar_bytes(p_.kind);
+  const int64_t H = p_.hidden, N0 = p_.n0, row = p_.row_bytes();
   const int64_t MT = int64_t(mtiles_.size());
   const DataRegions reg =
-      regions_of(heap_, OpKind::Layer0, max_tokens(heap_), H, p_.topk, p_.experts, elem);
+      regions_of(heap_, OpKind::Layer0, max_tokens(heap_), row, p_.topk, p_.experts, 1);
   auto& flags = heap_.tile_flags();
   if (int64_t(flags.size()) < MT) flags.resize(size_t(MT), 0);
 
-  Layer0CommArgs ca{d, W, El, p_.topk, H * elem, epoch_, reg, seg_off_.data(),
+  Layer0CommArgs ca{d, W, El, p_.topk, row, epoch_, reg, seg_off_.data(),
                     mtiles_.data(), order_.data(), MT, static_cast<char*>(a), flags.data(),
                     row_source, row_token, row_slot};
   ca.sources = sources_.data();
@@ -198,10 +230,10 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   const int32_t NT = int32_t(ceil_div(N0, l_.tile_n));
   const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
                             nullptr, nullptr};
-  const char* w0 = static_cast<const char*>(p_.w0);
-  const char* b0 = static_cast<const char*>(p_.b0);
-  const ScalarKind kind = p_.kind;
   const int64_t tile_n = l_.tile_n;
+  const TileGemmArgs base =
+      expert_gemm_args(a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
+                       p_.output_kind(), N0, p_.w0_transposed, p_.b0, p_.output_kind());
   run_blocks(
       heap_, 0, l_.n_comm, l_.n_gemm, l_.threads, l_.resident, l_.stress_seed,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
@@ -209,11 +241,9 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
         std::vector<float> tmp32;
         std::vector<double> tmp64;
         layer0_gemm(ctx, g, l_.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
-          const TileGemmArgs t{a, kind, w0 + int64_t(mt.expert) * N0 * H * elem, kind, y0, kind,
-                               H, N0, p_.w0_transposed,
-                               p_.b0 ? b0 + int64_t(mt.expert) * N0 * elem : nullptr};
+          const TileGemmArgs t = of_expert(base, mt.expert);
           const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
-          if (kind == ScalarKind::F64)
+          if (p_.kind == ScalarKind::F64)
             block_tile_gemm(ctx, t, mt, col0, cols, tmp64);
           else
             block_tile_gemm(ctx, t, mt, col0, cols, tmp32);
@@ -227,7 +257,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   const int32_t W = heap.world(), d = heap.rank();
   const int32_t E = p.experts, El = E / (W / p.tp), k = p.topk;
   const int64_t T = p.tokens, M = p.rows, N1 = p.n1, H = p.hidden;
-  const int64_t elem = scalar_bytes(p.kind);
+  const int64_t elem = scalar_bytes(p.output_kind());  // of the partials on the wire
   const int64_t tmax = max_tokens(heap);
   const DataRegions reg =
       regions_of(heap, OpKind::Layer1, tmax, H, k, E, elem, int32_t(sizeof(Acc)), p.tp);
@@ -297,7 +327,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
 
   const int64_t per_item = std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm)));
   Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
-                         flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out, p.kind};
+                         flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out,
+                         p.output_kind()};
   la.tp = p.tp;
   // Across nodes: partial rows for remote homes are staged in the symmetric segment (reg.stage)
   // and put whole, or (node-reduced) written into their relay's node_stage.
@@ -313,19 +344,19 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   }
   GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
   ga.band_n = l.band_n;
-  const char* w1 = static_cast<const char*>(p.w1);
-  // b1 once per (token, expert): on tp rank 0, the other tp ranks' partials carry none.
-  const char* b1 = adds_layer1_bias(d, p.tp) ? static_cast<const char*>(p.b1) : nullptr;
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
+  // b1 once per (token, expert): on tp rank 0, the other tp ranks' partials carry none.
+  const void* b1 = adds_layer1_bias(d, p.tp) ? p.b1 : nullptr;
+  const TileGemmArgs base =
+      expert_gemm_args(p.h, p.kind, p.h_scale, N1, p.w1, p.weight_kind(), p.w1_scale, c, c_kind,
+                       H, p.w1_transposed, b1, p.output_kind());
   run_blocks(
       heap, 1, l.n_comm, l.n_gemm, l.threads, l.resident, l.stress_seed,
       [&](CpuContext& ctx) { layer1_reduce_send(ctx, la); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<Acc> tmp;
         layer1_gemm(ctx, g, l.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
-          const TileGemmArgs t{p.h, p.kind, w1 + int64_t(mt.expert) * H * N1 * elem, p.kind, c,
-                               c_kind, N1, H, p.w1_transposed,
-                               b1 ? b1 + int64_t(mt.expert) * H * elem : nullptr};
+          const TileGemmArgs t = of_expert(base, mt.expert);
           const int64_t col0 = int64_t(nt) * l.tile_n;
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);
         });

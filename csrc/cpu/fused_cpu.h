@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "comet/fp8_rows.h"
 #include "comet/numeric.h"
 #include "comet/tile_order.h"
 #include "symm_heap.h"
@@ -33,6 +35,16 @@ struct Layer0Problem {
   bool w0_transposed = false;
   const void* b0 = nullptr;  // [E_local, N0] (kind), or none
   int32_t tp = 1;            // tp_size (comet/layout.h): E_local = E / (W / tp), w0 the rank's shard
+  // FP8 (comet/fp8_rows.h). kind F8E4M3: x holds packed rows [T, fp8_row_bytes(H)] (values and
+  // their 1 x 128 scales, moved as one row). w_kind / out_kind: of w0 and of y0 (and b0) when they
+  // differ from kind; F8E4M3 weights come with w0_scale [E_local, ceil(N0/128), ceil(H/128)].
+  std::optional<ScalarKind> w_kind, out_kind;
+  const float* w0_scale = nullptr;
+  ScalarKind weight_kind() const { return w_kind.value_or(kind); }
+  ScalarKind output_kind() const { return out_kind.value_or(kind); }
+  int64_t row_bytes() const {  // of a token row in x, on the wire and in a
+    return kind == ScalarKind::F8E4M3 ? fp8_row_bytes(hidden) : hidden * scalar_bytes(kind);
+  }
 };
 
 // layer0 in two steps, because the caller allocates outputs sized by the dispatched row count.
@@ -75,6 +87,14 @@ struct Layer1Problem {
   bool w1_transposed = false;
   const void* b1 = nullptr;  // [E_local, H] (kind), or none (added by tp rank 0 only)
   int32_t tp = 1;            // tp_size (comet/layout.h): w1 and h are the rank's N1 shard
+  // FP8 (comet/fp8_rows.h): h of kind F8E4M3 with h_scale [rows of h, ceil(N1/128)]; w_kind /
+  // out_kind: of w1 and of out (and b1, and the partials on the wire) when they differ from kind;
+  // F8E4M3 weights come with w1_scale [E_local, ceil(H/128), ceil(N1/128)].
+  std::optional<ScalarKind> w_kind, out_kind;
+  const float* h_scale = nullptr;
+  const float* w1_scale = nullptr;
+  ScalarKind weight_kind() const { return w_kind.value_or(kind); }
+  ScalarKind output_kind() const { return out_kind.value_or(kind); }
 };
 
 // layer1: publishes routing, builds the reduce plan from every peer's, runs the fused kernel.

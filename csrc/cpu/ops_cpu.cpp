@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "block_runner.h"
+#include "fp8_quant.h"
 #include "fused_cpu.h"
 #include "op_checks.h"
 #include "symm_heap.h"
@@ -33,12 +34,13 @@ std::shared_ptr<SymmHeap> heap_or_throw(int64_t handle) {
   }
 }
 
+// `wire`: the kind of what crosses ranks (layer0's token rows, layer1's partials), which the
+// ranks of a group must agree on.
 CallMeta make_meta(OpKind op, const SymmHeap& heap, int64_t num_experts, int64_t topk,
-                   int64_t hidden, int64_t cols, const at::Tensor& act, int64_t tokens,
+                   int64_t hidden, int64_t cols, ScalarKind wire, int64_t tokens,
                    int64_t max_rows, const CheckResult& check, int64_t tp) {
   return make_call_meta(op, heap.world(), heap.group_hash(), num_experts, topk, hidden, cols,
-                        check.ok() ? int32_t(scalar_kind(act.scalar_type())) : -1, tokens,
-                        max_rows, check, tp);
+                        check.ok() ? int32_t(wire) : -1, tokens, max_rows, check, tp);
 }
 
 // Expert tensor parallelism runs on one node (the node-first routing and node-reduced partials
@@ -103,18 +105,25 @@ const void* bias_ptr(const std::optional<at::Tensor>& b) {
 Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                             int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                             int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
-                            bool w0_transposed, int64_t max_rows, int64_t tp_size) {
+                            bool w0_transposed, int64_t max_rows, int64_t tp_size,
+                            const std::optional<at::Tensor>& x_scale,
+                            const std::optional<at::Tensor>& w0_scale,
+                            std::optional<at::ScalarType> out_dtype, bool dispatch_fp8) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
-  check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size},
+  check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size,
+                         x_scale, w0_scale, out_dtype, dispatch_fp8},
                heap->world(), launch);
   check_tp_topology(checker, *heap, tp_size);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
+  // FP8 rows on the wire: x's own, or a 16/32-bit x quantised here, on the sending side.
+  const bool fp8_rows = ok && (is_fp8(x) || dispatch_fp8);
   const CallMeta me = make_meta(OpKind::Layer0, *heap, num_experts, ok ? topk_ids.size(1) : 0,
-                                ok ? x.size(1) : 0, ok ? w0_out(w0, w0_transposed) : 0, x,
+                                ok ? x.size(1) : 0, ok ? w0_out(w0, w0_transposed) : 0,
+                                fp8_rows ? ScalarKind::F8E4M3 : scalar_kind(x.scalar_type()),
                                 ok ? x.size(0) : 0, max_rows, check, tp_size);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer0");
   if (n_gemm == 0) n_gemm = 1;
@@ -126,11 +135,25 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     at::Tensor ids = topk_ids.to(at::kInt).contiguous();
     at::Tensor send_pos = at::empty({T, k}, ids.options());
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
-    Layer0Problem p{x.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),
-                    scalar_kind(x.scalar_type()), T, H, N0, int32_t(num_experts), int32_t(k)};
+    at::Tensor rows = x;  // what this rank publishes: x, or its packed FP8 rows
+    if (fp8_rows) {
+      if (is_fp8(x)) {
+        rows = fp8_pack_rows(x, *x_scale);
+      } else {
+        const auto [q, scale] = fp8_quantize_rows(x);
+        rows = fp8_pack_rows(q, scale);
+      }
+    }
+    const at::ScalarType out_type = result_dtype(x, w0, dispatch_fp8, out_dtype);
+    Layer0Problem p{rows.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),
+                    fp8_rows ? ScalarKind::F8E4M3 : scalar_kind(x.scalar_type()), T, H, N0,
+                    int32_t(num_experts), int32_t(k)};
     p.w0_transposed = w0_transposed;
     p.b0 = bias_ptr(b0);
     p.tp = int32_t(tp_size);
+    p.w_kind = scalar_kind(w0.scalar_type());
+    p.out_kind = scalar_kind(out_type);
+    p.w0_scale = is_fp8(w0) ? w0_scale->data_ptr<float>() : nullptr;
     Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
                     send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
     const int64_t M = call.rows();
@@ -144,12 +167,14 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     }
     // With max_rows the row-indexed outputs are padded to it: zeros, and -1 as a row's origin.
     const int64_t R = max_rows >= 0 ? max_rows : M;
-    auto rows = [&](at::Tensor t, double fill) { return R > M ? t.fill_(fill) : t; };
-    at::Tensor a = rows(at::empty({R, H}, x.options()), 0);
-    at::Tensor y0 = rows(at::empty({R, N0}, x.options()), 0);
-    at::Tensor row_source = rows(at::empty({R}, ids.options()), -1);
-    at::Tensor row_token = rows(at::empty({R}, ids.options()), -1);
-    at::Tensor row_slot = rows(at::empty({R}, ids.options()), -1);
+    auto padded = [&](at::Tensor t, double fill) { return R > M ? t.fill_(fill) : t; };
+    at::Tensor a = padded(fp8_rows ? at::empty({R, p.row_bytes()}, x.options().dtype(at::kByte))
+                                 : at::empty({R, H}, x.options()),
+                        0);
+    at::Tensor y0 = padded(at::empty({R, N0}, x.options().dtype(out_type)), 0);
+    at::Tensor row_source = padded(at::empty({R}, ids.options()), -1);
+    at::Tensor row_token = padded(at::empty({R}, ids.options()), -1);
+    at::Tensor row_slot = padded(at::empty({R}, ids.options()), -1);
     call.run(a.data_ptr(), y0.data_ptr(), row_source.data_ptr<int32_t>(),
              row_token.data_ptr<int32_t>(), row_slot.data_ptr<int32_t>());
     return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
@@ -165,7 +190,9 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        const at::Tensor& send_pos, const at::Tensor& recv_counts,
                        int64_t num_experts, const CpuLaunch& launch,
-                       const std::optional<at::Tensor>& b1, bool w1_transposed, int64_t tp) {
+                       const std::optional<at::Tensor>& b1, bool w1_transposed, int64_t tp,
+                       const std::optional<at::Tensor>& h_scale,
+                       const std::optional<at::Tensor>& w1_scale, at::ScalarType out_type) {
   const at::ScalarType acc_type = sizeof(Acc) == 8 ? at::kDouble : at::kFloat;
   at::Tensor ids = topk_ids.to(at::kInt).contiguous();
   at::Tensor weights = topk_weights.to(acc_type).contiguous();
@@ -180,8 +207,12 @@ at::Tensor layer1_body(SymmHeap& heap, uint64_t epoch, const at::Tensor& h, cons
   p.w1_transposed = w1_transposed;
   p.b1 = bias_ptr(b1);
   p.tp = int32_t(tp);
+  p.w_kind = scalar_kind(w1.scalar_type());
+  p.out_kind = scalar_kind(out_type);
+  p.h_scale = is_fp8(h) ? h_scale->data_ptr<float>() : nullptr;
+  p.w1_scale = is_fp8(w1) ? w1_scale->data_ptr<float>() : nullptr;
   at::Tensor c = at::empty({M, H}, h.options().dtype(acc_type));
-  at::Tensor out = at::empty({T, H}, h.options());
+  at::Tensor out = at::empty({T, H}, h.options().dtype(out_type));
   try {
     layer1_call<Acc>(heap, epoch, p, launch, c.data_ptr<Acc>(), out.data_ptr());
   } catch (const std::invalid_argument& e) {
@@ -195,29 +226,36 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           const at::Tensor& recv_counts, int64_t num_experts, int64_t buffer,
                           int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n,
                           const std::optional<at::Tensor>& b1, bool w1_transposed,
-                          int64_t max_rows, int64_t band_n, int64_t tp_size) {
+                          int64_t max_rows, int64_t band_n, int64_t tp_size,
+                          const std::optional<at::Tensor>& h_scale,
+                          const std::optional<at::Tensor>& w1_scale,
+                          std::optional<at::ScalarType> out_dtype) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
-                         w1_transposed, max_rows, tp_size},
+                         w1_transposed, max_rows, tp_size, h_scale, w1_scale, out_dtype},
                heap->world(), launch);
   check_tp_topology(checker, *heap, tp_size);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
+  const at::ScalarType out_type = ok ? result_dtype(h, w1, false, out_dtype) : at::kFloat;
   const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
-                                ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0, h,
-                                ok ? topk_ids.size(0) : 0, max_rows, check, tp_size);
+                                ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0,
+                                scalar_kind(out_type), ok ? topk_ids.size(0) : 0, max_rows, check,
+                                tp_size);
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
     const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, band_n);
-    if (h.scalar_type() == at::kDouble)
+    if (h.scalar_type() == at::kDouble || out_type == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
-                                 recv_counts, num_experts, launch, b1, w1_transposed, tp_size);
+                                 recv_counts, num_experts, launch, b1, w1_transposed, tp_size,
+                                 h_scale, w1_scale, out_type);
     return layer1_body<float>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos, recv_counts,
-                              num_experts, launch, b1, w1_transposed, tp_size);
+                              num_experts, launch, b1, w1_transposed, tp_size, h_scale, w1_scale,
+                              out_type);
   });
 }
 

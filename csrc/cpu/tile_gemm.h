@@ -3,10 +3,16 @@
 // transposed weight layouts, without a copy), inputs of any ScalarKind, accumulation in Acc (fp32;
 // fp64 for float64 inputs) in a fixed order (8 interleaved partial sums combined as a fixed tree),
 // the bias added last, so results never depend on which block computes a tile or when.
+//
+// FP8 (comet/fp8_rows.h): when an operand carries block scales, K is summed in 128-wide blocks in
+// block order into an fp32 accumulator, each block's fixed-order dot product of the raw values
+// multiplied by (its A scale * its B scale) before it is added (an operand without scales counts
+// as scale 1). The one definition of the blockwise-scaled tile, used by both layers.
 #pragma once
 
 #include <vector>
 
+#include "comet/fp8_rows.h"
 #include "comet/numeric.h"
 
 namespace comet::cpu {
@@ -36,8 +42,33 @@ struct TileGemmArgs {
   ScalarKind c_kind;
   int64_t k, n;      // K, N (row strides of a and c)
   bool b_transposed = false;
-  const void* bias = nullptr;  // [N] of this expert (b_kind), or none
+  const void* bias = nullptr;  // [N] of this expert (bias_kind), or none
+  // FP8 operands (both optional): a's row r, K block kb has scale a_scale[r * a_scale_stride + kb]
+  // and a's rows are a_stride elements apart (0: k; packed rows are longer); b_scale is this
+  // expert's [ceil(N/128), ceil(K/128)].
+  const float* a_scale = nullptr;
+  int64_t a_scale_stride = 0, a_stride = 0;
+  const float* b_scale = nullptr;
+  ScalarKind bias_kind = ScalarKind::F32;  // of bias
+  bool blockwise() const { return a_scale || b_scale; }
 };
+
+// One output element of the blockwise-scaled GEMM: a [k] row and b [k] column, both widened.
+template <class Acc>
+inline Acc dot_blockwise(const TileGemmArgs& g, const Acc* a, const Acc* b, int64_t row,
+                         int64_t col) {
+  const int64_t kb_n = scale_blocks(g.k);
+  const float* bs = g.b_scale ? g.b_scale + (col / kScaleBlock) * kb_n : nullptr;
+  const float* as = g.a_scale ? g.a_scale + row * g.a_scale_stride : nullptr;
+  Acc acc = 0;
+  for (int64_t kb = 0; kb < kb_n; ++kb) {
+    const int64_t k0 = kb * kScaleBlock, len = g.k - k0 < kScaleBlock ? g.k - k0 : kScaleBlock;
+    const Acc part = dot_fixed_order(a + k0, b + k0, len);
+    const Acc scale = Acc(as ? as[kb] : 1.0f) * Acc(bs ? bs[kb] : 1.0f);
+    acc += part * scale;
+  }
+  return acc;
+}
 
 // `scratch` is per-thread storage reused across tiles.
 template <class Acc>
@@ -52,11 +83,14 @@ inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t
     else
       widen(g.b, g.b_kind, (col0 + c) * g.k, g.k, bt + c * g.k);
   }
+  const int64_t a_stride = g.a_stride ? g.a_stride : g.k;
+  const bool blockwise = g.blockwise();
   for (int64_t r = row0; r < row0 + rows; ++r) {
-    widen(g.a, g.a_kind, r * g.k, g.k, arow);
+    widen(g.a, g.a_kind, r * a_stride, g.k, arow);
     for (int64_t c = 0; c < cols; ++c) {
-      Acc v = dot_fixed_order(arow, bt + c * g.k, g.k);
-      if (g.bias) v += load_as<Acc>(g.bias, col0 + c, g.b_kind);
+      Acc v = blockwise ? dot_blockwise(g, arow, bt + c * g.k, r, col0 + c)
+                        : dot_fixed_order(arow, bt + c * g.k, g.k);
+      if (g.bias) v += load_as<Acc>(g.bias, col0 + c, g.bias_kind);
       store_as<Acc>(g.c, r * g.n + col0 + c, g.c_kind, v);
     }
   }

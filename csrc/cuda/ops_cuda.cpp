@@ -471,7 +471,10 @@ using Layer0Result =
 Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at::Tensor& topk_ids,
                              int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                              int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b0,
-                             bool w0_transposed, int64_t max_rows_arg, int64_t tp_size) {
+                             bool w0_transposed, int64_t max_rows_arg, int64_t tp_size,
+                             const std::optional<at::Tensor>& x_scale,
+                             const std::optional<at::Tensor>& w0_scale,
+                             std::optional<at::ScalarType> out_dtype, bool dispatch_fp8) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -484,8 +487,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   // Expert ids are checked on the device by the begin kernel (reading them here would sync).
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev);
-  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size}, W,
-               {n_comm, n_gemm, tile_m, tile_n}) &&
+  check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
+                   w0_scale, out_dtype, dispatch_fp8},
+               W, {n_comm, n_gemm, tile_m, tile_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
@@ -624,7 +628,10 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            int64_t num_experts, int64_t buffer, int64_t n_comm, int64_t n_gemm,
                            int64_t tile_m, int64_t tile_n, const std::optional<at::Tensor>& b1,
                            bool w1_transposed, int64_t max_rows_arg, int64_t band_n,
-                           int64_t tp_size) {
+                           int64_t tp_size,
+                           const std::optional<at::Tensor>& h_scale,
+                           const std::optional<at::Tensor>& w1_scale,
+                           std::optional<at::ScalarType> out_dtype) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -638,7 +645,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
-                   w1_transposed, max_rows, tp_size},
+                   w1_transposed, max_rows, tp_size, h_scale, w1_scale, out_dtype},
                W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
       check_cuda_launch(c, tile_m, tile_n);
   check_tp_topology(c, b, tp_size);

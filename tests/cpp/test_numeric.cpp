@@ -32,5 +32,14 @@ int main() {
     if (std::isnan(f)) continue;
     CHECK(float_to_bf16(f) == uint16_t(h));
   }
+  // float8_e4m3fn (the FP8 ops' values): exact widening, no infinity, S.1111.111 is NaN.
+  CHECK(fp8e4m3_to_float(0x38) == 1.0f);
+  CHECK(fp8e4m3_to_float(0x7e) == 448.0f);                 // the largest finite value
+  CHECK(fp8e4m3_to_float(0x08) == std::ldexp(1.0f, -6));   // the smallest normal
+  CHECK(fp8e4m3_to_float(0x01) == std::ldexp(1.0f, -9));   // the smallest subnormal
+  CHECK(fp8e4m3_to_float(0xb8) == -1.0f);
+  CHECK(std::isnan(fp8e4m3_to_float(0x7f)) && std::isnan(fp8e4m3_to_float(0xff)));
+  for (uint32_t b = 1; b < 0x7f; ++b)  // positive codes in increasing order of value
+    CHECK(fp8e4m3_to_float(uint8_t(b)) > fp8e4m3_to_float(uint8_t(b - 1)));
   TEST_MAIN_END
 }

@@ -18,11 +18,12 @@ namespace comet {
 
 // Element kinds the ops accept. The numbers are part of the symmetric-memory metadata that ranks
 // compare with each other, so they never change meaning. F64 exists for the CPU backend only (exact
-// gradient checks); it accumulates in double.
-enum class ScalarKind : int32_t { F32 = 0, BF16 = 1, F16 = 2, F64 = 3 };
+// gradient checks); it accumulates in double. F8E4M3 (float8_e4m3fn) always comes with fp32 block
+// scales (comet/fp8_rows.h).
+enum class ScalarKind : int32_t { F32 = 0, BF16 = 1, F16 = 2, F64 = 3, F8E4M3 = 4 };
 
 COMET_HD int32_t scalar_bytes(ScalarKind k) {
-  return k == ScalarKind::F64 ? 8 : k == ScalarKind::F32 ? 4 : 2;
+  return k == ScalarKind::F64 ? 8 : k == ScalarKind::F32 ? 4 : k == ScalarKind::F8E4M3 ? 1 : 2;
 }
 
 COMET_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -65,11 +65,25 @@ COMET_HD uint16_t float_to_f16(float f) {
   return uint16_t(sign | h);
 }
 
+// float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinity, S.1111.111 is
+// NaN) widened exactly to fp32.
+COMET_HD float fp8e4m3_to_float(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24;
+  const uint32_t exp = (b >> 3) & 0xfu, man = b & 0x7u;
+  if (exp == 15 && man == 7) return bits_float(sign | 0x7fc00000u);
+  if (exp == 0) {  // subnormal: man * 2^-9
+    const float v = float(man) * 0.001953125f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
 // Load element i of a buffer of `kind` in the accumulator type Acc (float, or double for F64).
 template <class Acc>
 COMET_HD Acc load_as(const void* p, int64_t i, ScalarKind kind) {
   if (kind == ScalarKind::F64) return Acc(static_cast<const double*>(p)[i]);
   if (kind == ScalarKind::F32) return Acc(static_cast<const float*>(p)[i]);
+  if (kind == ScalarKind::F8E4M3) return Acc(fp8e4m3_to_float(static_cast<const uint8_t*>(p)[i]));
   uint16_t b = static_cast<const uint16_t*>(p)[i];
   return Acc(kind == ScalarKind::BF16 ? bf16_to_float(b) : f16_to_float(b));
 }

@@ -1,0 +1,66 @@
+#include "fp8_quant.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "comet/fp8_rows.h"
+
+namespace comet {
+namespace {
+
+constexpr double kFp8Max = 448.0;  // float8_e4m3fn's largest finite value
+
+// amax / 448 of each block (reduced over `dims` of the blocked view), 1 where a block is all zero.
+at::Tensor block_scales(const at::Tensor& blocks, at::IntArrayRef dims) {
+  const at::Tensor scale = blocks.abs().amax(dims) / kFp8Max;
+  return at::where(scale > 0, scale, at::ones_like(scale));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "comet.fp8.quantize_rows: x must be 2-D [T, H], got shape ",
+                    x.sizes());
+  TORCH_CHECK_TYPE(x.is_floating_point() && x.element_size() >= 2,
+                   "comet.fp8.quantize_rows: x must be float32/bfloat16/float16/float64, got ",
+                   x.scalar_type());
+  const int64_t T = x.size(0), H = x.size(1), nb = scale_blocks(H);
+  const at::Tensor blocks =
+      at::constant_pad_nd(x.to(at::kFloat), {0, nb * kScaleBlock - H}).view({T, nb, kScaleBlock});
+  const at::Tensor scale = block_scales(blocks, {2});
+  const at::Tensor q = (blocks / scale.unsqueeze(2)).to(at::kFloat8_e4m3fn);
+  return {q.view({T, nb * kScaleBlock}).narrow(1, 0, H).contiguous(), scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_blocks(const at::Tensor& w) {
+  TORCH_CHECK_VALUE(w.dim() == 3,
+                    "comet.fp8.quantize_blocks: w must be 3-D [E, N, K], got shape ", w.sizes());
+  TORCH_CHECK_TYPE(w.is_floating_point() && w.element_size() >= 2,
+                   "comet.fp8.quantize_blocks: w must be float32/bfloat16/float16/float64, got ",
+                   w.scalar_type());
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  const int64_t nn = scale_blocks(N), nk = scale_blocks(K);
+  const at::Tensor blocks =
+      at::constant_pad_nd(w.to(at::kFloat), {0, nk * kScaleBlock - K, 0, nn * kScaleBlock - N})
+          .view({E, nn, kScaleBlock, nk, kScaleBlock});
+  const at::Tensor scale = block_scales(blocks, {2, 4});
+  const at::Tensor q = (blocks / scale.view({E, nn, 1, nk, 1})).to(at::kFloat8_e4m3fn);
+  return {q.view({E, nn * kScaleBlock, nk * kScaleBlock}).narrow(1, 0, N).narrow(2, 0, K)
+              .contiguous(),
+          scale};
+}
+
+at::Tensor fp8_pack_rows(const at::Tensor& q, const at::Tensor& scale) {
+  const int64_t T = q.size(0), H = q.size(1), at_values = fp8_row_values_at(H);
+  at::Tensor rows = at::zeros({T, fp8_row_bytes(H)}, q.options().dtype(at::kByte));
+  rows.narrow(1, 0, at_values).copy_(scale.contiguous().view(at::kByte).view({T, at_values}));
+  rows.narrow(1, at_values, H).copy_(q.view(at::kByte));
+  return rows;
+}
+
+TORCH_LIBRARY_IMPL(comet, CompositeImplicitAutograd, m) {
+  m.impl("fp8_quantize_rows", &fp8_quantize_rows);
+  m.impl("fp8_quantize_blocks", &fp8_quantize_blocks);
+}
+
+}  // namespace comet
