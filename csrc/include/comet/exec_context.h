@@ -54,6 +54,7 @@ enum class WaitSite : int32_t {
   Partials = 7,      // layer1: a peer's partial sums of our tokens
   GridBarrier = 8,   // a grid barrier of a multi-block program
   MirrorRows = 9,    // layer0: rows of a source on another node (its mirror on this node's relay)
+  PeerRearm = 10,    // a peer re-arming the buffer after a failed call (host only)
 };
 
 // Flags of these sites are written and read by this GPU only (device-scope acquire suffices);
@@ -74,6 +75,7 @@ COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout m
     case WaitSite::Partials: return "layer1 partial sums from peer";
     case WaitSite::GridBarrier: return "grid barrier of a prologue program";
     case WaitSite::MirrorRows: return "rows of a source on another node (mirror on the relay)";
+    case WaitSite::PeerRearm: return "peer re-arming the buffer after a failed call";
   }
   return "?";
 }
