@@ -13,6 +13,7 @@ good, with a message saying so.
 import os
 import time
 
+import pytest
 import torch
 
 from tests.cases import TOL
@@ -58,39 +59,61 @@ def _raises(fn):
     raise AssertionError("expected the call to raise")
 
 
-def _scenario(rank, world, name):
-    import torch.distributed as dist
-
+def _failure(rank, world, name):
+    """Makes the failure `name` happen; returns what this rank's failing call raised (or None)."""
     import comet
     from comet import reference as ref
 
-    _good_calls(rank, world, 2)
-    buf = comet.buffer_for()
     x, w0, w1, ids, wts = _inputs(rank, world, 99)
-    seen = None
     if name == "max_rows":
         rows = 3 if rank == 0 else None
-        seen = _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E, max_rows=rows))
-    elif name in ("extra_call", "recover"):
+        return _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E, max_rows=rows))
+    if name in ("extra_call", "recover"):
         if rank == world - 1:
-            seen = _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E))
-    elif name == "raise_between":
-        y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E)
-        if rank == 0:
-            seen = _raises(lambda: comet.moe_layer1(ref.swiglu(y0), w1, wts, layout))
-        # rank 1 "raised" here: it never makes the layer1 call
-    dist.barrier()  # every rank is past the failure
-    before = (buf.needs_recovery, buf.recoveries)
-    if name == "recover":
-        buf.recover()
-    _good_calls(rank, world, 10)
-    assert comet.buffer_for() is buf
-    return {"seen": seen, "before": before, "after": (buf.needs_recovery, buf.recoveries)}
+            return _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E))
+        return None
+    assert name == "raise_between"
+    y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E)
+    if rank == 0:
+        return _raises(lambda: comet.moe_layer1(ref.swiglu(y0), w1, wts, layout))
+    return None  # rank 1 "raised" here: it never makes the layer1 call
 
 
-def test_max_rows_mismatch_raises_on_every_rank_at_once_and_the_buffer_serves_on():
-    res = run_ranks(_scenario, 2, "max_rows", env=ENV, timeout=60)
-    for r, got in enumerate(res):
+SCENARIOS = ("max_rows", "extra_call", "raise_between", "recover")
+
+
+def _scenarios(rank, world):
+    """Every scenario in turn on one group (one start-up for all): the failure, then ten good
+    calls on the default buffer. Per scenario: what the failing call raised, and the buffer's
+    (needs_recovery, recoveries) once every rank is past the failure and after the good calls."""
+    import torch.distributed as dist
+
+    import comet
+
+    _good_calls(rank, world, 2)
+    buf = comet.buffer_for()
+    out = {}
+    for name in SCENARIOS:
+        seen = _failure(rank, world, name)
+        dist.barrier()  # every rank is past the failure
+        before = (buf.needs_recovery, buf.recoveries)
+        if name == "recover":
+            buf.recover()
+        _good_calls(rank, world, 10)
+        assert comet.buffer_for() is buf
+        out[name] = {"seen": seen, "before": before,
+                     "after": (buf.needs_recovery, buf.recoveries)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    res = run_ranks(_scenarios, 2, env=ENV, timeout=120)
+    return {name: [r[name] for r in res] for name in SCENARIOS}
+
+
+def test_max_rows_mismatch_raises_on_every_rank_at_once_and_the_buffer_serves_on(scenarios):
+    for r, got in enumerate(scenarios["max_rows"]):
         kind, msg, took = got["seen"]
         assert kind == "ValueError", got
         assert "ranks disagree on max_rows" in msg and "rank 0 has 3, rank 1 has -1" in msg, msg
@@ -98,8 +121,8 @@ def test_max_rows_mismatch_raises_on_every_rank_at_once_and_the_buffer_serves_on
         assert got["before"] == (False, 0) and got["after"] == (False, 0), got
 
 
-def test_extra_call_on_one_rank_times_out_then_next_call_rearms():
-    res = run_ranks(_scenario, 2, "extra_call", env=ENV, timeout=60)
+def test_extra_call_on_one_rank_times_out_then_next_call_rearms(scenarios):
+    res = scenarios["extra_call"]
     kind, msg, took = res[1]["seen"]
     assert kind == "RuntimeError" and "gave up" in msg and "peer call metadata" in msg, msg
     assert TIMEOUT_S <= took < 4 * TIMEOUT_S, took
@@ -109,18 +132,19 @@ def test_extra_call_on_one_rank_times_out_then_next_call_rearms():
     assert [got["after"] for got in res] == [(False, 1)] * 2, res
 
 
-def test_rank_raising_between_layer0_and_layer1_then_next_call_rearms():
-    res = run_ranks(_scenario, 2, "raise_between", env=ENV, timeout=60)
+def test_rank_raising_between_layer0_and_layer1_then_next_call_rearms(scenarios):
+    res = scenarios["raise_between"]
     kind, msg, took = res[0]["seen"]
     assert kind == "RuntimeError" and "gave up" in msg, msg
-    assert [got["before"] for got in res] == [(True, 0)] * 2, res
-    assert [got["after"] for got in res] == [(False, 1)] * 2, res
+    assert [got["before"] for got in res] == [(True, 1)] * 2, res
+    assert [got["after"] for got in res] == [(False, 2)] * 2, res
 
 
-def test_explicit_recover_is_collective_and_counts_one_rearm():
-    res = run_ranks(_scenario, 2, "recover", env=ENV, timeout=60)
+def test_explicit_recover_is_collective_and_counts_one_rearm(scenarios):
+    res = scenarios["recover"]
     assert res[1]["seen"][0] == "RuntimeError"
-    assert [got["after"] for got in res] == [(False, 1)] * 2, res
+    assert [got["before"] for got in res] == [(True, 2)] * 2, res
+    assert [got["after"] for got in res] == [(False, 3)] * 2, res
 
 
 def _killed(rank, world):

@@ -193,13 +193,7 @@ void SymmHeap::reserve(size_t bytes) {
     // this rank's memory in the previous call (begin_call waited for their Done, sent after
     // their puts were delivered), and no rank writes this call's data before every rank mapped
     // the new generation (the Mapped waits below).
-    if (proxy_) proxy_->set_own(own_header_.data(), own_header_.size(), nullptr, 0);
-    for (int32_t r = 0; r < world_; ++r) {
-      data_[size_t(r)] = nullptr;
-      peer_data_[size_t(r)] = ShmSegment{};
-    }
-    own_data_ = ShmSegment{};
-    capacity_ = 0;
+    drop_data_segments();
     ++gen_;
     own_data_ = ShmSegment::create(segment_name(rank_, "d", gen_), cap);
     data_[rank_] = own_data_.data();
