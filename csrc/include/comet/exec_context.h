@@ -20,6 +20,9 @@
 //                                            block-wide: returns once *flag >= epoch (acquire);
 //                                            gives up with an error naming site/index after the
 //                                            buffer's timeout instead of hanging
+//   bool failed()                            (comm contexts) a wait of this call gave up and
+//                                            returned (GPU): publish nothing more to peers;
+//                                            always false on the CPU, whose waits throw
 //   void fence_peers()                       make this thread's stores to peer memory visible to
 //                                            peers before a later release (system fence on GPU)
 //   void delay()                             stress hook: a random pause on the CPU, no-op on GPU
