@@ -8,6 +8,8 @@ good, with a message saying so.
   extra call            one rank calls layer0 once more; it times out, the next call re-arms
   raise in between      one rank raises between layer0 and layer1; its peer's layer1 times out
   recover()             the explicit, collective re-arm
+  recover during call   a rank's recover() stops its peer's pending call at once (PeerFlag::Fault)
+                        and pairs with that peer's next call, which re-arms
   killed rank           SIGKILL: the survivor's call fails at once, recover() raises for good
 """
 import os
@@ -72,6 +74,12 @@ def _failure(rank, world, name):
         if rank == world - 1:
             return _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E))
         return None
+    if name == "recover_during_call":
+        if rank == 0:  # waits for rank 1's metadata; rank 1's recover() stops it at once
+            return _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E))
+        time.sleep(0.3)
+        comet.buffer_for().recover()  # pairs with rank 0's next call, which re-arms
+        return None
     assert name == "raise_between"
     y0, layout = comet.moe_layer0(x, w0, ids, num_experts=E)
     if rank == 0:
@@ -79,7 +87,7 @@ def _failure(rank, world, name):
     return None  # rank 1 "raised" here: it never makes the layer1 call
 
 
-SCENARIOS = ("max_rows", "extra_call", "raise_between", "recover")
+SCENARIOS = ("max_rows", "extra_call", "raise_between", "recover", "recover_during_call")
 
 
 def _scenarios(rank, world):
@@ -95,7 +103,8 @@ def _scenarios(rank, world):
     out = {}
     for name in SCENARIOS:
         seen = _failure(rank, world, name)
-        dist.barrier()  # every rank is past the failure
+        if name != "recover_during_call":  # (there rank 1's recover() waits for rank 0's call)
+            dist.barrier()  # every rank is past the failure
         before = (buf.needs_recovery, buf.recoveries)
         if name == "recover":
             buf.recover()
@@ -176,3 +185,11 @@ def test_killed_rank_ends_the_buffer_for_good_with_a_clear_message():
     for kind, msg, _ in (again, later):
         assert kind == "RuntimeError", msg
         assert "cannot be used again: rank 1" in msg and "has exited" in msg, msg
+
+
+def test_recover_stops_a_peer_waiting_in_a_call_at_once_and_pairs_with_its_next_call(scenarios):
+    res = scenarios["recover_during_call"]
+    kind, msg, took = res[0]["seen"]
+    assert kind == "RuntimeError" and "rank 1 stopped this call" in msg, msg
+    assert took < TIMEOUT_S, f"rank 0 needed {took:.1f} s to notice (its timeout is {TIMEOUT_S})"
+    assert [got["after"] for got in res] == [(False, 4)] * 2, res

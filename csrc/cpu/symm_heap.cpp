@@ -133,7 +133,8 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
       if (f >= 0) {
         msg << "comet: rank " << rank_ << " stopped waiting for " << wait_site_name(site)
             << " (index " << index << ", call " << epoch << "): rank " << f
-            << " failed this call (its error says why); the next call re-arms the buffer";
+            << " stopped this call (it failed, its error says why, or called "
+               "Buffer.recover()); the next call re-arms the buffer";
         throw std::runtime_error(msg.str());
       }
     }
