@@ -193,3 +193,41 @@ def test_recover_stops_a_peer_waiting_in_a_call_at_once_and_pairs_with_its_next_
     assert kind == "RuntimeError" and "rank 1 stopped this call" in msg, msg
     assert took < TIMEOUT_S, f"rank 0 needed {took:.1f} s to notice (its timeout is {TIMEOUT_S})"
     assert [got["after"] for got in res] == [(False, 4)] * 2, res
+
+
+def test_rearm_across_simulated_nodes_goes_through_the_link():
+    """4 ranks on 2 CPU nodes (threads of this process): the Fault and Rearm flags to the other
+    node travel by put-with-signal through the link proxy. Rank 3 makes an extra call; every
+    rank's next call re-arms; three good calls match the reference (float64)."""
+    import threading
+
+    import comet
+    from comet import reference as ref
+    from tests.sim_world import run_threads
+
+    world = 4
+    inputs = [_inputs(r, world, 5) for r in range(world)]
+    xs, w0s, w1s, ids, wts = ([t[i].double() if t[i].is_floating_point() else t[i]
+                               for t in inputs] for i in range(5))
+    y0_ref = ref.layer0_sim(xs, w0s, ids, E)
+    hs = [ref.swiglu(y) for y in y0_ref]
+    out_ref = ref.layer1_sim(hs, w1s, wts, ids, E)
+    bufs = comet.Buffer.simulated_world(world, timeout=1.0, ranks_per_node=2)
+    step = threading.Barrier(world)
+
+    def body(r, buf):
+        if r == 3:
+            seen = _raises(lambda: comet.moe_layer0(xs[r], w0s[r], ids[r], num_experts=E,
+                                                    buffer=buf))
+            assert "gave up" in seen[1], seen
+        step.wait(timeout=20)
+        for _ in range(3):
+            y0, layout = comet.moe_layer0(xs[r], w0s[r], ids[r], num_experts=E, buffer=buf)
+            out = comet.moe_layer1(hs[r], w1s[r], wts[r], layout, buffer=buf)
+            torch.testing.assert_close(y0, y0_ref[r], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(out, out_ref[r], rtol=1e-12, atol=1e-12)
+        return buf.recoveries, buf.link_stats()[0]
+
+    res = run_threads(world, body, buffers=bufs, timeout=60)
+    assert [rec for rec, _ in res] == [1] * world, res
+    assert all(puts > 0 for _, puts in res), res
