@@ -80,8 +80,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](int64_t h) { return comet::cpu::resident_blocks(*find_heap(h)); });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
   // Collective (every rank of the group, between calls): grow the data segment to >= bytes.
-  m.def("heap_reserve", [](int64_t h, int64_t bytes) { find_heap(h)->reserve(size_t(bytes)); },
+  m.def("heap_reserve",
+        [](int64_t h, int64_t bytes) {
+          auto heap = find_heap(h);
+          heap->recover_if_needed();
+          heap->reserve(size_t(bytes));
+        },
         py::call_guard<py::gil_scoped_release>());
+  // Collective: re-arms the heap after a failed call (symm_heap.h); raises if a peer is gone.
+  m.def("heap_recover", [](int64_t h) { find_heap(h)->recover(); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("heap_needs_rearm", [](int64_t h) { return find_heap(h)->needs_rearm(); });
+  m.def("heap_rearm_round", [](int64_t h) { return int64_t(find_heap(h)->rearm_round()); });
   m.def("heap_capacity", [](int64_t h) { return int64_t(find_heap(h)->capacity()); });
   m.def("heap_requested", [](int64_t h) { return int64_t(find_heap(h)->requested()); });
   bind_engine(m);

@@ -176,14 +176,17 @@ def run_ranks(
     timeout: float = 120.0,
     backend: str = "gloo",
     env: Optional[Dict[str, str]] = None,
+    may_die: Optional[set] = None,
     **kwargs: Any,
 ) -> List[Any]:
     """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` processes; return the results by rank.
 
     ``fn`` must be a module-level (picklable) function; ``args``/``kwargs`` and the return values
     must be picklable.  ``timeout`` bounds the whole run (start-up included) in seconds.  ``env``
-    adds environment variables for the children.
+    adds environment variables for the children.  Ranks in ``may_die`` may end by a signal (a test
+    that kills one on purpose) without failing the run: their result is the exit code.
     """
+    may_die = set(may_die or ())
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     ctx = mp.get_context("spawn")
@@ -221,6 +224,9 @@ def run_ranks(
                 # A child that exited with a non-zero code may have died without reporting.
                 # Children flush their report into the pipe before exiting, so if a further read
                 # finds nothing, the dead child never reported.
+                for r in may_die:
+                    if r not in results and procs[r].exitcode not in (None, 0):
+                        results[r] = procs[r].exitcode
                 dead = [r for r, p in enumerate(procs)
                         if r not in results and p.exitcode not in (None, 0)]
                 if not dead:

@@ -188,6 +188,27 @@ class Buffer:
         verdict = _C.heap_fail_call(self.handle, op, message)
         raise ValueError(verdict or message)
 
+    def recover(self) -> None:
+        """Re-arm this buffer after a failed or timed-out call, collectively (every rank of the
+        group calls it, or makes its next op call, within the timeout; in a simulated world each
+        rank's thread). The next op call does the same by itself when this rank or a peer failed,
+        so calling this is only needed to re-arm at a chosen point. Every rank drains what it
+        still had in flight and continues from the group's newest call number, so nothing written
+        before can be taken for a later call's data; the segments are kept. Raises, and the buffer
+        stays unusable for good, if a rank of the group has exited."""
+        _C.heap_recover(self.handle)
+
+    @property
+    def needs_recovery(self) -> bool:
+        """True when this rank or a peer failed a call and the buffer has not been re-armed yet
+        (the next call, or recover(), re-arms it)."""
+        return bool(_C.heap_needs_rearm(self.handle))
+
+    @property
+    def recoveries(self) -> int:
+        """Re-arms this buffer completed so far (the same count on every rank after each)."""
+        return int(_C.heap_rearm_round(self.handle))
+
     def close(self) -> None:
         self._finalizer()
 

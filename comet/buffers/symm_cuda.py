@@ -308,6 +308,25 @@ class Buffer:
         if msg:
             raise RuntimeError(msg)
 
+    def recover(self) -> None:
+        """Re-arm this buffer after a failed call (a timed-out wait), collectively: every rank
+        of the group calls it within the timeout. Each rank waits for its queued work, and all
+        continue from the group's newest call number with fresh counters; the segments are kept.
+        Until then every call raises. Raises, and the buffer is unusable for good, when the CUDA
+        context failed or a peer does not join (on CUDA the next call does not re-arm by itself:
+        a rank that saw no failure could not tell its peers' state)."""
+        _ops().buffer_recover(self.handle)
+
+    @property
+    def needs_recovery(self) -> bool:
+        """True when a call of this rank failed and recover() has not re-armed the buffer yet."""
+        return bool(_ops().buffer_needs_rearm(self.handle))
+
+    @property
+    def recoveries(self) -> int:
+        """Re-arms this buffer completed so far (the same count on every rank after each)."""
+        return int(_ops().buffer_rearm_round(self.handle))
+
     def fail_call(self, op: int, message: str) -> None:
         """Report a local input error through the call protocol so every peer raises too."""
         verdict = str(_ops().buffer_fail_call(self.handle, int(op), message))

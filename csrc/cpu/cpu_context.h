@@ -120,6 +120,7 @@ class CpuContext {
     sync();
   }
   void fence_peers() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+  bool failed() const { return false; }  // a failed wait throws here (exec_context.h)
   // Span accounting of the prologue programs (parallel.h): elements this thread was assigned.
   void work(int64_t n) {
     if (work_) *work_ += n;

@@ -63,7 +63,8 @@ uint64_t begin_checked_call(SymmHeap& heap, const CallMeta& me, const CheckResul
   TORCH_CHECK_VALUE(false, v);
 }
 
-// Runs the body of a call; a failure inside leaves peers in an unknown state: mark the heap broken.
+// Runs the body of a call; a failure inside leaves peers in an unknown state: the heap tells them
+// and refuses calls until re-armed (symm_heap.h: mark_broken).
 template <class Body>
 auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
   try {

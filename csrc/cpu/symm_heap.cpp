@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <chrono>
@@ -127,6 +128,16 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
           << ") has exited";
       throw std::runtime_error(msg.str());
     }
+    if (site != WaitSite::PeerRearm) {
+      const int32_t f = faulted_peer();
+      if (f >= 0) {
+        msg << "comet: rank " << rank_ << " stopped waiting for " << wait_site_name(site)
+            << " (index " << index << ", call " << epoch << "): rank " << f
+            << " stopped this call (it failed, its error says why, or called "
+               "Buffer.recover()); the next call re-arms the buffer";
+        throw std::runtime_error(msg.str());
+      }
+    }
     if (waited > timeout_s_) {
       msg << "comet: rank " << rank_ << " gave up after " << waited << " s waiting for "
           << wait_site_name(site) << " (index " << index << ", call " << epoch
@@ -138,7 +149,7 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
 }
 
 uint64_t SymmHeap::begin_call(CallMeta me) {
-  check_usable();
+  recover_if_needed();
   const uint64_t e = ++epoch_;
   RankHeader* mine = header(rank_);
   try {
@@ -183,13 +194,7 @@ void SymmHeap::reserve(size_t bytes) {
     // this rank's memory in the previous call (begin_call waited for their Done, sent after
     // their puts were delivered), and no rank writes this call's data before every rank mapped
     // the new generation (the Mapped waits below).
-    if (proxy_) proxy_->set_own(own_header_.data(), own_header_.size(), nullptr, 0);
-    for (int32_t r = 0; r < world_; ++r) {
-      data_[size_t(r)] = nullptr;
-      peer_data_[size_t(r)] = ShmSegment{};
-    }
-    own_data_ = ShmSegment{};
-    capacity_ = 0;
+    drop_data_segments();
     ++gen_;
     own_data_ = ShmSegment::create(segment_name(rank_, "d", gen_), cap);
     data_[rank_] = own_data_.data();
@@ -228,16 +233,127 @@ void SymmHeap::end_call(uint64_t epoch) {
 }
 
 void SymmHeap::mark_broken(const std::string& why) {
-  if (broken_.empty()) broken_ = why;
   own_header_.unlink();
   own_data_.unlink();
+  if (!broken_.empty()) return;
+  broken_ = why;
+  // Peers still waiting on this call give up at once instead of after the timeout; peers not in
+  // a call re-arm at their next one. Best effort: a link that fails here fails the re-arm later.
+  try {
+    for (int32_t r = 0; r < world_; ++r)
+      if (r != rank_) send_flag(r, PeerFlag::Fault, round_ + 1);
+  } catch (const std::exception&) {
+  }
 }
 
+int32_t SymmHeap::faulted_peer() const {
+  RankHeader* mine = header(rank_);
+  for (int32_t s = 0; s < world_; ++s)
+    if (s != rank_ && flag_relaxed(header_flag(mine, world_, PeerFlag::Fault, s)) > round_)
+      return s;
+  return -1;
+}
+
+bool SymmHeap::needs_rearm() const { return !broken_.empty() || faulted_peer() >= 0; }
+
 void SymmHeap::check_usable() const {
-  if (!broken_.empty())
-    throw std::runtime_error(
-        "comet: this buffer is unusable after an earlier communication failure (" + broken_ +
-        "); create a new comet.Buffer");
+  if (!dead_.empty())
+    throw std::runtime_error("comet: this buffer cannot be used again: " + dead_ +
+                             ". A dead rank ends the group: restart the job (or build a new "
+                             "process group of the live ranks and a new comet.Buffer on it)");
+}
+
+void SymmHeap::recover_if_needed() {
+  check_usable();
+  if (needs_rearm()) rearm();
+}
+
+void SymmHeap::recover() {
+  check_usable();
+  rearm();
+}
+
+void SymmHeap::drop_data_segments() {
+  if (proxy_) proxy_->set_own(own_header_.data(), own_header_.size(), nullptr, 0);
+  for (int32_t r = 0; r < world_; ++r) {
+    data_[size_t(r)] = nullptr;
+    peer_data_[size_t(r)] = ShmSegment{};
+  }
+  own_data_ = ShmSegment{};
+  capacity_ = 0;
+}
+
+// A peer process that is gone makes the heap dead for good (its segments and flags will never
+// answer again).
+void SymmHeap::check_peers_alive() {
+  for (int32_t s = 0; s < world_; ++s) {
+    if (s != rank_ && !peer_alive(s)) {
+      std::ostringstream why;
+      why << "rank " << s << " (pid " << peer_pid(s) << ") has exited";
+      if (!broken_.empty()) why << " (the failed call: " << broken_ << ")";
+      dead_ = why.str();
+      check_usable();
+    }
+  }
+}
+
+void SymmHeap::rearm() {
+  check_peers_alive();
+  const uint64_t target = round_ + 1;
+  RankHeader* mine = header(rank_);
+  try {
+    // Every put this rank issued (late ones of the failed call included) lands before its Rearm
+    // signal (the link is FIFO), and its blocks have all returned: after the waits below, no write
+    // from before the re-arm is still on its way to this rank.
+    if (proxy_) proxy_->quiet();
+    for (int32_t r = 0; r < world_; ++r)
+      if (r != rank_) send_flag(r, PeerFlag::Fault, target);
+    uint64_t* own_line = header_flag(mine, world_, PeerFlag::Rearm, rank_);
+    *reinterpret_cast<RearmState*>(own_line + 1) = RearmState{epoch_, gen_, uint64_t(capacity_)};
+    for (int32_t r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      if (reachable(r)) {
+        uint64_t* line = header_flag(header(r), world_, PeerFlag::Rearm, rank_);
+        *reinterpret_cast<RearmState*>(line + 1) = *reinterpret_cast<RearmState*>(own_line + 1);
+        flag_release(line, target);
+      } else {
+        proxy_->put_signal(r, own_line + 1, own_line + 1, sizeof(RearmState), own_line, target);
+      }
+    }
+    RearmState group{epoch_, gen_, uint64_t(capacity_)};
+    bool same_segment = true;
+    for (int32_t s = 0; s < world_; ++s) {
+      if (s == rank_) continue;
+      uint64_t* line = header_flag(mine, world_, PeerFlag::Rearm, s);
+      wait(line, target, WaitSite::PeerRearm, s);
+      const RearmState peer = *reinterpret_cast<const RearmState*>(line + 1);
+      same_segment = same_segment && peer.gen == gen_ && peer.capacity == capacity_;
+      group.epoch = std::max(group.epoch, peer.epoch);
+      group.gen = std::max(group.gen, peer.gen);
+    }
+    // A grow that failed half-way leaves ranks on different segments: drop them all; the next
+    // call grows to a generation no rank has used.
+    if (!same_segment) drop_data_segments();
+    gen_ = group.gen;
+    epoch_ = group.epoch;
+    // The counters a failed call may have left mid-count; tile_flags_ hold epochs (all below the
+    // next call's).
+    std::fill(tile_counts_.begin(), tile_counts_.end(), 0u);
+    std::fill(chunk_counts_.begin(), chunk_counts_.end(), 0u);
+    blocks_done_ = 0;
+    // Every rank is past its failed call: none reads peers' memory any more (the next call's
+    // "previous call done" handshake).
+    flag_release(mine->done_epoch, epoch_);
+    for (int32_t r = 0; r < world_; ++r) send_flag(r, PeerFlag::Done, epoch_);
+  } catch (const std::exception& ex) {
+    if (broken_.empty()) broken_ = ex.what();
+    check_peers_alive();
+    throw std::runtime_error(std::string("comet: re-arming the buffer after a failed call did "
+                                         "not complete (every rank must make its next call or "
+                                         "call Buffer.recover()): ") + ex.what());
+  }
+  round_ = target;
+  broken_.clear();
 }
 
 namespace {

@@ -99,9 +99,21 @@ class SymmHeap {
   void wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index,
             const std::atomic<bool>* abort = nullptr) const;
 
-  // A failed wait leaves peers in an unknown state: the heap refuses further calls.
+  // Recovery (docs/reliability.md). A failed call leaves peers in an unknown state: mark_broken
+  // records why and tells every peer (PeerFlag::Fault), whose waits then give up at once. The next
+  // call (begin_call) or recover() re-arms the heap: a collective in which every rank drains its
+  // link, publishes its last epoch and data generation (PeerFlag::Rearm), and continues from the
+  // group's largest epoch, so no flag written before can satisfy a wait after. Segments are kept
+  // when every rank still holds the same one (else dropped, and the next call grows them anew).
+  // The heap is re-armable until a peer process is gone: then it is dead for good.
   void mark_broken(const std::string& why);
-  void check_usable() const;
+  // Throws if the heap is dead; re-arms it first if this rank or a peer failed a call.
+  void recover_if_needed();
+  // Re-arms now (collective: every rank calls it, or its next call re-arms, within the timeout).
+  void recover();
+  bool needs_rearm() const;
+  uint64_t rearm_round() const { return round_; }
+  void check_usable() const;  // throws if dead
 
   // Local scratch that persists across calls (flags are epoch-valued, counters self-reset).
   std::vector<uint64_t>& tile_flags() { return tile_flags_; }
@@ -134,7 +146,13 @@ class SymmHeap {
   std::vector<ShmSegment> peer_data_;
   std::vector<char*> data_;
   std::vector<CallMeta> metas_;
-  std::string broken_;
+  std::string broken_;   // why the last call failed (re-armable); empty: none
+  std::string dead_;     // why the heap cannot be re-armed (a peer is gone); empty: it can
+  uint64_t round_ = 0;   // completed re-arms, equal on every rank after each
+  int32_t faulted_peer() const;  // a peer that asked for re-arm round_+1, or -1
+  void rearm();
+  void check_peers_alive();  // marks the heap dead and throws if a peer is gone
+  void drop_data_segments();
   std::vector<uint64_t> tile_flags_;
   std::vector<uint32_t> tile_counts_;
   std::vector<uint32_t> chunk_counts_;

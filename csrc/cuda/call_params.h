@@ -32,7 +32,8 @@ enum class CallStatus : int32_t {
 enum class BenchMode : int32_t { Fused = 0, CommOnly = 1, GemmOnly = 2 };
 
 // First failure on the device, in mapped pinned host memory: the host can read it even after the
-// kernel trapped (the CUDA context is then unusable, host memory is not).
+// kernel trapped (the transport's failures and a workspace overflow still trap: the CUDA context
+// is then unusable, host memory is not; a timed-out wait records code 1 and returns).
 struct ErrorRecord {
   int32_t code;     // 0 none, 1 wait timed out, 2 rows over max_rows, 3 workspace bound exceeded,
                     // 4 a call without host synchronisation was rejected (bad input / mismatch),

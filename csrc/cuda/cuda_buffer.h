@@ -113,9 +113,19 @@ class CudaBuffer {
   // Copies the state and every rank's metadata to pinned memory and waits for the stream.
   CallSummary read_summary(const CallMeta* metas_device, cudaStream_t stream);
 
-  // A failed call leaves peers in an unknown state: the buffer refuses further calls.
+  // Recovery (docs/reliability.md). A failed call (a timed-out wait, which records and returns
+  // instead of trapping) leaves peers in an unknown state: the buffer refuses calls until every
+  // rank re-arms it with recover() (collective): each publishes its last call number into its
+  // peers' headers (PeerFlag::Rearm, host NVSHMEM puts), all continue from the largest, and the
+  // device's counters restart. A CUDA error (the context is gone), a failed grow or a peer that
+  // does not join the re-arm within the timeout ends the buffer for good (mark_dead).
   void mark_broken(const std::string& why);
   const std::string& broken() const { return broken_; }
+  void mark_dead(const std::string& why);
+  const std::string& dead() const { return dead_; }
+  bool needs_rearm() const { return !broken_.empty() || error_host_->code == 1; }
+  uint64_t rearm_round() const { return round_; }
+  void recover();
 
   // Collective: frees the NVSHMEM memory (every rank must call it).
   void release();
@@ -152,6 +162,8 @@ class CudaBuffer {
   cudaEvent_t handover_ = nullptr;
   size_t requested_ = 0;
   std::string broken_;
+  std::string dead_;
+  uint64_t round_ = 0;  // completed re-arms, equal on every rank after each
 };
 
 // Text of what the device recorded in an ErrorRecord (empty when nothing); ops_cuda.cpp.

@@ -15,7 +15,11 @@
 //                    producer waited before loading), sync() is a named barrier over them.
 //
 // A wait that does not complete within the buffer's timeout records what it waited for in the
-// ErrorRecord (mapped host memory), prints it and traps, instead of hanging the GPU.
+// ErrorRecord (mapped host memory), prints it and returns, instead of hanging the GPU. It does not
+// trap, so the CUDA context survives and Buffer.recover() can re-arm the buffer: once a failure
+// is recorded every later wait of the call returns at once and nothing more is published to the
+// peers (call_failed: the prologue's flags, put_signal, layer1's arrival flags), so the call's
+// kernels drain quickly and no peer takes this call's data for a call of its own.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,6 +52,13 @@ static __device__ __forceinline__ void fence_proxy_async_global() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.global;" ::: "memory");
 #endif
+}
+
+// Whether a wait of this call timed out (code 1; volatile: mapped host memory another block
+// may have written). Other codes (an overflow, a rejection of an earlier call without host
+// synchronisation) wait there to be reported and do not stop the call.
+static __device__ __forceinline__ bool call_failed(const ErrorRecord* e) {
+  return e != nullptr && *reinterpret_cast<const volatile int32_t*>(&e->code) == 1;
 }
 
 // Where a timeout is reported, and how long a wait may take.
@@ -86,7 +97,6 @@ static __device__ __forceinline__ void wait_timed_out(ErrorRecord* e, int32_t ra
 #else
   (void)flag;
 #endif
-  __trap();
 }
 
 // Single-thread spin until *flag >= epoch (acquire: device scope for this GPU's own flags, system
@@ -102,14 +112,18 @@ static __device__ __forceinline__ void spin_until(const WaitConfig& wc, uint64_t
   if (v >= epoch) return;
   const uint64_t start = globaltimer_ns();
   uint32_t backoff = 32;
-  for (;;) {
+  for (uint32_t spin = 1;; ++spin) {
     __nanosleep(backoff);
     if (backoff < 1024) backoff <<= 1;
     v = acquire_at(flag, local);
     if (v >= epoch) return;
+    // Another wait of this call gave up: stop too (a read of host memory, so not every round).
+    if (spin % 64 == 0 && call_failed(wc.error)) return;
     const uint64_t now = globaltimer_ns();
-    if (now - start > wc.timeout_ns)
+    if (now - start > wc.timeout_ns) {
       wait_timed_out(wc.error, wc.rank, flag, epoch, site, index, v, now - start);
+      return;
+    }
   }
 }
 
@@ -175,6 +189,8 @@ class CommContext {
   __device__ void fence_peers() { __threadfence_system(); }
   __device__ void delay() {}
   __device__ void* block_shared() const { return shared_; }
+  // A wait of this call timed out (gpu_context.cuh's header): publish nothing more.
+  __device__ bool failed() const { return call_failed(wc_.error); }
   // Whether rank r's header and data are reachable by pointer (r on this rank's node).
   __device__ bool reachable(int32_t r) const { return topo_.same_node(rank_, r); }
   // One thread; see put_signal(CallParams, ...) above.

@@ -52,7 +52,8 @@ std::string describe_error(const ErrorRecord& e) {
         << " s waiting for " << wait_site_name(WaitSite(e.site)) << " (index " << e.index
         << ", call " << e.epoch << ", the flag held " << e.seen
         << "); a peer may have died, stalled, or called a different op (timeout set by "
-           "COMET_TIMEOUT or Buffer(timeout=...)); this buffer is unusable now";
+           "COMET_TIMEOUT or Buffer(timeout=...)); every rank of the group calls "
+           "Buffer.recover() to use this buffer again";
       break;
     case 2:
       m << "comet.moe_layer0: rank " << e.rank << " received " << e.index
@@ -238,8 +239,8 @@ std::string verdict_message(const std::vector<CallMeta>& metas, int32_t rank, co
 // The call's buffer. `pending` receives (and the device record drops) what the device recorded in
 // earlier calls that nobody read back (calls without host synchronisation): the op reports it
 // after its call (raise_pending / with_pending; raising here would skip the exchange and leave
-// the peers waiting). A timed-out wait is different: the GPU trapped, the buffer is unusable, and
-// so are the peers'.
+// the peers waiting). A timed-out wait is different: the buffer refuses calls until every rank
+// re-armed it (CudaBuffer::recover); one that cannot be re-armed (dead) refuses them for good.
 std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending) {
   std::shared_ptr<CudaBuffer> b;
   try {
@@ -247,11 +248,12 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+  TORCH_CHECK(b->dead().empty(), "comet: this buffer cannot be used again: ", b->dead());
   const ErrorRecord& er = b->error_host();
   if (er.code == 1) b->mark_broken(describe_error(er));
-  TORCH_CHECK(b->broken().empty(),
-              "comet: this buffer is unusable after an earlier failure (", b->broken(),
-              "); create a new comet buffer");
+  TORCH_CHECK(b->broken().empty(), "comet: this buffer needs re-arming after a failed call (",
+              b->broken(), "): every rank of the group calls Buffer.recover() (collective), "
+              "then calls again");
   if (er.code != 0) {
     *pending = "an earlier call without host synchronisation failed: " + describe_error(er);
     b->clear_error();

@@ -263,7 +263,9 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
   // Metadata exchange, a peer per thread. A rank of another node gets (layer0) our bucket offsets
   // in its bucket box for us, then our metadata in its mailbox: both puts from the same thread,
   // so the metadata's signal follows the offsets on the link (FIFO per target).
-  if (g == 0) flag_release(mine->meta_epoch, e);
+  // A timed-out wait above (a peer still in an earlier call, or gone) publishes nothing: the
+  // peers must not take this call for one of theirs (gpu_context.cuh: call_failed).
+  if (g == 0 && !call_failed(p.error)) flag_release(mine->meta_epoch, e);
   for (int64_t r = g; r < W; r += P) {
     if (p.topo.same_node(d, int32_t(r))) continue;
     if (publish_buckets)
@@ -291,7 +293,8 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     st->num_mtiles = 0;
     st->plan_entries = 0;
     st->plan_slots = 0;
-    st->status = bad == -2 ? int32_t(CallStatus::Ok) : int32_t(CallStatus::Rejected);
+    st->status = bad == -2 && !call_failed(p.error) ? int32_t(CallStatus::Ok)
+                                                    : int32_t(CallStatus::Rejected);
   }
   grid_sync(ctx, sc.bar);
   int32_t status = st->status;

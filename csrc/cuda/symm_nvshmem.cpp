@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +35,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
@@ -299,7 +301,7 @@ void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
     capacity_ = cap;
     refresh_tables(stream);
   } catch (const std::exception& e) {
-    mark_broken(e.what());
+    mark_dead(e.what());  // ranks may now hold different segments: nothing to re-arm
     throw;
   }
 }
@@ -317,7 +319,7 @@ CallSummary CudaBuffer::read_summary(const CallMeta* metas_device, cudaStream_t 
     std::string why = describe_error(*error_host_);
     if (why.empty()) why = "comet: the call's prologue failed on the GPU";
     why += std::string(" (CUDA: ") + cudaGetErrorString(e) + ")";
-    mark_broken(why);
+    mark_dead(why);
     throw std::runtime_error(why);
   }
   CallSummary s;
@@ -329,6 +331,94 @@ CallSummary CudaBuffer::read_summary(const CallMeta* metas_device, cudaStream_t 
 
 void CudaBuffer::mark_broken(const std::string& why) {
   if (broken_.empty()) broken_ = why;
+}
+
+void CudaBuffer::mark_dead(const std::string& why) {
+  if (dead_.empty()) dead_ = why;
+}
+
+void CudaBuffer::recover() {
+  if (!dead_.empty()) throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  // The failed call's kernels have ended (its waits returned) and so has the proxy kernel: after
+  // this, nothing of this rank writes to a peer any more.
+  cudaError_t ce = cudaDeviceSynchronize();
+  if (ce != cudaSuccess) {
+    mark_dead(std::string("the CUDA context failed (") + cudaGetErrorString(ce) +
+              "): restart the process");
+    throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
+  }
+  nvshmem_quiet();
+  const uint64_t target = round_ + 1;
+  DeviceState st;
+  auto copy = [&](void* dst, const void* src, size_t n, cudaMemcpyKind kind) {
+    const cudaError_t e = cudaMemcpy(dst, src, n, kind);
+    if (e != cudaSuccess) {
+      mark_dead(std::string("the CUDA context failed during the re-arm (") +
+                cudaGetErrorString(e) + ")");
+      throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
+    }
+  };
+  copy(&st, state_, sizeof(st), cudaMemcpyDeviceToHost);
+  RankHeader* mine = static_cast<RankHeader*>(header_);
+  uint64_t* own_line = header_flag(mine, world_, PeerFlag::Rearm, rank_);
+  const RearmState me{st.epoch, 0, uint64_t(capacity_)};
+  copy(own_line + 1, &me, sizeof(me), cudaMemcpyHostToDevice);
+  // The state, then the flag (nvshmem_fence orders the two puts to each PE).
+  for (int32_t r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    nvshmem_putmem(own_line + 1, own_line + 1, sizeof(RearmState), pes_[size_t(r)]);
+    nvshmem_fence();
+    nvshmem_uint64_p(own_line, target, pes_[size_t(r)]);
+  }
+  nvshmem_quiet();
+  // Every peer's line in this rank's header, polled from the host within the timeout.
+  uint64_t epoch = st.epoch;
+  const auto start = std::chrono::steady_clock::now();
+  for (int32_t s = 0; s < world_; ++s) {
+    if (s == rank_) continue;
+    uint64_t line[kFlagStride];
+    for (;;) {
+      copy(line, header_flag(mine, world_, PeerFlag::Rearm, s), sizeof(line),
+           cudaMemcpyDeviceToHost);
+      if (line[0] >= target) break;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > timeout_s_) {
+        std::ostringstream why;
+        why << "rank " << s << " did not join the re-arm within " << timeout_s_
+            << " s (gone or stuck; every rank must call Buffer.recover())";
+        mark_dead(why.str());
+        throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const RearmState peer = *reinterpret_cast<const RearmState*>(line + 1);
+    if (peer.capacity != capacity_) {
+      mark_dead("the ranks hold data segments of different sizes after a failed grow");
+      throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
+    }
+    epoch = std::max(epoch, peer.epoch);
+  }
+  // Continue from the group's newest call: no flag written before can satisfy a later wait.
+  // The self-resetting counters may have stopped mid-count.
+  st.epoch = epoch;
+  st.comm_done = 0;
+  st.blocks_done = 0;
+  st.grid_arrived = 0;
+  st.status = int32_t(CallStatus::Ok);
+  copy(state_, &st, sizeof(st), cudaMemcpyHostToDevice);
+  // Every rank is past its failed call: "done reading your memory" up to `epoch`, in this rank's
+  // own header (same-node peers read it there) and in the mailboxes of the other nodes' ranks.
+  copy(mine->done_epoch, &epoch, sizeof(epoch), cudaMemcpyHostToDevice);
+  uint64_t* done_box = header_flag(mine, world_, PeerFlag::Done, rank_);
+  for (int32_t r = 0; r < world_; ++r)
+    if (r != rank_ && !topology().same_node(rank_, r))
+      nvshmem_uint64_p(done_box, epoch, pes_[size_t(r)]);
+  nvshmem_quiet();
+  clear_error();
+  broken_.clear();
+  round_ = target;
 }
 
 void CudaBuffer::release() {
@@ -524,12 +614,16 @@ std::string buffer_check(int64_t h) {
   std::string msg = describe_error(b->error_host());
   if (e != cudaSuccess) {
     msg = (msg.empty() ? std::string() : msg + "; ") + "CUDA error: " + cudaGetErrorString(e);
-    b->mark_broken(msg);
+    b->mark_dead(msg);
   } else if (!msg.empty() && b->error_host().code != 1) {
-    b->clear_error();  // reported once; a timeout keeps the buffer broken
+    b->clear_error();  // reported once; a timeout stays until recover()
   }
   return msg;
 }
+
+void buffer_recover(int64_t h) { find_cuda_buffer(h)->recover(); }
+bool buffer_needs_rearm(int64_t h) { return find_cuda_buffer(h)->needs_rearm(); }
+int64_t buffer_rearm_round(int64_t h) { return int64_t(find_cuda_buffer(h)->rearm_round()); }
 
 }  // namespace
 
@@ -555,6 +649,9 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_capacity(int handle) -> int", &buffer_capacity);
   m.def("buffer_reserve(int handle, int bytes) -> ()", &buffer_reserve);
   m.def("buffer_check(int handle) -> str", &buffer_check);
+  m.def("buffer_recover(int handle) -> ()", &buffer_recover);
+  m.def("buffer_needs_rearm(int handle) -> bool", &buffer_needs_rearm);
+  m.def("buffer_rearm_round(int handle) -> int", &buffer_rearm_round);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
   m.def("buffer_requested(int handle) -> int", &buffer_requested);
   m.def("buffer_stream(int handle) -> int", &buffer_stream);

@@ -249,7 +249,9 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
       count_ref(*a.blocks_done).store(0u, mo::memory_order_relaxed);
       // Node-reduced: the relays tell the homes on other nodes (layer1_node_relay); the flag to a
       // same-node rank also says "my rows in your node_stage are written".
-      for (int32_t s = 0; s < a.world; ++s) {
+      // A call that failed here (a GPU wait timed out and returned) tells no home its partials
+      // are complete: they may be garbage (the CPU throws instead, so failed() is false there).
+      for (int32_t s = 0; s < a.world && !ctx.failed(); ++s) {
         if (!other_node(a, s))
           flag_release(header_arrive(ctx.header(s), a.rank), a.epoch);
         else if (!node_reduced(a))  // after this rank's partial puts to s: FIFO per target

@@ -20,6 +20,9 @@
 //                                            block-wide: returns once *flag >= epoch (acquire);
 //                                            gives up with an error naming site/index after the
 //                                            buffer's timeout instead of hanging
+//   bool failed()                            (comm contexts) a wait of this call gave up and
+//                                            returned (GPU): publish nothing more to peers;
+//                                            always false on the CPU, whose waits throw
 //   void fence_peers()                       make this thread's stores to peer memory visible to
 //                                            peers before a later release (system fence on GPU)
 //   void delay()                             stress hook: a random pause on the CPU, no-op on GPU
@@ -54,6 +57,7 @@ enum class WaitSite : int32_t {
   Partials = 7,      // layer1: a peer's partial sums of our tokens
   GridBarrier = 8,   // a grid barrier of a multi-block program
   MirrorRows = 9,    // layer0: rows of a source on another node (its mirror on this node's relay)
+  PeerRearm = 10,    // a peer re-arming the buffer after a failed call (host only)
 };
 
 // Flags of these sites are written and read by this GPU only (device-scope acquire suffices);
@@ -74,6 +78,7 @@ COMET_HD const char* wait_site_name(WaitSite s) {  // host and device (timeout m
     case WaitSite::Partials: return "layer1 partial sums from peer";
     case WaitSite::GridBarrier: return "grid barrier of a prologue program";
     case WaitSite::MirrorRows: return "rows of a source on another node (mirror on the relay)";
+    case WaitSite::PeerRearm: return "peer re-arming the buffer after a failed call";
   }
   return "?";
 }

@@ -59,8 +59,22 @@ enum class PeerFlag : int32_t {
   Meta = 5,        // s's CallMeta of call `epoch` is in this rank's mailbox
   Gen = 6,         // s's data generation `gen` exists
   Data = 7,        // s's source data of call `epoch` is readable (s on this node)
+  // Recovery after a failed call (docs/reliability.md). Both carry a re-arm round, not an epoch:
+  Fault = 8,       // s failed a call of round value-1 and asks for re-arm `value`
+  Rearm = 9,       // s entered re-arm `value`; words 1.. of the flag's line hold its RearmState
 };
-constexpr int32_t kPeerFlagKinds = 8;
+constexpr int32_t kPeerFlagKinds = 10;
+
+// What a rank brings to a re-arm, in words 1..3 of its Rearm flag's line (written before the
+// flag, by stores on its node, in the same put as the signal across nodes). Every rank takes the
+// largest epoch and generation, so no flag written before the re-arm can satisfy a later wait.
+struct RearmState {
+  uint64_t epoch;     // the last call number this rank used
+  uint64_t gen;       // its data segment generation
+  uint64_t capacity;  // its data segment bytes (0: none)
+};
+static_assert(sizeof(RearmState) <= (kFlagStride - 1) * sizeof(uint64_t),
+              "RearmState must fit in a flag's line after the flag word");
 
 COMET_HD size_t header_bytes(int32_t world) {
   return sizeof(RankHeader) + size_t(kPeerFlagKinds) * world * kFlagStride * sizeof(uint64_t) +
