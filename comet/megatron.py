@@ -219,6 +219,13 @@ class CometMoELayer(MoELayer):
         if not torch.cuda.is_available():  # see the module docstring
             self.router.gating = types.MethodType(_gating_without_cuda, self.router)
         self._check_supported()
+        self.comet_tp_size = mcore_utils.get_pg_size(self.expt_tp_group)
+        self.comet_group = self._comet_group(pg_collection)
+        group_size = mcore_utils.get_pg_size(self.comet_group)
+        if buffer is not None and buffer.world != group_size:
+            raise ValueError(f"comet.megatron.CometMoELayer: buffer has world {buffer.world} but "
+                             f"the layer's group has {group_size} ranks (expert_model_parallel_"
+                             "size x expert_tensor_parallel_size)")
         self.comet_buffer = buffer
         self.comet_launch = dict(n_comm=n_comm, tile=tile)
         if delay_wgrad is None:
@@ -230,11 +237,38 @@ class CometMoELayer(MoELayer):
         self.cache_expert_weights = bool(cache_expert_weights)
         self._weights = None  # (key, (w0, w1, transposed)): see _expert_weights
 
+    def _comet_group(self, pg_collection):
+        """The group comet's ops run on. Without expert tensor parallelism: Megatron's
+        expert-parallel group. With expert_tensor_parallel_size t > 1: Megatron's expert
+        tensor-and-model-parallel group (pg_collection.tp_ep, the EP x ETP ranks that exchange
+        tokens), which comet requires TP-innermost -- group rank = ep_rank * t + tp_rank, the
+        order upstream's alltoall dispatcher also assumes (it reshapes its gather over tp_ep as
+        [ep, tp]). Checked on every rank (a rank outside that order would get other experts' rows),
+        so a pg_collection built another way is refused, not run wrong."""
+        t = self.comet_tp_size
+        if t == 1:
+            return self.ep_group
+        group = getattr(pg_collection, "tp_ep", None)
+        if group is None:
+            raise ValueError("comet.megatron.CometMoELayer: expert_tensor_parallel_size "
+                             f"{t} > 1 needs pg_collection.tp_ep (the expert tensor-and-model-"
+                             "parallel group)")
+        ep = mcore_utils.get_pg_size(self.ep_group)
+        ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        tp_rank = mcore_utils.get_pg_rank(self.expt_tp_group)
+        size, rank = mcore_utils.get_pg_size(group), mcore_utils.get_pg_rank(group)
+        if size != ep * t or rank != ep_rank * t + tp_rank:
+            raise ValueError(
+                "comet.megatron.CometMoELayer: the expert tensor-and-model-parallel group "
+                f"(pg_collection.tp_ep, size {size}) must hold expert_model_parallel_size {ep} x "
+                f"expert_tensor_parallel_size {t} ranks TP-innermost (rank = ep_rank * {t} + "
+                f"tp_rank), but this rank is {rank} there with ep_rank {ep_rank}, tp_rank "
+                f"{tp_rank}")
+        return group
+
     def _check_supported(self):
         c = self.config
         problems = []
-        if mcore_utils.get_pg_size(self.expt_tp_group) != 1:
-            problems.append("expert tensor parallelism (expert_tensor_parallel_size > 1)")
         if mcore_utils.get_pg_size(self.attn_tp_group) != 1:
             problems.append("tensor parallelism (tensor_model_parallel_size > 1)")
         if c.moe_latent_size:
@@ -277,18 +311,18 @@ class CometMoELayer(MoELayer):
 
     def _row_bound(self, tokens: int):
         """layer0's max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
-        c, world = self.config, mcore_utils.get_pg_size(self.ep_group)
+        c, world = self.config, mcore_utils.get_pg_size(self.comet_group)
         if self.comet_buffer is not None:
             world = self.comet_buffer.world
-        k, e = c.moe_router_topk, c.num_moe_experts
+        k, e, t = c.moe_router_topk, c.num_moe_experts, self.comet_tp_size
         if self.comet_max_rows == comet_nn.WORST_CASE:
-            return comet_nn.worst_case_rows(tokens, k, e, world)
+            return comet_nn.worst_case_rows(tokens, k, e, world, tp_size=t)
         if self.comet_max_rows is not None:
             return None if self.comet_max_rows < 0 else int(self.comet_max_rows)
         if c.moe_expert_capacity_factor is None:
             return None
         capacity = get_capacity(tokens * k, e, c.moe_expert_capacity_factor)
-        return comet_nn.worst_case_rows(tokens, k, e, world, capacity)
+        return comet_nn.worst_case_rows(tokens, k, e, world, capacity, tp_size=t)
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -341,8 +375,8 @@ class CometMoELayer(MoELayer):
                                           num_experts=self.config.num_moe_experts,
                                           w0_transposed=transposed,
                                           max_rows=self._row_bound(hidden_states.shape[0]),
-                                          group=self.ep_group, buffer=self.comet_buffer,
-                                          **self.comet_launch)
+                                          group=self.comet_group, buffer=self.comet_buffer,
+                                          tp_size=self.comet_tp_size, **self.comet_launch)
         return y0, (layout, topk_weights)
 
     def routed_experts_compute(self, hidden_states, probs):
@@ -364,7 +398,7 @@ class CometMoELayer(MoELayer):
             topk_weights = topk_weights.float()
         with self._defer():
             return comet.moe_layer1(h, w1, topk_weights, layout, w1_transposed=transposed,
-                                    group=self.ep_group,
+                                    group=self.comet_group,
                                     buffer=self.comet_buffer, **self.comet_launch)
 
     def postprocess(self, output, shared_expert_output):

@@ -417,3 +417,51 @@ def test_readme_megatron_example_runs_as_written():
     done = subprocess.run([sys.executable, "-c", code + "\nprint('README example ran')"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "README example ran" in done.stdout, done.stderr[-3000:]
+
+
+# -- expert tensor parallelism (expert_tensor_parallel_size > 1) ----------------------------------
+
+ETP = 2
+
+
+def _etp_checks(rank, world):
+    """EP = world / 2 x ETP 2: every rank its own tokens, each rank holds its tp shard of its EP
+    rank's experts (SequentialMLP: linear_fc1 column-parallel with its gate and up shards together,
+    linear_fc2 row-parallel); comet's layer on Megatron's expert tensor-and-model-parallel group
+    equals upstream's layer (alltoall dispatcher: EP all-to-all, then all-gather / reduce-scatter
+    over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity."""
+    from megatron.core import parallel_state
+
+    from tests import megatron_cpu_patches
+
+    megatron_cpu_patches.apply()
+    ep = world // ETP
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=ETP,
+                                             create_gloo_process_groups=False)
+    etp = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
+    g = torch.Generator().manual_seed(41 + rank)  # each rank its own tokens, and as many
+    x = torch.randn(4 + rank, 2, H, generator=g)
+    v = torch.randn(4 + rank, 2, H, generator=g)
+    upstream, ours = _layers(_config(**etp))
+    assert ours.comet_tp_size == ETP and ours.num_local_experts == E // ep
+    assert torch.distributed.get_process_group_ranks(ours.comet_group) == list(range(world))
+    fc1 = ours.experts.local_experts[0].linear_fc1.weight
+    fc2 = ours.experts.local_experts[0].linear_fc2.weight
+    assert fc1.shape == (2 * FFN // ETP, H) and fc2.shape == (H, FFN // ETP)  # the tp shards
+    diffs = {"fp32": _compare(upstream, ours, x, v, f"etp rank {rank}")}
+    upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
+                                     moe_router_dtype="fp32", **etp))
+    diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), f"etp bf16 rank {rank}",
+                             atol=3e-2, rtol=2e-2)
+    # the capacity's row bound (the sync-free path) needs as many tokens on every rank
+    upstream, ours = _layers(_config(moe_expert_capacity_factor=0.5,
+                                     moe_token_drop_policy="probs", **etp))
+    diffs["capacity"] = _compare(upstream, ours, x[:4], v[:4], f"etp capacity rank {rank}")
+    return diffs
+
+
+@pytest.mark.parametrize("world", [2, 4])  # (EP, ETP) = (1, 2) and (2, 2)
+def test_matches_megatron_expert_tensor_parallel(world):
+    diffs = run_ranks(_etp_checks, world, timeout=150)
+    print(diffs)
