@@ -74,8 +74,18 @@ host synchronisation on CUDA). As in Megatron, every rank of the expert-parallel
 same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
 bound without dropping, or -1 for the dynamic path).
 
-Not supported (rejected at construction): expert tensor parallelism > 1, attention tensor
-parallelism > 1, MoE latent projections, padding expert inputs to capacity, router padding for
+Expert tensor parallelism (config.expert_tensor_parallel_size t > 1): the ops run with
+tp_size=t on Megatron's expert tensor-and-model-parallel group (pg_collection.tp_ep), required
+TP-innermost (checked: see _comet_group). Megatron's expert modules hold tp shards already --
+linear_fc1 column-parallel with each rank's gate and up shards side by side ([2F/t, H] per expert,
+GroupedMLP's weight1 [H, E_local * 2F/t] the same per expert), linear_fc2 row-parallel ([H, F/t]) --
+which is exactly comet's w0 / w1 shard layout, so they are read as without ETP. Each rank brings
+its own tokens (upstream's alltoall dispatcher too: EP all-to-all, then an all-gather over the
+expert TP group and a reduce-scatter back); layer1 returns the full sum over the t shards, so no
+reduce is added here.
+
+Not supported (rejected at construction): attention tensor parallelism > 1
+(tensor_model_parallel_size; expert tensor parallelism is supported), MoE latent projections, padding expert inputs to capacity, router padding for
 quantization, FP8/FP4, biases in the experts, probs applied on the input.
 """
 from __future__ import annotations
@@ -192,8 +202,9 @@ def expert_weights(experts, num_local_experts: int, hidden_size: int):
 class CometMoELayer(MoELayer):
     """Megatron's MoELayer with dispatch / expert compute / combine on Comet's fused ops.
 
-    Extra keyword arguments: ``buffer`` (a comet.Buffer for the expert-parallel group; default:
-    the ops' buffer of Megatron's expert-parallel group on the tokens' backend - the NVSHMEM one
+    Extra keyword arguments: ``buffer`` (a comet.Buffer for the layer's group -- the
+    expert-parallel group, or with expert tensor parallelism the tp_ep group; default: the ops'
+    buffer of that group on the tokens' backend - the NVSHMEM one
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
     overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
     ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring),

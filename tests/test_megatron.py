@@ -2,12 +2,13 @@
 dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weights (Megatron's
 state dict loads unchanged), same input -> same output, input gradient and every parameter
 gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
-1 rank and expert parallelism over 2 ranks; shared experts (plain, gated, Megatron's overlap flag),
+1 rank and expert parallelism over 2 ranks; expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
+EP 2 x ETP 2 on 4: fp32, bf16, capacity; the group order and buffer checks); shared experts (plain, gated, Megatron's overlap flag),
 computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
 Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to serve as the
 reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_patches builds and
-runs CometMoELayer on 1 and 2 CPU ranks in processes that never import the patches, and
+runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the patches, and
 test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
 Also: the stacked SequentialMLP weights (once per forward; kept between forwards with
 cache_expert_weights=True until an in-place update). Skipped when megatron-core is not installed."""
