@@ -84,8 +84,14 @@ its own tokens (upstream's alltoall dispatcher too: EP all-to-all, then an all-g
 expert TP group and a reduce-scatter back); layer1 returns the full sum over the t shards, so no
 reduce is added here.
 
-Not supported (rejected at construction): attention tensor parallelism > 1
-(tensor_model_parallel_size; expert tensor parallelism is supported), MoE latent projections, padding expert inputs to capacity, router padding for
+Attention tensor parallelism (tensor_model_parallel_size > 1) needs nothing of the layer: with
+sequence parallelism (which Megatron's MoELayer requires in training) each rank's MoE input is its
+own slice of the sequence, i.e. its own tokens, exactly as comet's ops take them; the router and
+the shared experts are Megatron's own (their sequence-parallel gathers included). Without sequence
+parallelism (inference) the t ranks of an attention TP group bring the same tokens, and each gets
+its own full result back (as upstream's dispatcher does, t-fold traffic).
+
+Not supported (rejected at construction): MoE latent projections, padding expert inputs to capacity, router padding for
 quantization, FP8/FP4, biases in the experts, probs applied on the input.
 """
 from __future__ import annotations
@@ -280,8 +286,6 @@ class CometMoELayer(MoELayer):
     def _check_supported(self):
         c = self.config
         problems = []
-        if mcore_utils.get_pg_size(self.attn_tp_group) != 1:
-            problems.append("tensor parallelism (tensor_model_parallel_size > 1)")
         if c.moe_latent_size:
             problems.append("moe_latent_size")
         if c.moe_pad_expert_input_to_capacity:

@@ -478,6 +478,20 @@ def _etp_checks(rank, world):
         diffs["capacity"] = _compare(upstream, ours, x[:4], v[:4], f"etp capacity rank {rank}")
     bound = comet_nn.worst_case_rows(8, K, E, world, get_capacity(8 * K, E, 0.5), tp_size=ETP)
     assert seen == [(bound, bound)], (seen, bound)  # E_local = E / EP, from all W ranks
+
+    # attention tensor parallelism = ETP with sequence parallelism (Megatron's usual MoE setup):
+    # each rank's input is its slice of the sequence (as many tokens on the TP ranks), the shared
+    # experts are Megatron's sequence-parallel MLP
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(ETP, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=ETP,
+                                             create_gloo_process_groups=False)
+    upstream, ours = _layers(_config(tensor_model_parallel_size=ETP, sequence_parallel=True,
+                                     moe_shared_expert_intermediate_size=8, **etp))
+    assert ours.shared_experts.linear_fc1.weight.shape == (2 * 8 // ETP, H)  # TP-sharded, gated
+    diffs["attn_tp_sp"] = _compare(upstream, ours, x[:4], v[:4], f"attn tp + sp rank {rank}")
     return diffs
 
 
