@@ -3,7 +3,8 @@ dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weight
 state dict loads unchanged), same input -> same output, input gradient and every parameter
 gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
 1 rank and expert parallelism over 2 ranks; expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
-EP 2 x ETP 2 on 4: fp32, bf16, capacity; the group order and buffer checks); shared experts (plain, gated, Megatron's overlap flag),
+EP 2 x ETP 2 on 4: fp32, bf16, capacity, attention TP 2 with and without sequence parallelism;
+the group order and buffer checks); shared experts (plain, gated, Megatron's overlap flag),
 computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
 Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to serve as the
@@ -447,7 +448,9 @@ def _etp_checks(rank, world):
     rank's experts (SequentialMLP: linear_fc1 column-parallel with its gate and up shards together,
     linear_fc2 row-parallel); comet's layer on Megatron's expert tensor-and-model-parallel group
     equals upstream's layer (alltoall dispatcher: EP all-to-all, then all-gather / reduce-scatter
-    over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity."""
+    over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity;
+    then with attention TP = ETP, with sequence parallelism and shared experts, and without it in
+    eval mode."""
     ep = _setup_etp(world)
     etp = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
     g = torch.Generator().manual_seed(41 + rank)  # each rank its own tokens, and as many
@@ -492,12 +495,20 @@ def _etp_checks(rank, world):
                                      moe_shared_expert_intermediate_size=8, **etp))
     assert ours.shared_experts.linear_fc1.weight.shape == (2 * 8 // ETP, H)  # TP-sharded, gated
     diffs["attn_tp_sp"] = _compare(upstream, ours, x[:4], v[:4], f"attn tp + sp rank {rank}")
+    # without sequence parallelism (inference: upstream refuses it in training) the ranks of an
+    # attention TP group hold the same tokens; each gets its full result
+    g = torch.Generator().manual_seed(51 + rank // ETP)
+    x, v = torch.randn(4, 2, H, generator=g), torch.randn(4, 2, H, generator=g)
+    upstream, ours = _layers(_config(tensor_model_parallel_size=ETP, **etp))
+    upstream.eval(), ours.eval()
+    diffs["attn_tp_eval"] = _compare(upstream, ours, x, v, f"attn tp eval rank {rank}")
     return diffs
 
 
 @pytest.mark.parametrize("world", [2, 4])  # (EP, ETP) = (1, 2) and (2, 2)
 def test_matches_megatron_expert_tensor_parallel(world):
     diffs = run_ranks(_etp_checks, world, timeout=150)
+    assert all(set(d) == {"fp32", "bf16", "capacity", "attn_tp_sp", "attn_tp_eval"} for d in diffs)
     print(diffs)
 
 
