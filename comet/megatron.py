@@ -69,9 +69,9 @@ schedules expect (comet.layers.autograd.defer_weight_grads).
 
 Sync-free path: with config.moe_expert_capacity_factor set, Megatron's router drops every slot
 beyond an expert's capacity C = get_capacity(T k, E, factor) on each rank, which bounds the rows a
-rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C) (static shapes, no
-host synchronisation on CUDA). As in Megatron, every rank of the expert-parallel group feeds the
-same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
+rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C, tp_size=t) (W the
+layer's group, t its expert tensor parallelism; static shapes, no host synchronisation on CUDA).
+As in Megatron, every rank of that group feeds the same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
 bound without dropping, or -1 for the dynamic path).
 
 Expert tensor parallelism (config.expert_tensor_parallel_size t > 1): the ops run with
