@@ -71,8 +71,9 @@ Sync-free path: with config.moe_expert_capacity_factor set, Megatron's router dr
 beyond an expert's capacity C = get_capacity(T k, E, factor) on each rank, which bounds the rows a
 rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C, tp_size=t) (W the
 layer's group, t its expert tensor parallelism; static shapes, no host synchronisation on CUDA).
-As in Megatron, every rank of that group feeds the same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
-bound without dropping, or -1 for the dynamic path).
+As in Megatron, every rank of that group feeds the same T tokens per call. A ``max_rows``
+argument overrides it (an int, comet.nn.WORST_CASE for the bound without dropping, or -1 for the
+dynamic path).
 
 Expert tensor parallelism (config.expert_tensor_parallel_size t > 1): the ops run with
 tp_size=t on Megatron's expert tensor-and-model-parallel group (pg_collection.tp_ep), required
@@ -91,8 +92,9 @@ the shared experts are Megatron's own (their sequence-parallel gathers included)
 parallelism (inference) the t ranks of an attention TP group bring the same tokens, and each gets
 its own full result back (as upstream's dispatcher does, t-fold traffic).
 
-Not supported (rejected at construction): MoE latent projections, padding expert inputs to capacity, router padding for
-quantization, FP8/FP4, biases in the experts, probs applied on the input.
+Not supported (rejected at construction): MoE latent projections, padding expert inputs to
+capacity, router padding for quantization, FP8/FP4, biases in the experts, probs applied on the
+input.
 """
 from __future__ import annotations
 
