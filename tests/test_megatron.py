@@ -9,8 +9,8 @@ computed by comet between dispatch and combine; the layer-spec helper in a GPT m
 
 Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to serve as the
 reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_patches builds and
-runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the patches, and
-test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
+runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the
+patches, and test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
 Also: the stacked SequentialMLP weights (once per forward; kept between forwards with
 cache_expert_weights=True until an in-place update). Skipped when megatron-core is not installed."""
 import pytest
