@@ -18,6 +18,7 @@ What upstream assumes a GPU for, and what replaces it here:
   group and reduce-scatters them back (tensor_parallel.mappings), which gloo lacks (its allgather
   needs equal sizes, it has no reduce_scatter): on CPU tensors, the gather pads each chunk to the
   largest and slices, the reduce-scatter all-reduces and keeps this rank's chunk.
+* use_torch_grouped_gemm() (separate, for the GroupedMLP reference): grouped_gemm's gmm in torch.
 * Attention forks the CUDA RNG tracker around its dropout (whose states are CUDA generator
   states): fork() does nothing (the tests run without dropout).
 """
@@ -67,6 +68,26 @@ def _cpu_reduce_scatter_along_first_dim(real):
         return total.split(sizes)[group.rank()].contiguous()
 
     return reduce_scatter
+
+
+def _torch_gmm(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm.ops.gmm in plain torch: a's rows split by batch_sizes, each part times its
+    expert's b[i] (transposed with trans_b)."""
+    parts = [x @ (w.t() if trans_b else w) for x, w in zip(a.split(batch_sizes.tolist()), b)]
+    return torch.cat(parts)
+
+
+def use_torch_grouped_gemm() -> None:
+    """Lets upstream's GroupedMLP (the legacy grouped-GEMM experts) build and run without the
+    grouped_gemm package, which is not installed here: its gmm in plain torch. For the reference
+    only; call before building a GroupedMLP."""
+    import types
+
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.grouped_gemm = types.SimpleNamespace(
+        ops=types.SimpleNamespace(gmm=_torch_gmm))
+    grouped_gemm_util.ops = grouped_gemm_util.grouped_gemm.ops
 
 
 def apply() -> None:

@@ -49,14 +49,17 @@ def _config(**over):
     return TransformerConfig(**kw)
 
 
-def _layers(cfg, comet_cfg=None, **comet_kw):
+def _layers(cfg, comet_cfg=None, grouped=False, **comet_kw):
+    """(upstream, ours) MoE layers of the local spec: SequentialMLP experts, or with grouped=True
+    the legacy GroupedMLP (needs tests.megatron_cpu_patches.use_torch_grouped_gemm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
 
     from comet.megatron import CometMoELayer, comet_moe_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=grouped,
+                                    moe_use_legacy_grouped_gemm=grouped)
     torch.manual_seed(1 + torch.distributed.get_rank())
     upstream = build_module(spec.submodules.mlp, config=cfg)
     comet_spec = comet_moe_spec(spec).submodules.mlp
@@ -446,11 +449,13 @@ def _setup_etp(world):
 def _etp_checks(rank, world):
     """EP = world / 2 x ETP 2: every rank its own tokens, each rank holds its tp shard of its EP
     rank's experts (SequentialMLP: linear_fc1 column-parallel with its gate and up shards together,
-    linear_fc2 row-parallel); comet's layer on Megatron's expert tensor-and-model-parallel group
+    linear_fc2 row-parallel; GroupedMLP the same shards in its flat storage); comet's layer on Megatron's expert tensor-and-model-parallel group
     equals upstream's layer (alltoall dispatcher: EP all-to-all, then all-gather / reduce-scatter
     over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity;
     then with attention TP = ETP, with sequence parallelism and shared experts, and without it in
     eval mode."""
+    from tests import megatron_cpu_patches
+
     ep = _setup_etp(world)
     etp = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
     g = torch.Generator().manual_seed(41 + rank)  # each rank its own tokens, and as many
@@ -467,6 +472,18 @@ def _etp_checks(rank, world):
                                      moe_router_dtype="fp32", **etp))
     diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), f"etp bf16 rank {rank}",
                              atol=3e-2, rtol=2e-2)
+    # GroupedMLP (bf16 only upstream): weight1 [H, E_local * 2F / t] / weight2 [E_local * F / t,
+    # H], each expert's columns its gate shard then its up shard, read in place as transposed w0/w1
+    megatron_cpu_patches.use_torch_grouped_gemm()
+    upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
+                                     moe_router_dtype="fp32", moe_grouped_gemm=True, **etp),
+                             grouped=True)
+    el = E // ep
+    assert type(ours.experts).__name__ == "GroupedMLP"
+    assert ours.experts.weight1.shape == (H, el * 2 * FFN // ETP)
+    assert ours.experts.weight2.shape == (el * FFN // ETP, H)
+    diffs["grouped_bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(),
+                                     f"etp grouped bf16 rank {rank}", atol=3e-2, rtol=2e-2)
     # the capacity's row bound (the sync-free path) needs as many tokens on every rank
     from comet import nn as comet_nn
     from megatron.core.transformer.moe.moe_utils import get_capacity
@@ -508,7 +525,8 @@ def _etp_checks(rank, world):
 @pytest.mark.parametrize("world", [2, 4])  # (EP, ETP) = (1, 2) and (2, 2)
 def test_matches_megatron_expert_tensor_parallel(world):
     diffs = run_ranks(_etp_checks, world, timeout=150)
-    assert all(set(d) == {"fp32", "bf16", "capacity", "attn_tp_sp", "attn_tp_eval"} for d in diffs)
+    assert all(set(d) == {"fp32", "bf16", "grouped_bf16", "capacity", "attn_tp_sp",
+                                "attn_tp_eval"} for d in diffs)
     print(diffs)
 
 
