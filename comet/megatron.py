@@ -69,14 +69,32 @@ schedules expect (comet.layers.autograd.defer_weight_grads).
 
 Sync-free path: with config.moe_expert_capacity_factor set, Megatron's router drops every slot
 beyond an expert's capacity C = get_capacity(T k, E, factor) on each rank, which bounds the rows a
-rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C) (static shapes, no
-host synchronisation on CUDA). As in Megatron, every rank of the expert-parallel group feeds the
-same T tokens per call. A ``max_rows`` argument overrides it (an int, comet.nn.WORST_CASE for the
-bound without dropping, or -1 for the dynamic path).
+rank receives; layer0 gets max_rows = comet.nn.worst_case_rows(T, k, E, W, C, tp_size=t) (W the
+layer's group, t its expert tensor parallelism; static shapes, no host synchronisation on CUDA).
+As in Megatron, every rank of that group feeds the same T tokens per call. A ``max_rows``
+argument overrides it (an int, comet.nn.WORST_CASE for the bound without dropping, or -1 for the
+dynamic path).
 
-Not supported (rejected at construction): expert tensor parallelism > 1, attention tensor
-parallelism > 1, MoE latent projections, padding expert inputs to capacity, router padding for
-quantization, FP8/FP4, biases in the experts, probs applied on the input.
+Expert tensor parallelism (config.expert_tensor_parallel_size t > 1): the ops run with
+tp_size=t on Megatron's expert tensor-and-model-parallel group (pg_collection.tp_ep), required
+TP-innermost (checked: see _comet_group). Megatron's expert modules hold tp shards already --
+linear_fc1 column-parallel with each rank's gate and up shards side by side ([2F/t, H] per expert,
+GroupedMLP's weight1 [H, E_local * 2F/t] the same per expert), linear_fc2 row-parallel ([H, F/t]) --
+which is exactly comet's w0 / w1 shard layout, so they are read as without ETP. Each rank brings
+its own tokens (upstream's alltoall dispatcher too: EP all-to-all, then an all-gather over the
+expert TP group and a reduce-scatter back); layer1 returns the full sum over the t shards, so no
+reduce is added here.
+
+Attention tensor parallelism (tensor_model_parallel_size > 1) needs nothing of the layer: with
+sequence parallelism (which Megatron's MoELayer requires in training) each rank's MoE input is its
+own slice of the sequence, i.e. its own tokens, exactly as comet's ops take them; the router and
+the shared experts are Megatron's own (their sequence-parallel gathers included). Without sequence
+parallelism (inference) the t ranks of an attention TP group bring the same tokens, and each gets
+its own full result back (as upstream's dispatcher does, t-fold traffic).
+
+Not supported (rejected at construction): MoE latent projections, padding expert inputs to
+capacity, router padding for quantization, FP8/FP4, biases in the experts, probs applied on the
+input.
 """
 from __future__ import annotations
 
@@ -192,8 +210,9 @@ def expert_weights(experts, num_local_experts: int, hidden_size: int):
 class CometMoELayer(MoELayer):
     """Megatron's MoELayer with dispatch / expert compute / combine on Comet's fused ops.
 
-    Extra keyword arguments: ``buffer`` (a comet.Buffer for the expert-parallel group; default:
-    the ops' buffer of Megatron's expert-parallel group on the tokens' backend - the NVSHMEM one
+    Extra keyword arguments: ``buffer`` (a comet.Buffer for the layer's group -- the
+    expert-parallel group, or with expert tensor parallelism the tp_ep group; default: the ops'
+    buffer of that group on the tokens' backend - the NVSHMEM one
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
     overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
     ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring),
@@ -219,6 +238,13 @@ class CometMoELayer(MoELayer):
         if not torch.cuda.is_available():  # see the module docstring
             self.router.gating = types.MethodType(_gating_without_cuda, self.router)
         self._check_supported()
+        self.comet_tp_size = mcore_utils.get_pg_size(self.expt_tp_group)
+        self.comet_group = self._comet_group(pg_collection)
+        group_size = mcore_utils.get_pg_size(self.comet_group)
+        if buffer is not None and buffer.world != group_size:
+            raise ValueError(f"comet.megatron.CometMoELayer: buffer has world {buffer.world} but "
+                             f"the layer's group has {group_size} ranks (expert_model_parallel_"
+                             "size x expert_tensor_parallel_size)")
         self.comet_buffer = buffer
         self.comet_launch = dict(n_comm=n_comm, tile=tile)
         if delay_wgrad is None:
@@ -230,13 +256,38 @@ class CometMoELayer(MoELayer):
         self.cache_expert_weights = bool(cache_expert_weights)
         self._weights = None  # (key, (w0, w1, transposed)): see _expert_weights
 
+    def _comet_group(self, pg_collection):
+        """The group comet's ops run on. Without expert tensor parallelism: Megatron's
+        expert-parallel group. With expert_tensor_parallel_size t > 1: Megatron's expert
+        tensor-and-model-parallel group (pg_collection.tp_ep, the EP x ETP ranks that exchange
+        tokens), which comet requires TP-innermost -- group rank = ep_rank * t + tp_rank, the
+        order upstream's alltoall dispatcher also assumes (it reshapes its gather over tp_ep as
+        [ep, tp]). Checked on every rank (a rank outside that order would get other experts' rows),
+        so a pg_collection built another way is refused, not run wrong."""
+        t = self.comet_tp_size
+        if t == 1:
+            return self.ep_group
+        group = getattr(pg_collection, "tp_ep", None)
+        if group is None:
+            raise ValueError("comet.megatron.CometMoELayer: expert_tensor_parallel_size "
+                             f"{t} > 1 needs pg_collection.tp_ep (the expert tensor-and-model-"
+                             "parallel group)")
+        ep = mcore_utils.get_pg_size(self.ep_group)
+        ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        tp_rank = mcore_utils.get_pg_rank(self.expt_tp_group)
+        size, rank = mcore_utils.get_pg_size(group), mcore_utils.get_pg_rank(group)
+        if size != ep * t or rank != ep_rank * t + tp_rank:
+            raise ValueError(
+                "comet.megatron.CometMoELayer: the expert tensor-and-model-parallel group "
+                f"(pg_collection.tp_ep, size {size}) must hold expert_model_parallel_size {ep} x "
+                f"expert_tensor_parallel_size {t} ranks TP-innermost (rank = ep_rank * {t} + "
+                f"tp_rank), but this rank is {rank} there with ep_rank {ep_rank}, tp_rank "
+                f"{tp_rank}")
+        return group
+
     def _check_supported(self):
         c = self.config
         problems = []
-        if mcore_utils.get_pg_size(self.expt_tp_group) != 1:
-            problems.append("expert tensor parallelism (expert_tensor_parallel_size > 1)")
-        if mcore_utils.get_pg_size(self.attn_tp_group) != 1:
-            problems.append("tensor parallelism (tensor_model_parallel_size > 1)")
         if c.moe_latent_size:
             problems.append("moe_latent_size")
         if c.moe_pad_expert_input_to_capacity:
@@ -277,18 +328,18 @@ class CometMoELayer(MoELayer):
 
     def _row_bound(self, tokens: int):
         """layer0's max_rows for a call of `tokens` tokens per rank (None: the dynamic path)."""
-        c, world = self.config, mcore_utils.get_pg_size(self.ep_group)
+        c, world = self.config, mcore_utils.get_pg_size(self.comet_group)
         if self.comet_buffer is not None:
             world = self.comet_buffer.world
-        k, e = c.moe_router_topk, c.num_moe_experts
+        k, e, t = c.moe_router_topk, c.num_moe_experts, self.comet_tp_size
         if self.comet_max_rows == comet_nn.WORST_CASE:
-            return comet_nn.worst_case_rows(tokens, k, e, world)
+            return comet_nn.worst_case_rows(tokens, k, e, world, tp_size=t)
         if self.comet_max_rows is not None:
             return None if self.comet_max_rows < 0 else int(self.comet_max_rows)
         if c.moe_expert_capacity_factor is None:
             return None
         capacity = get_capacity(tokens * k, e, c.moe_expert_capacity_factor)
-        return comet_nn.worst_case_rows(tokens, k, e, world, capacity)
+        return comet_nn.worst_case_rows(tokens, k, e, world, capacity, tp_size=t)
 
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -341,8 +392,8 @@ class CometMoELayer(MoELayer):
                                           num_experts=self.config.num_moe_experts,
                                           w0_transposed=transposed,
                                           max_rows=self._row_bound(hidden_states.shape[0]),
-                                          group=self.ep_group, buffer=self.comet_buffer,
-                                          **self.comet_launch)
+                                          group=self.comet_group, buffer=self.comet_buffer,
+                                          tp_size=self.comet_tp_size, **self.comet_launch)
         return y0, (layout, topk_weights)
 
     def routed_experts_compute(self, hidden_states, probs):
@@ -364,7 +415,7 @@ class CometMoELayer(MoELayer):
             topk_weights = topk_weights.float()
         with self._defer():
             return comet.moe_layer1(h, w1, topk_weights, layout, w1_transposed=transposed,
-                                    group=self.ep_group,
+                                    group=self.comet_group,
                                     buffer=self.comet_buffer, **self.comet_launch)
 
     def postprocess(self, output, shared_expert_output):

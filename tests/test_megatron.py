@@ -2,13 +2,15 @@
 dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weights (Megatron's
 state dict loads unchanged), same input -> same output, input gradient and every parameter
 gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
-1 rank and expert parallelism over 2 ranks; shared experts (plain, gated, Megatron's overlap flag),
+1 rank and expert parallelism over 2 ranks; expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
+EP 2 x ETP 2 on 4: fp32, bf16, capacity, attention TP 2 with and without sequence parallelism;
+the group order and buffer checks); shared experts (plain, gated, Megatron's overlap flag),
 computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
 Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to serve as the
 reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_patches builds and
-runs CometMoELayer on 1 and 2 CPU ranks in processes that never import the patches, and
-test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
+runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the
+patches, and test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
 Also: the stacked SequentialMLP weights (once per forward; kept between forwards with
 cache_expert_weights=True until an in-place update). Skipped when megatron-core is not installed."""
 import pytest
@@ -47,14 +49,17 @@ def _config(**over):
     return TransformerConfig(**kw)
 
 
-def _layers(cfg, comet_cfg=None, **comet_kw):
+def _layers(cfg, comet_cfg=None, grouped=False, **comet_kw):
+    """(upstream, ours) MoE layers of the local spec: SequentialMLP experts, or with grouped=True
+    the legacy GroupedMLP (needs tests.megatron_cpu_patches.use_torch_grouped_gemm)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import build_module
 
     from comet.megatron import CometMoELayer, comet_moe_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=grouped,
+                                    moe_use_legacy_grouped_gemm=grouped)
     torch.manual_seed(1 + torch.distributed.get_rank())
     upstream = build_module(spec.submodules.mlp, config=cfg)
     comet_spec = comet_moe_spec(spec).submodules.mlp
@@ -354,10 +359,11 @@ def test_capacity_factor_takes_the_sync_free_path():
     run_ranks(_capacity_bound_checks, 2, timeout=150)
 
 
-def _unpatched_checks(rank, world):
+def _unpatched_checks(rank, world, etp=1):
     """CometMoELayer from README's spec on CPU with upstream unpatched (this process never imports
     tests/megatron_cpu_patches.py): it builds (no token dispatcher, no CUDA stream even with
-    moe_shared_expert_overlap) and runs forward + backward; upstream's own layer does not build."""
+    moe_shared_expert_overlap) and runs forward + backward, also with expert tensor parallelism
+    (etp); upstream's own layer does not build."""
     import sys
 
     from megatron.core import parallel_state
@@ -368,22 +374,26 @@ def _unpatched_checks(rank, world):
     from comet.megatron import CometMoELayer, comet_moe_spec
 
     assert not torch.cuda.is_available()
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world,
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world // etp,
+                                             expert_tensor_parallel_size=etp,
                                              create_gloo_process_groups=False)
+    parallel = dict(expert_model_parallel_size=world // etp, expert_tensor_parallel_size=etp)
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     g = torch.Generator().manual_seed(31 + rank)
     x = torch.randn(5, 2, H, generator=g)
     v = torch.randn(5, 2, H, generator=g)
     for over in ({}, dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True),
                  dict(moe_expert_capacity_factor=0.5)):
-        layer = build_module(comet_moe_spec(spec).submodules.mlp, config=_config(**over))
+        layer = build_module(comet_moe_spec(spec).submodules.mlp,
+                             config=_config(**over, **parallel))
+        assert layer.comet_tp_size == etp
         assert type(layer) is CometMoELayer and layer.token_dispatcher is None
         out, grads = _run(layer, x, v)[::2]
         assert torch.isfinite(out).all() and out.abs().max() > 0.1, over
         assert all(g is not None and g.abs().max() > 0 for g in grads.values()), over
     assert SharedExpertMLP.stream is None  # upstream's overlap stream was never created
     try:
-        build_module(spec.submodules.mlp, config=_config())  # upstream's own MoELayer
+        build_module(spec.submodules.mlp, config=_config(**parallel))  # upstream's own
         upstream_builds = True
     except Exception:  # its alltoall dispatcher creates a CUDA stream
         upstream_builds = False
@@ -391,9 +401,9 @@ def _unpatched_checks(rank, world):
     return upstream_builds
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_comet_layer_runs_without_upstream_patches(world):
-    assert run_ranks(_unpatched_checks, world, timeout=150) == [False] * world
+@pytest.mark.parametrize("world,etp", [(1, 1), (2, 1), (2, 2)])
+def test_comet_layer_runs_without_upstream_patches(world, etp):
+    assert run_ranks(_unpatched_checks, world, etp, timeout=150) == [False] * world
 
 
 def test_readme_megatron_example_runs_as_written():
@@ -417,3 +427,128 @@ def test_readme_megatron_example_runs_as_written():
     done = subprocess.run([sys.executable, "-c", code + "\nprint('README example ran')"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "README example ran" in done.stdout, done.stderr[-3000:]
+
+
+# -- expert tensor parallelism (expert_tensor_parallel_size > 1) ----------------------------------
+
+ETP = 2
+
+
+def _setup_etp(world):
+    from megatron.core import parallel_state
+
+    from tests import megatron_cpu_patches
+
+    megatron_cpu_patches.apply()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world // ETP,
+                                             expert_tensor_parallel_size=ETP,
+                                             create_gloo_process_groups=False)
+    return world // ETP
+
+
+def _etp_checks(rank, world):
+    """EP = world / 2 x ETP 2: every rank its own tokens, each rank holds its tp shard of its EP
+    rank's experts (SequentialMLP: linear_fc1 column-parallel with its gate and up shards together,
+    linear_fc2 row-parallel; GroupedMLP the same shards in its flat storage); comet's layer on Megatron's expert tensor-and-model-parallel group
+    equals upstream's layer (alltoall dispatcher: EP all-to-all, then all-gather / reduce-scatter
+    over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity;
+    then with attention TP = ETP, with sequence parallelism and shared experts, and without it in
+    eval mode."""
+    from tests import megatron_cpu_patches
+
+    ep = _setup_etp(world)
+    etp = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
+    g = torch.Generator().manual_seed(41 + rank)  # each rank its own tokens, and as many
+    x = torch.randn(4 + rank, 2, H, generator=g)
+    v = torch.randn(4 + rank, 2, H, generator=g)
+    upstream, ours = _layers(_config(**etp))
+    assert ours.comet_tp_size == ETP and ours.num_local_experts == E // ep
+    assert torch.distributed.get_process_group_ranks(ours.comet_group) == list(range(world))
+    fc1 = ours.experts.local_experts[0].linear_fc1.weight
+    fc2 = ours.experts.local_experts[0].linear_fc2.weight
+    assert fc1.shape == (2 * FFN // ETP, H) and fc2.shape == (H, FFN // ETP)  # the tp shards
+    diffs = {"fp32": _compare(upstream, ours, x, v, f"etp rank {rank}")}
+    upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
+                                     moe_router_dtype="fp32", **etp))
+    diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), f"etp bf16 rank {rank}",
+                             atol=3e-2, rtol=2e-2)
+    # GroupedMLP (bf16 only upstream): weight1 [H, E_local * 2F / t] / weight2 [E_local * F / t,
+    # H], each expert's columns its gate shard then its up shard, read in place as transposed w0/w1
+    megatron_cpu_patches.use_torch_grouped_gemm()
+    upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
+                                     moe_router_dtype="fp32", moe_grouped_gemm=True, **etp),
+                             grouped=True)
+    el = E // ep
+    assert type(ours.experts).__name__ == "GroupedMLP"
+    assert ours.experts.weight1.shape == (H, el * 2 * FFN // ETP)
+    assert ours.experts.weight2.shape == (el * FFN // ETP, H)
+    diffs["grouped_bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(),
+                                     f"etp grouped bf16 rank {rank}", atol=3e-2, rtol=2e-2)
+    # the capacity's row bound (the sync-free path) needs as many tokens on every rank
+    from comet import nn as comet_nn
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    from tests.layer0_spy import spy_layer0
+
+    with spy_layer0() as seen:
+        upstream, ours = _layers(_config(moe_expert_capacity_factor=0.5,
+                                         moe_token_drop_policy="probs", **etp))
+        with torch.no_grad():
+            assert (ours.route(x[:4])[1].sum(1) < K).any(), "the capacity should drop slots"
+        diffs["capacity"] = _compare(upstream, ours, x[:4], v[:4], f"etp capacity rank {rank}")
+    bound = comet_nn.worst_case_rows(8, K, E, world, get_capacity(8 * K, E, 0.5), tp_size=ETP)
+    assert seen == [(bound, bound)], (seen, bound)  # E_local = E / EP, from all W ranks
+
+    # attention tensor parallelism = ETP with sequence parallelism (Megatron's usual MoE setup):
+    # each rank's input is its slice of the sequence (as many tokens on the TP ranks), the shared
+    # experts are Megatron's sequence-parallel MLP
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(ETP, 1, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=ETP,
+                                             create_gloo_process_groups=False)
+    upstream, ours = _layers(_config(tensor_model_parallel_size=ETP, sequence_parallel=True,
+                                     moe_shared_expert_intermediate_size=8, **etp))
+    assert ours.shared_experts.linear_fc1.weight.shape == (2 * 8 // ETP, H)  # TP-sharded, gated
+    diffs["attn_tp_sp"] = _compare(upstream, ours, x[:4], v[:4], f"attn tp + sp rank {rank}")
+    # without sequence parallelism (inference: upstream refuses it in training) the ranks of an
+    # attention TP group hold the same tokens; each gets its full result
+    g = torch.Generator().manual_seed(51 + rank // ETP)
+    x, v = torch.randn(4, 2, H, generator=g), torch.randn(4, 2, H, generator=g)
+    upstream, ours = _layers(_config(tensor_model_parallel_size=ETP, **etp))
+    upstream.eval(), ours.eval()
+    diffs["attn_tp_eval"] = _compare(upstream, ours, x, v, f"attn tp eval rank {rank}")
+    return diffs
+
+
+@pytest.mark.parametrize("world", [2, 4])  # (EP, ETP) = (1, 2) and (2, 2)
+def test_matches_megatron_expert_tensor_parallel(world):
+    diffs = run_ranks(_etp_checks, world, timeout=150)
+    assert all(set(d) == {"fp32", "bf16", "grouped_bf16", "capacity", "attn_tp_sp",
+                                "attn_tp_eval"} for d in diffs)
+    print(diffs)
+
+
+def _etp_refusal_checks(rank, world):
+    """A pg_collection whose expert tensor-and-model-parallel group is not TP-innermost (here the
+    2 ranks in reverse order) or a buffer of the wrong world: a clear error at construction."""
+    import copy
+
+    import comet
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    _setup_etp(world)
+    cfg = _config(expert_model_parallel_size=world // ETP, expert_tensor_parallel_size=ETP)
+    pgs = copy.copy(get_default_pg_collection())
+    pgs.tp_ep = torch.distributed.distributed_c10d._new_group_with_tag(
+        list(reversed(range(world))), sort_ranks=False)
+    assert torch.distributed.get_rank(pgs.tp_ep) == world - 1 - rank
+    with pytest.raises(ValueError, match=r"TP-innermost \(rank = ep_rank \* 2 \+ tp_rank\)"):
+        _layers(cfg, pg_collection=pgs)
+    with pytest.raises(ValueError, match="buffer has world 1 but the layer's group has 2 ranks"):
+        _layers(cfg, buffer=comet.Buffer.simulated_world(1)[0])
+
+
+def test_expert_tensor_parallel_group_order_is_checked():
+    run_ranks(_etp_refusal_checks, 2, timeout=150)
