@@ -173,3 +173,101 @@ def test_default_is_the_plain_path_bit_for_bit():
     again = run(None, inputs)
     for (y0a, la, oa, _), (y0b, lb, ob, _) in zip(plain, again):
         assert la.routes is None and torch.equal(oa, ob) and torch.equal(y0a, y0b)
+
+
+def test_backward_matches_reference_per_replica():
+    """Each replica's w0 / w1 / b0 / b1 gradient covers the rows it served (the raw ops do not
+    sum over replicas); summed over a logical expert's replicas they are the reference's."""
+    p = PLACEMENTS8["replicated"]
+    inputs = make(8, torch.float32, seed=11)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    res = run(p, inputs, grad=True)
+    gw = [torch.zeros_like(w, dtype=torch.float64) for w in (w0, w1, b0, b1)]
+    refw = [w.double().clone().requires_grad_(True) for w in (w0, w1, b0, b1)]
+    for r, (_, _, out, grads) in enumerate(res):
+        x = xs[r].double().clone().requires_grad_(True)
+        wt = wts[r].double().clone().requires_grad_(True)
+        for i, g in enumerate(grads[1:5]):
+            gw[i][list(p.local_experts(r))] += g.double()
+        if x.shape[0] == 0:
+            continue
+        want = reference_autograd(x, *refw, ids[r], wt)
+        seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
+        (want * seed.double()).sum().backward()
+        torch.testing.assert_close(grads[0].double(), x.grad, **TOL[torch.float32])
+        torch.testing.assert_close(grads[5].double(), wt.grad, **TOL[torch.float32])
+    for i in range(4):
+        torch.testing.assert_close(gw[i], refw[i].grad, **TOL[torch.float32])
+    # a replica that served no rows gets a zero gradient, not its sibling's
+    table = route_table(p)
+    for r in range(W):
+        for slot, e in enumerate(p.local_experts(r)):
+            served = any(table[s][v] == r for s in range(W) for v in ids[s].flatten().tolist()
+                         if v == e)
+            if not served:
+                assert torch.count_nonzero(res[r][3][1][slot]) == 0
+
+
+def reference_autograd(x, w0, w1, b0, b1, ids, wts):
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(H, dtype=torch.float64)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            h = torch.tanh(x[t] @ w0[e].T + b0[e])
+            acc = acc + wts[t, j] * (h @ w1[e].T + b1[e])
+        rows.append(acc)
+    return torch.stack(rows) if rows else torch.zeros(0, H, dtype=torch.float64)
+
+
+def _errors(fn, world=W):
+    """fn(rank, buf) on every rank; the error text each rank raised (None: none)."""
+    def body(r, buf):
+        try:
+            fn(r, buf)
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        return None
+    return run_threads(world, body, buffers=comet.Buffer.simulated_world(world, timeout=10))
+
+
+def _call(placement_of, w0_of=None, ids_of=None):
+    inputs = make(8, torch.float32, tokens=(3, 3, 3, 3), drop=0)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+
+    def fn(r, buf):
+        p = placement_of(r)
+        w = w0_of(r, p, w0) if w0_of else local(w0, p, r)
+        comet.moe_layer0(xs[r], w, ids_of(r, ids) if ids_of else ids[r], num_experts=8,
+                         buffer=buf, n_comm=1, tile=(8, 8), placement=p)
+    return fn
+
+
+def test_placements_that_differ_across_ranks_fail_on_every_rank():
+    other = PLACEMENTS8["zero"]
+    msgs = _errors(_call(lambda r: other if r == 2 else CONTIG8,
+                         w0_of=lambda r, p, w0: local(w0, p, r)))
+    assert all(m and "placement" in m for m in msgs), msgs
+
+
+def test_weights_that_do_not_match_the_placement_fail_on_every_rank():
+    p = PLACEMENTS8["replicated"]   # rank 1 holds 3 slots (experts 0, 2, 3)
+    msgs = _errors(_call(lambda r: p, w0_of=lambda r, q, w0: w0[:2] if r == 1 else local(w0, q, r)))
+    assert all(m and "E_r=3" in m for m in msgs), msgs
+
+
+def test_expert_id_out_of_range_and_wrong_world_fail_on_every_rank():
+    msgs = _errors(_call(lambda r: CONTIG8, ids_of=lambda r, ids: ids[r] + 8 * (r == 1)))
+    assert all(m and "out of range" in m for m in msgs), msgs
+    p3 = Placement([[0], [1], [2], [0], [1], [2], [0], [1]], world=3)
+    msgs = _errors(_call(lambda r: p3, w0_of=lambda r, p, w0: w0[:2]))
+    assert all(m and "world=3" in m for m in msgs), msgs
+
+
+def test_placement_errors_in_the_plan():
+    with pytest.raises(ValueError, match="no replica"):
+        Placement([[0], [], [1]], world=2)
+    with pytest.raises(ValueError, match="out of range"):
+        Placement([[0], [5]], world=4)
