@@ -313,6 +313,39 @@ class MoE(nn.Module):
         if tp != 1:
             raise ValueError(f"comet.nn.MoE: tp_size={tp} > 1 is not supported with a placement")
 
+    @torch.no_grad()
+    def migrate(self, placement, optimizer=None, group=None) -> None:
+        """Move this module's experts to `placement` (every rank of the group calls it), with one
+        all_to_all_single (comet.plan.migrate) for w0, w1 and, when `optimizer` is given, the
+        optimiser's per-parameter state tensors of w0 / w1 (e.g. Adam's exp_avg, exp_avg_sq), so
+        nothing of the optimiser's state is lost: a slot's state follows its expert. The
+        parameters stay the same Parameter objects (optimiser param groups keep working); their
+        .data is replaced (shape [E_r', ...]) and their .grad dropped (call between steps). Without
+        `optimizer`, per-slot optimiser state is left as it was and no longer matches its expert:
+        reset it."""
+        from comet.plan import Placement, migrate
+
+        old = self.placement or Placement.contiguous(self.num_experts, self.world)
+        self._check_placement(placement, self.num_experts, self.world, self.tp_size)
+        ws = [self.w0, self.w1]
+        states = []  # (param, key) of each state tensor shaped like its parameter
+        if optimizer is not None:
+            for w in ws:
+                for key, v in sorted(optimizer.state.get(w, {}).items()):
+                    if isinstance(v, torch.Tensor) and v.shape == w.shape:
+                        states.append((w, key))
+        moved = migrate(old, placement, *[w.data for w in ws],
+                        *[optimizer.state[w][key] for w, key in states], group=group)
+        for w, t in zip(ws, moved[:2]):
+            w.data = t
+            w.grad = None
+        for (w, key), t in zip(states, moved[2:]):
+            optimizer.state[w][key] = t
+        self.placement = placement
+        self.local_experts = tuple(placement.local_experts(self.rank))
+        self.num_local_experts = len(self.local_experts)
+        self.expert_offset = self.local_experts[0] if self.local_experts else 0
+
     def expert_parameters(self):
         return [self.w0, self.w1]
 

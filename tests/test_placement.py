@@ -271,3 +271,72 @@ def test_placement_errors_in_the_plan():
         Placement([[0], [], [1]], world=2)
     with pytest.raises(ValueError, match="out of range"):
         Placement([[0], [5]], world=4)
+
+
+# -- gloo: the module's replica gradients and migrate ----------------------------------------------
+
+def _module_body(rank, world):
+    import torch.distributed as dist
+    from comet.nn import MoE, allreduce_gradients
+
+    torch.manual_seed(0)
+    old = Placement.contiguous(8, world)
+    new = PLACEMENTS8["replicated"]
+    buf = comet.Buffer(dist.group.WORLD, timeout=20)
+    m = MoE(H, 8, 8, 2, buffer=buf, placement=new, dtype=torch.float32, aux_loss_coeff=0,
+            n_comm=1, tile=(8, 8))
+    dense = MoE(H, 8, 8, 2, buffer=buf, dtype=torch.float32, aux_loss_coeff=0, n_comm=1,
+                tile=(8, 8))
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(rank))
+    out, want = m(x), dense(x)
+    same = torch.equal(out, want)  # per-expert init: the same model on any placement
+    err = float((out - want).abs().max())
+    out.square().sum().backward()
+    want.square().sum().backward()
+    allreduce_gradients(m)
+    allreduce_gradients(dense)
+    # after the sum every replica holds its logical expert's full gradient = the dense one's
+    mine = list(new.local_experts(rank))
+    gathered = [torch.zeros(8, *dense.w0.shape[1:]) for _ in range(world)]
+    dist.all_gather(gathered, torch.cat([torch.zeros(rank * 2, *dense.w0.shape[1:]),
+                                         dense.w0.grad,
+                                         torch.zeros((world - rank - 1) * 2,
+                                                     *dense.w0.shape[1:])]))
+    full_g = sum(gathered)
+    g_err = float((m.w0.grad - full_g[mine]).abs().max()) if mine else 0.0
+    # migrate: contiguous -> new moves dense's weights (and Adam state) onto new's slots
+    opt = torch.optim.Adam(dense.parameters(), lr=1e-3)
+    opt.step()
+    w0_id = id(dense.w0)
+    avg = opt.state[dense.w0]["exp_avg"].clone()
+    full_avg = sum(_all_gather_padded(avg, rank, world))
+    dense.migrate(new, optimizer=opt)
+    moved_ok = (id(dense.w0) == w0_id and dense.w0.shape[0] == len(mine) and
+                torch.equal(opt.state[dense.w0]["exp_avg"], full_avg[mine]))
+    back = comet.plan.migrate(new, old, dense.w0.data, dense.w1.data)
+    return same, err, g_err, moved_ok, back[0].shape[0] == 2
+
+
+def _all_gather_padded(t, rank, world):
+    import torch.distributed as dist
+    full = torch.zeros(8, *t.shape[1:])
+    full[rank * 2:(rank + 1) * 2] = t
+    out = [torch.zeros_like(full) for _ in range(world)]
+    dist.all_gather(out, full)
+    return out
+
+
+def test_module_replica_gradients_and_migrate_on_gloo():
+    from tests.dist_utils import run_ranks
+
+    for same, err, g_err, moved_ok, back_ok in run_ranks(_module_body, W, timeout=120):
+        assert err < 1e-5 and g_err < 1e-5 and moved_ok and back_ok, (same, err, g_err, moved_ok)
+
+
+def test_migration_sources_prefer_the_rank_itself():
+    from comet.plan import migration_sources
+
+    old, new = CONTIG8, PLACEMENTS8["replicated"]
+    for r in range(W):
+        for e, s in zip(new.local_experts(r), migration_sources(old, new, r)):
+            assert r in old.replicas(e) and s == r or s in old.replicas(e)
