@@ -340,3 +340,41 @@ def test_migration_sources_prefer_the_rank_itself():
     for r in range(W):
         for e, s in zip(new.local_experts(r), migration_sources(old, new, r)):
             assert r in old.replicas(e) and s == r or s in old.replicas(e)
+
+
+BAD_CALLS = {
+    "not a placement": (dict(placement="x"),
+                        [": placement must be a comet.plan.Placement, got"]),
+    "world": (dict(placement=Placement([[0], [1], [2]] * 2 + [[0], [1]], world=3)),
+              [": the placement is for world=", "but the group"]),
+    "num_experts": (dict(num_experts=7), [": num_experts=", "but the placement places"]),
+    "tp": (dict(tp_size=2), [": tp_size=", "> 1 is not supported with a placement",
+                             "(expert tensor parallelism needs the contiguous map)"]),
+    "slots": (dict(w0=lambda w: w[:1]), ["experts but the placement gives rank"]),
+    "id": (dict(ids=lambda i: i + 8), ["comet.moe_layer0: topk_ids holds expert",
+                                       ", out of range for"]),
+    "weights": (dict(weights=lambda w: w[:, :1]), ["comet.moe_layer1: topk_weights has shape"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_each_placement_check_raises_on_every_rank(case):
+    bad, fragments = BAD_CALLS[case]
+    inputs = make(8, torch.float32, tokens=(3, 3, 3, 3), drop=0)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+
+    def fn(r, buf):
+        p = CONTIG8
+        w0r, w1r = local(w0, p, r), local(w1, p, r)
+        mod = (lambda key: bad.get(key) if r == 1 else None)
+        y0, layout = comet.moe_layer0(
+            xs[r], mod("w0")(w0r) if mod("w0") else w0r,
+            mod("ids")(ids[r]) if mod("ids") else ids[r],
+            num_experts=(mod("num_experts") or 8), buffer=buf, n_comm=1, tile=(8, 8),
+            placement=(mod("placement") or p), tp_size=mod("tp_size"))
+        wt = mod("weights")(wts[r]) if mod("weights") else wts[r]
+        comet.moe_layer1(act(y0), w1r, wt, layout, buffer=buf, n_comm=1, tile=(8, 8))
+
+    msgs = _errors(fn)
+    for m in msgs:
+        assert m and all(f in m for f in fragments), (case, msgs)
