@@ -378,3 +378,18 @@ def test_each_placement_check_raises_on_every_rank(case):
     msgs = _errors(fn)
     for m in msgs:
         assert m and all(f in m for f in fragments), (case, msgs)
+
+
+def test_bench_placement_smoke(tmp_path):
+    """python -m bench.placement --smoke: out bitwise equal across the three placements (it
+    checks), balance with one spare slot within 1.25 of the mean rows under Zipf 1.2."""
+    import json
+
+    from bench import placement as bp
+
+    assert bp.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "placement_smoke.json").read_text())["rows"]
+    assert {r["placement"] for r in rows} == {"contiguous", "lysi_assign", "balance"}
+    for r in rows:
+        if r["placement"] == "balance":
+            assert r["max_over_mean"] <= 1.25, r
