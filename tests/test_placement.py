@@ -393,3 +393,25 @@ def test_bench_placement_smoke(tmp_path):
     for r in rows:
         if r["placement"] == "balance":
             assert r["max_over_mean"] <= 1.25, r
+
+
+def test_virtual_ids_follow_the_route_table():
+    """placed.virtual_ids: slot i of the serving rank, rank-major; -1 stays; ids >= E leave the
+    virtual range (what the CUDA path relies on, without a host check)."""
+    from comet.layers import placed
+
+    p = PLACEMENTS["zero"]
+    S = max(p.slots())
+    for s in range(W):
+        routes = placed.placed_routes(p, s, None)
+        ids = torch.tensor([[0, 1, -1], [5, 4, 6]])
+        v = placed.virtual_ids(routes, ids)
+        table = route_table(p)
+        for e, got in zip(ids.flatten().tolist(), v.flatten().tolist()):
+            if e < 0:
+                assert got == e
+            elif e >= E:
+                assert got >= W * S
+            else:
+                d = table[s][e]
+                assert got == d * S + p.local_experts(d).index(e)

@@ -430,7 +430,10 @@ def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_row
     routes = _placed_routes(buf, 0, placement, num_experts, tp)
     _check_slots(buf, 0, routes, "w0", w0)
     _check_slots(buf, 0, routes, "b0", b0)
-    if isinstance(topk_ids, torch.Tensor) and topk_ids.numel() and not topk_ids.is_floating_point():
+    # On the CPU a host check names the logical id; on CUDA (no host sync) virtual_ids maps an id
+    # >= E out of the virtual range, which the kernels' own check rejects on every rank.
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.numel() and \
+            not topk_ids.is_floating_point() and topk_ids.device.type == "cpu":
         top = int(topk_ids.max())
         if top >= routes.placement.num_experts:
             buf.fail_call(0, f"comet.moe_layer0: topk_ids holds expert {top}, out of range for "

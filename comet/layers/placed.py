@@ -94,8 +94,11 @@ def virtual_ids(routes: PlacedRoutes, topk_ids: torch.Tensor) -> torch.Tensor:
     """topk_ids [T, k] (logical ids, -1 dropped; validated by the caller) as virtual ids, int32."""
     ids = topk_ids.to(torch.int64)
     table = routes.virtual_table(ids.device)
-    valid = ids >= 0
-    return torch.where(valid, table[ids.clamp(min=0)], ids).to(torch.int32)
+    E = table.shape[0]
+    mapped = table[ids.clamp(0, E - 1)]
+    # ids >= E become W * S + (id - E): out of the engine's range, so it rejects them
+    mapped = torch.where(ids >= E, ids - E + routes.num_virtual, mapped)
+    return torch.where(ids >= 0, mapped, ids).to(torch.int32)
 
 
 def pad_slots(w: torch.Tensor | None, routes: PlacedRoutes) -> torch.Tensor | None:
