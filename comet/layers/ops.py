@@ -343,8 +343,6 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     if placement is not None:
         return _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows,
                               n_comm, tile, tp_size, placement)
-    if hasattr(buf, "set_call_tag"):
-        buf.set_call_tag(0)
     device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
     tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
     cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
@@ -377,8 +375,6 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     if layout.routes is not None:
         return _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile,
                               band)
-    if hasattr(buf, "set_call_tag"):
-        buf.set_call_tag(0)
     device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
                                    "topk_ids": layout.topk_ids, "b1": b1})
     cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
@@ -441,10 +437,13 @@ def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_row
     ids = placed.virtual_ids(routes, topk_ids) if isinstance(topk_ids, torch.Tensor) and \
         not topk_ids.is_floating_point() else topk_ids
     buf.set_call_tag(routes.fingerprint)
-    y0, layout = moe_layer0(x, placed.pad_slots(w0, routes), ids, num_experts=routes.num_virtual,
-                            b0=placed.pad_slots(b0, routes), w0_transposed=w0_transposed,
-                            max_rows=max_rows, n_comm=n_comm, tile=tile, buffer=_Tagged(buf),
-                            tp_size=1)
+    try:
+        y0, layout = moe_layer0(x, placed.pad_slots(w0, routes), ids,
+                                num_experts=routes.num_virtual, b0=placed.pad_slots(b0, routes),
+                                w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm,
+                                tile=tile, buffer=_Placed(buf), tp_size=1)
+    finally:
+        buf.set_call_tag(0)
     layout.routes = routes
     return y0, layout
 
@@ -462,20 +461,24 @@ def _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, 
     one = dataclasses.replace(layout, topk_ids=layout.topk_ids.reshape(T * k, 1),
                               send_pos=layout.send_pos.reshape(T * k, 1), routes=None)
     buf.set_call_tag(routes.fingerprint)
-    out_slots = moe_layer1(h, placed.pad_slots(w1, routes), topk_weights.reshape(T * k, 1), one,
-                           b1=placed.pad_slots(b1, routes), w1_transposed=w1_transposed,
-                           n_comm=n_comm, tile=tile, buffer=_Tagged(buf), band=band)
+    try:
+        out_slots = moe_layer1(h, placed.pad_slots(w1, routes), topk_weights.reshape(T * k, 1),
+                               one, b1=placed.pad_slots(b1, routes), w1_transposed=w1_transposed,
+                               n_comm=n_comm, tile=tile, buffer=_Placed(buf), band=band)
+    finally:
+        buf.set_call_tag(0)
     return placed.sum_by_slot(out_slots, T, k, out_slots.dtype)
 
 
-class _Tagged:
-    """buf as the plain ops see it, keeping the call tag the placement set (the plain path resets
-    it to 0 for calls without a placement)."""
+class _Placed:
+    """buf as the plain ops see it inside a placement call: without its default placement (the
+    call is already in the virtual slot space). The call tag is set around the forward calls
+    only; the ops' backward calls run with tag 0 on every rank alike."""
 
     def __init__(self, buf):
         self._buf = buf
 
     def __getattr__(self, name):
-        if name in ("placement", "set_call_tag"):
+        if name == "placement":
             raise AttributeError(name)
         return getattr(self._buf, name)

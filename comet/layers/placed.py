@@ -22,7 +22,8 @@ rounds once to the activation dtype. Any two placements give bitwise equal out a
 home instead of one per (token, rank) (at most k rows per token either way).
 
 Agreement. The placement's fingerprint goes into the call metadata every rank checks before any
-data moves (heap_set_call_tag), so placements that differ across ranks fail on every rank.
+data moves (Buffer.set_call_tag, around the forward calls; the backward calls carry 0 on every rank
+alike), so placements that differ across ranks fail on every rank.
 """
 from __future__ import annotations
 
