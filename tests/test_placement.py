@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import comet
+import comet.nn
 from comet.plan import Placement, route_table
 from tests.sim_world import run_threads
 
@@ -415,3 +416,25 @@ def test_virtual_ids_follow_the_route_table():
             else:
                 d = table[s][e]
                 assert got == d * S + p.local_experts(d).index(e)
+
+
+def test_buffer_placement_is_the_default():
+    """Buffer(placement=p): the ops' default placement= and comet.nn.MoE's."""
+    p = PLACEMENTS8["zero"]
+    inputs = make(8, torch.float32, seed=2)
+    want = [o for _, _, o, _ in run(p, inputs)]
+    bufs = comet.Buffer.simulated_world(W, timeout=20, placement=p)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+
+    def rank(r, buf):
+        mine = list(p.local_experts(r))
+        y0, layout = comet.moe_layer0(xs[r], w0[mine], ids[r], num_experts=8, b0=b0[mine],
+                                      buffer=buf, n_comm=1, tile=(8, 8))
+        out = comet.moe_layer1(act(y0), w1[mine], wts[r], layout, b1=b1[mine], buffer=buf,
+                               n_comm=1, tile=(8, 8))
+        moe = comet.nn.MoE(H, 8, 8, 2, buffer=buf)
+        return out, layout.routes.placement, moe.placement, moe.w0.shape[0], moe.local_experts
+
+    for r, (out, lp, mp, er, le) in enumerate(run_threads(W, rank, buffers=bufs)):
+        assert torch.equal(out, want[r]) and lp == p and mp == p
+        assert er == len(p.local_experts(r)) and le == p.local_experts(r)
