@@ -438,3 +438,14 @@ def test_buffer_placement_is_the_default():
     for r, (out, lp, mp, er, le) in enumerate(run_threads(W, rank, buffers=bufs)):
         assert torch.equal(out, want[r]) and lp == p and mp == p
         assert er == len(p.local_experts(r)) and le == p.local_experts(r)
+
+
+def test_row_bound_gives_the_same_out():
+    """max_rows (the sync-free path's static shapes) with a placement: the same out bitwise."""
+    p = PLACEMENTS8["replicated"]
+    inputs = make(8, torch.bfloat16, seed=4)
+    free = [o for _, _, o, _ in run(p, inputs)]
+    bound = run(p, inputs, max_rows=40)
+    for r, (y0, layout, out, _) in enumerate(bound):
+        assert y0.shape[0] == 40 and layout.num_rows == 40
+        assert torch.equal(out, free[r])
