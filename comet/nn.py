@@ -419,11 +419,15 @@ class MoE(nn.Module):
             out = _AttachAuxLoss.apply(out, aux, float(self.aux_loss_scale))
         return out.reshape(shape).to(x.dtype)
 
+    def _local_repr(self) -> str:
+        if self.placement is None:
+            return f"[{self.expert_offset}, {self.expert_offset + self.num_local_experts})"
+        return str(list(self.local_experts))
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, world={self.world}, "
-                f"local_experts=[{self.expert_offset}, "
-                f"{self.expert_offset + self.num_local_experts}), renormalize={self.renormalize}, "
+                f"local_experts={self._local_repr()}, renormalize={self.renormalize}, "
                 f"aux_loss_coeff={self.aux_loss_coeff}, "
                 f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
                 f"shared_expert_gate={self.shared_gate is not None}, "
