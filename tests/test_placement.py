@@ -449,3 +449,33 @@ def test_row_bound_gives_the_same_out():
     for r, (y0, layout, out, _) in enumerate(bound):
         assert y0.shape[0] == 40 and layout.num_rows == 40
         assert torch.equal(out, free[r])
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def placements(draw):
+    """Any placement of 4..9 experts on W ranks: 1..W replicas each, ranks holding 0 allowed."""
+    E_ = draw(st.integers(4, 9))
+    reps = [draw(st.lists(st.integers(0, W - 1), min_size=1, max_size=W, unique=True))
+            for _ in range(E_)]
+    return Placement(reps, world=W)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=placements(), seed=st.integers(0, 1000))
+def test_any_placement_gives_the_reference_bitwise_alike(p, seed):
+    """Hypothesis: out of any placement equals a one-replica-per-expert placement's bitwise and
+    the reference at fp32 tolerance."""
+    E_ = p.num_experts
+    single = Placement([[e % W] for e in range(E_)], world=W)
+    inputs = make(E_, torch.float32, tokens=(4, 2, 0, 5), seed=seed)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    got = [o for _, _, o, _ in run(p, inputs)]
+    base = [o for _, _, o, _ in run(single, inputs)]
+    for r in range(W):
+        assert torch.equal(got[r], base[r])
+        torch.testing.assert_close(got[r].double(), reference(xs[r], w0, w1, b0, b1, ids[r],
+                                                              wts[r]), **TOL[torch.float32])
