@@ -165,6 +165,12 @@ class MoE(nn.Module):
             `dtype` and are quantised per forward (128 x 128 blocks), tokens are quantised on
             dispatch and the SwiGLU output per row (1 x 128); backward in `dtype` on the
             dequantised values, so the parameters get their gradients in their own dtype.
+        placement: a comet.plan.Placement (None: the buffer's, else the contiguous map). The
+            module then holds this rank's E_r slots (w0 [E_r, 2F, H], w1 [E_r, H, F], its
+            logical experts ascending; E_r may be 0), every replica initialised alike (the
+            initialisation is per logical expert), and allreduce_gradients sums a replicated
+            expert's weight gradients over its replicas so they stay identical after the
+            optimiser step (docs/placement.md). Not with tp_size > 1 or fp8.
     """
 
     aux_loss_scale: float = 1.0
@@ -176,7 +182,7 @@ class MoE(nn.Module):
                  seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
                  shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  capacity_factor: float | None = None, max_rows: int | str | None = None,
-                 tp_size: int | None = None, fp8: bool = False):
+                 tp_size: int | None = None, fp8: bool = False, placement=None):
         super().__init__()
         self.fp8 = bool(fp8)
         if buffer is not None:
@@ -189,7 +195,14 @@ class MoE(nn.Module):
             tp_size = getattr(buffer, "tp_size", 1) if buffer is not None else 1
         tp = symm.tp_size_setting(tp_size, world)
         ep = world // tp
-        if num_experts % ep:
+        if placement is None and buffer is not None:
+            placement = getattr(buffer, "placement", None)
+        if placement is not None:
+            self._check_placement(placement, num_experts, world, tp)
+            if self.fp8:
+                raise ValueError("comet.nn.MoE: fp8=True with a placement is not supported "
+                                 "(the FP8 layers run on the contiguous map)")
+        if placement is None and num_experts % ep:
             group_size = f"expert-parallel group size {world}" if tp == 1 else \
                 f"EP = group size {world} / tp_size {tp} = {ep}"
             raise ValueError(f"comet.nn.MoE: num_experts={num_experts} is not divisible by the "
@@ -218,8 +231,16 @@ class MoE(nn.Module):
         self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
         self.group, self.buffer, self.n_comm, self.tile = group, buffer, n_comm, tile
         self.rank, self.world, self.tp_size = rank, world, tp
-        self.num_local_experts = num_experts // ep
-        self.expert_offset = (rank // tp) * self.num_local_experts
+        self.placement = placement
+        if placement is None:
+            self.num_local_experts = num_experts // ep
+            self.expert_offset = (rank // tp) * self.num_local_experts
+            self.local_experts = tuple(range(self.expert_offset,
+                                             self.expert_offset + self.num_local_experts))
+        else:  # this rank's slots, ascending logical id (expert_offset: the first, if any)
+            self.local_experts = tuple(placement.local_experts(rank))
+            self.num_local_experts = len(self.local_experts)
+            self.expert_offset = self.local_experts[0] if self.local_experts else 0
         self.seed, self.init_std = int(seed), float(init_std)
         self.out_std = init_std / math.sqrt(2 * num_layers) if num_layers else init_std
         factory = dict(device=device, dtype=dtype or torch.get_default_dtype())
@@ -251,8 +272,8 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         g = torch.Generator().manual_seed(self.seed)
         self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g) * self.init_std)
-        for le in range(self.num_local_experts):
-            ge = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * (self.expert_offset + le) + 1)
+        for le, e in enumerate(self.local_experts):
+            ge = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * e + 1)
             w0 = torch.randn(2 * self.ffn_hidden_size, self.hidden_size, generator=ge)
             w1 = torch.randn(self.hidden_size, self.ffn_hidden_size, generator=ge)
             self.w0[le].copy_(self._w0_shard(w0 * self.init_std))
@@ -282,9 +303,56 @@ class MoE(nn.Module):
     def load_global_experts(self, w0: torch.Tensor, w1: torch.Tensor) -> None:
         """Copy this rank's slice of global expert weights w0 [E, 2F, H], w1 [E, H, F] (its EP
         rank's experts; with tp_size > 1 its shard of them)."""
-        sl = slice(self.expert_offset, self.expert_offset + self.num_local_experts)
+        sl = list(self.local_experts)
         self.w0.copy_(self._w0_shard(w0[sl]))
         self.w1.copy_(self._w1_shard(w1[sl]))
+
+    @staticmethod
+    def _check_placement(placement, num_experts: int, world: int, tp: int) -> None:
+        from comet.plan import Placement
+
+        if not isinstance(placement, Placement):
+            raise TypeError(f"comet.nn.MoE: placement must be a comet.plan.Placement, got "
+                            f"{type(placement).__name__}")
+        if placement.num_experts != num_experts or placement.world != world:
+            raise ValueError(f"comet.nn.MoE: the placement places {placement.num_experts} experts "
+                             f"on {placement.world} ranks; the module has num_experts="
+                             f"{num_experts} on a group of {world}")
+        if tp != 1:
+            raise ValueError(f"comet.nn.MoE: tp_size={tp} > 1 is not supported with a placement")
+
+    @torch.no_grad()
+    def migrate(self, placement, optimizer=None, group=None) -> None:
+        """Move this module's experts to `placement` (every rank of the group calls it), with one
+        all_to_all_single (comet.plan.migrate) for w0, w1 and, when `optimizer` is given, the
+        optimiser's per-parameter state tensors of w0 / w1 (e.g. Adam's exp_avg, exp_avg_sq), so
+        nothing of the optimiser's state is lost: a slot's state follows its expert. The
+        parameters stay the same Parameter objects (optimiser param groups keep working); their
+        .data is replaced (shape [E_r', ...]) and their .grad dropped (call between steps). Without
+        `optimizer`, per-slot optimiser state is left as it was and no longer matches its expert:
+        reset it."""
+        from comet.plan import Placement, migrate
+
+        old = self.placement or Placement.contiguous(self.num_experts, self.world)
+        self._check_placement(placement, self.num_experts, self.world, self.tp_size)
+        ws = [self.w0, self.w1]
+        states = []  # (param, key) of each state tensor shaped like its parameter
+        if optimizer is not None:
+            for w in ws:
+                for key, v in sorted(optimizer.state.get(w, {}).items()):
+                    if isinstance(v, torch.Tensor) and v.shape == w.shape:
+                        states.append((w, key))
+        moved = migrate(old, placement, *[w.data for w in ws],
+                        *[optimizer.state[w][key] for w, key in states], group=group)
+        for w, t in zip(ws, moved[:2]):
+            w.data = t
+            w.grad = None
+        for (w, key), t in zip(states, moved[2:]):
+            optimizer.state[w][key] = t
+        self.placement = placement
+        self.local_experts = tuple(placement.local_experts(self.rank))
+        self.num_local_experts = len(self.local_experts)
+        self.expert_offset = self.local_experts[0] if self.local_experts else 0
 
     def expert_parameters(self):
         return [self.w0, self.w1]
@@ -349,10 +417,13 @@ class MoE(nn.Module):
 
             layer0, layer1 = fp8.moe_layer0, fp8.moe_layer1
             kw["out_dtype"] = tokens.dtype
+            place = {}
         else:
             layer0, layer1 = comet.moe_layer0, comet.moe_layer1
+            place = {"placement": self.placement}
         y0, layout = layer0(tokens, self.w0, ids, num_experts=self.num_experts,
-                            max_rows=self.row_bound(tokens.shape[0]), tp_size=self.tp_size, **kw)
+                            max_rows=self.row_bound(tokens.shape[0]), tp_size=self.tp_size,
+                            **place, **kw)
         # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
         shared = sidestream.run_beside(self.shared_expert, tokens, ready)
         out = layer1(swiglu(y0), self.w1, weights, layout, **kw)
@@ -365,16 +436,20 @@ class MoE(nn.Module):
             out = _AttachAuxLoss.apply(out, aux, float(self.aux_loss_scale))
         return out.reshape(shape).to(x.dtype)
 
+    def _local_repr(self) -> str:
+        if self.placement is None:
+            return f"[{self.expert_offset}, {self.expert_offset + self.num_local_experts})"
+        return str(list(self.local_experts))
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, world={self.world}, "
-                f"local_experts=[{self.expert_offset}, "
-                f"{self.expert_offset + self.num_local_experts}), renormalize={self.renormalize}, "
+                f"local_experts={self._local_repr()}, renormalize={self.renormalize}, "
                 f"aux_loss_coeff={self.aux_loss_coeff}, "
                 f"shared_ffn_hidden_size={self.shared_ffn_hidden_size}, "
                 f"shared_expert_gate={self.shared_gate is not None}, "
                 f"capacity_factor={self.capacity_factor}, max_rows={self.max_rows!r}, "
-                f"tp_size={self.tp_size}, fp8={self.fp8}")
+                f"tp_size={self.tp_size}, fp8={self.fp8}, placement={self.placement!r}")
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:
@@ -387,6 +462,9 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
+    for m in module.modules():
+        if isinstance(m, MoE):
+            sum_replica_gradients(m, group)
     for p in module.parameters():
         if getattr(p, "comet_expert_parallel", False):
             if p.grad is not None:
@@ -396,3 +474,34 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
             p.grad.div_(world)
+
+
+def sum_replica_gradients(moe: MoE, group=None) -> None:
+    """With a placement that replicates experts: give every replica of an expert the sum of its
+    replicas' w0 / w1 gradients (each replica's own covers only the rows it served), so replicas
+    that start identical stay identical after the optimiser step. One all_reduce per call over the
+    group: both weights' gradients scattered into a dense [E, ...] buffer by logical expert (zeros
+    where this rank holds no replica), summed, and read back at this rank's slots; E x (|w0| +
+    |w1|) / E_r elements, independent of how the replicas are spread. A no-op without replicas or
+    without torch.distributed. allreduce_gradients calls it."""
+    p = moe.placement
+    if p is None or all(len(r) == 1 for r in p.expert_ranks):
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    ws = [moe.w0, moe.w1]
+    for w in ws:
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+    sizes = [math.prod(w.shape[1:]) for w in ws]
+    dense = torch.zeros(p.num_experts, sum(sizes), dtype=torch.float32, device=moe.w0.device)
+    idx = torch.tensor(moe.local_experts, dtype=torch.long, device=dense.device)
+    if len(idx):
+        dense[idx] = torch.cat([w.grad.reshape(len(idx), -1).float() for w in ws], dim=1)
+    dist.all_reduce(dense, op=dist.ReduceOp.SUM, group=group)
+    if len(idx):
+        mine = dense[idx]
+        off = 0
+        for w, n in zip(ws, sizes):
+            w.grad.copy_(mine[:, off:off + n].reshape(w.shape).to(w.grad.dtype))
+            off += n

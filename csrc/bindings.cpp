@@ -19,6 +19,7 @@ std::string fail_call(int64_t handle, int32_t op, const std::string& message) {
   me.op = op;
   me.world = heap->world();
   me.group_hash = heap->group_hash();
+  me.placement = heap->call_tag();
   me.max_rows = -1;
   me.error = 1;
   std::strncpy(me.message, message.c_str(), sizeof(me.message) - 1);
@@ -78,6 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // pybind11's std::invalid_argument, if that is malformed).
   m.def("heap_resident_blocks",
         [](int64_t h) { return comet::cpu::resident_blocks(*find_heap(h)); });
+  m.def("heap_set_call_tag", [](int64_t h, int32_t t) { find_heap(h)->set_call_tag(t); });
   m.def("heap_fail_call", &fail_call, py::call_guard<py::gil_scoped_release>());
   // Collective (every rank of the group, between calls): grow the data segment to >= bytes.
   m.def("heap_reserve",

@@ -32,6 +32,8 @@ inline std::string call_verdict(const CallMeta* metas, int32_t world, int32_t ra
     else if (m.world != m0.world || m.group_hash != m0.group_hash)
       differ("the process group (size)", m0.world, m.world);
     else if (m.tp != m0.tp) differ("tp_size (expert tensor parallelism)", m0.tp, m.tp);
+    else if (m.placement != m0.placement)
+      differ("the expert placement (fingerprint; 0: none)", m0.placement, m.placement);
     else if (m.num_experts != m0.num_experts) differ("num_experts", m0.num_experts, m.num_experts);
     else if (m.topk != m0.topk) differ("topk (columns of topk_ids)", m0.topk, m.topk);
     else if (m.hidden != m0.hidden) differ("the hidden size H", m0.hidden, m.hidden);

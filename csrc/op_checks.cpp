@@ -314,9 +314,10 @@ ScalarKind scalar_kind(at::ScalarType t) {
 
 CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t num_experts,
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
-                        int64_t max_rows, const CheckResult& check, int64_t tp) {
+                        int64_t max_rows, const CheckResult& check, int64_t tp, int32_t placement) {
   CallMeta m{};
   m.tp = int32_t(tp);
+  m.placement = placement;
   m.op = int32_t(op);
   m.world = world;
   m.group_hash = group_hash;

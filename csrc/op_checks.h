@@ -150,6 +150,7 @@ CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t nu
                         int64_t topk, int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
                         int64_t max_rows,
                         const CheckResult& check,  // for a dtype that passed the checks
-                        int64_t tp = 1);
+                        int64_t tp = 1,
+                        int32_t placement = 0);  // the heap's call tag (placement fingerprint)
 
 }  // namespace comet

@@ -21,7 +21,8 @@ MAY_IMPORT = {
     "tune": {"tune", "buffers", "plan",    # python -m comet.tune --skew prints the planners' table
              "fp8"},                       # the profiling hooks quantise FP8 candidates
     "plan": {"plan", "tune"},              # the planners price placements with the cost model
-    "layers": {"layers", "buffers", "tune", "fp8"},  # comet.fp8 defines the FP8 row/block format
+    "layers": {"layers", "buffers", "tune", "fp8",  # comet.fp8 defines the FP8 row/block format
+               "plan"},  # placement= compiles a comet.plan.Placement
 }
 
 

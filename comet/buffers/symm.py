@@ -88,13 +88,15 @@ class Buffer:
     through this buffer. The group is TP-innermost: rank r is tp rank r % tp_size of EP rank
     r // tp_size, and EP = W / tp_size must divide num_experts (docs/api.md, "Expert tensor
     parallelism"). The same on every rank (each call checks that the ranks agree).
+    `placement` (default None: the contiguous map): a comet.plan.Placement, the default of the
+    ops' placement= for calls through this buffer (docs/placement.md, "Running a placement").
     """
 
     def __init__(self, group=None, *, timeout: float | None = None,
                  threads_per_block: int | None = None, ranks_per_node: int | None = None,
                  link_latency_us: float | None = None, link_gbps: float | None = None,
                  node_reduce: bool | None = None, resident_blocks: int | None = None,
-                 tp_size: int | None = None, _simulated=None):
+                 tp_size: int | None = None, placement=None, _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
@@ -127,6 +129,8 @@ class Buffer:
             _C.heap_unlink_own(self.handle)
         self.node_reduce = _C.heap_node_reduce(self.handle)
         self.tp_size = tp_size_setting(tp_size, self.world)
+        # The ops' default placement= (a comet.plan.Placement; None: the contiguous map).
+        self.placement = placement
         register_handle(self.handle, self.world, self.rank)
         self._finalizer = weakref.finalize(self, _release, self.handle)
         if threads_per_block is not None:
@@ -141,7 +145,7 @@ class Buffer:
                         link_gbps: float | None = None,
                         node_reduce: bool | None = None,
                         resident_blocks: int | None = None,
-                        tp_size: int | None = None) -> list["Buffer"]:
+                        tp_size: int | None = None, placement=None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -158,7 +162,7 @@ class Buffer:
         for h in handles:
             _C.heap_unlink_own(h)
         return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block,
-                    resident_blocks=resident_blocks, tp_size=tp_size)
+                    resident_blocks=resident_blocks, tp_size=tp_size, placement=placement)
                 for r, h in enumerate(handles)]
 
     def set_timeout(self, seconds: float) -> None:
@@ -182,6 +186,10 @@ class Buffer:
         """The residency limit this buffer's CPU calls run under (0: none): its own setting, else
         $COMET_CPU_RESIDENT_BLOCKS as it is now."""
         return _C.heap_resident_blocks(self.handle)
+
+    def set_call_tag(self, tag: int) -> None:
+        """The placement fingerprint this rank's next calls announce (0: none; comet.layers.placed)."""
+        _C.heap_set_call_tag(self.handle, int(tag))
 
     def fail_call(self, op: int, message: str) -> None:
         """Report a local input error through the call protocol so every peer raises too."""

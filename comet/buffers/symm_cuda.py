@@ -158,7 +158,8 @@ class Buffer:
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
                  capacity_bytes: int | None = None, node_reduce: bool | None = None,
-                 reserve: dict | None = None, tp_size: int | None = None):
+                 reserve: dict | None = None, tp_size: int | None = None, placement=None):
+        self.placement = placement  # the ops' default placement= (None: the contiguous map)
         self.device = _device(device)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -326,6 +327,9 @@ class Buffer:
     def recoveries(self) -> int:
         """Re-arms this buffer completed so far (the same count on every rank after each)."""
         return int(_ops().buffer_rearm_round(self.handle))
+    def set_call_tag(self, tag: int) -> None:
+        """The placement fingerprint this rank's next calls announce (0: none; comet.layers.placed)."""
+        _ops().buffer_set_call_tag(self.handle, int(tag))
 
     def fail_call(self, op: int, message: str) -> None:
         """Report a local input error through the call protocol so every peer raises too."""

@@ -11,6 +11,7 @@ import torch
 
 from comet.tune import perfmodel as pm
 from comet.buffers import symm
+from comet.layers import placed
 from comet._native import _C  # noqa: F401  (registers the ops)
 
 CPU_TILE = (32, 64)
@@ -45,6 +46,9 @@ class Layout:
     row_slot: torch.Tensor
     max_rows: int = -1
     tp_size: int = 1
+    # With a placement (comet/layers/placed.py): its compiled routes; num_experts, recv_counts and
+    # topk_ids are then in the virtual slot space (W x S slots), and layer1 reduces by slot.
+    routes: object = None
 
     @property
     def world(self) -> int:
@@ -336,7 +340,8 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
                max_rows: int | None = None, group=None, n_comm: int | None = None,
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
                tp_size: int | None = None, x_scale=None, w0_scale=None,
-               out_dtype: torch.dtype | None = None, dispatch_fp8: bool = False):
+               out_dtype: torch.dtype | None = None, dispatch_fp8: bool = False,
+               placement=None):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
     x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
@@ -352,9 +357,22 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     w0_scale [E_local, ceil(N0/128), ceil(H/128)] float32; dispatch_fp8=True quantises a 16/32-bit
     x on the sending side (its rows travel as FP8 with their scales); y0 in out_dtype (default
     bfloat16 when FP8 is involved).
+    placement: a comet.plan.Placement (default: the buffer's, else the contiguous map, today's
+    bits): w0 / b0 then hold this rank's E_r slots in ascending logical expert id, each
+    (token, slot) goes to the replica the placement's route table names, and moe_layer1 reduces
+    by slot, so out does not depend on the placement (comet/layers/placed.py; not with
+    tp_size > 1). Gradients: each replica's w0 / b0 gradient covers only the rows it served;
+    these ops do not sum over replicas (comet.nn.MoE does).
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
     buf = _buffer_for(buffer, group, x)
+    if placement is None:
+        placement = getattr(buf, "placement", None)
+    if placement is not None:
+        _no_fp8_with_placement(buf, 0, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
+                               dispatch_fp8=dispatch_fp8 or None)
+        return _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows,
+                              n_comm, tile, tp_size, placement)
     device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0,
                                    "x_scale": x_scale, "w0_scale": w0_scale})
     tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
@@ -390,6 +408,10 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     buf = _buffer_for(buffer, group, h)
     if buf.handle != layout.buffer:
         buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
+    if layout.routes is not None:
+        _no_fp8_with_placement(buf, 1, h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
+        return _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile,
+                              band)
     device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
                                    "topk_ids": layout.topk_ids, "b1": b1, "h_scale": h_scale,
                                    "w1_scale": w1_scale})
@@ -405,3 +427,106 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
                                       b1, bool(w1_transposed), int(layout.max_rows), band_n,
                                       int(layout.tp_size), h_scale=h_scale, w1_scale=w1_scale,
                                       out_dtype=out_dtype)
+
+
+# -- With a placement (comet/layers/placed.py: the virtual slot space and the reduction by slot) --
+
+def _placed_routes(buf, op: int, placement, num_experts: int, tp: int):
+    """Checks what a placement call needs that the engine cannot see (each failure raises on every
+    rank through fail_call) and returns the compiled routes."""
+    from comet.plan.placement import Placement
+
+    name = f"comet.moe_layer{op}"
+    if not isinstance(placement, Placement):
+        buf.fail_call(op, f"{name}: placement must be a comet.plan.Placement, got "
+                          f"{type(placement).__name__}")
+    if placement.world != buf.world:
+        buf.fail_call(op, f"{name}: the placement is for world={placement.world} but the group "
+                          f"has {buf.world} ranks")
+    if int(num_experts) != placement.num_experts:
+        buf.fail_call(op, f"{name}: num_experts={int(num_experts)} but the placement places "
+                          f"{placement.num_experts} experts")
+    if tp != 1:
+        buf.fail_call(op, f"{name}: tp_size={tp} > 1 is not supported with a placement "
+                          "(expert tensor parallelism needs the contiguous map)")
+    return placed.placed_routes(placement, buf.rank, getattr(buf, "ranks_per_node", None))
+
+
+def _check_slots(buf, op: int, routes, name: str, w) -> None:
+    if w is not None and (w.dim() < 1 or w.shape[0] != routes.local):
+        buf.fail_call(op, f"comet.moe_layer{op}: {name} has {w.shape[0] if w.dim() else 0} "
+                          f"experts but the placement gives rank {buf.rank} E_r={routes.local} "
+                          f"slots (experts {list(routes.placement.local_experts(buf.rank))})")
+
+
+def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, n_comm, tile,
+                   tp_size, placement):
+    tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
+    routes = _placed_routes(buf, 0, placement, num_experts, tp)
+    _check_slots(buf, 0, routes, "w0", w0)
+    _check_slots(buf, 0, routes, "b0", b0)
+    # On the CPU a host check names the logical id; on CUDA (no host sync) virtual_ids maps an id
+    # >= E out of the virtual range, which the kernels' own check rejects on every rank.
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.numel() and \
+            not topk_ids.is_floating_point() and topk_ids.device.type == "cpu":
+        top = int(topk_ids.max())
+        if top >= routes.placement.num_experts:
+            buf.fail_call(0, f"comet.moe_layer0: topk_ids holds expert {top}, out of range for "
+                             f"num_experts={routes.placement.num_experts}")
+    ids = placed.virtual_ids(routes, topk_ids) if isinstance(topk_ids, torch.Tensor) and \
+        not topk_ids.is_floating_point() else topk_ids
+    buf.set_call_tag(routes.fingerprint)
+    try:
+        y0, layout = moe_layer0(x, placed.pad_slots(w0, routes), ids,
+                                num_experts=routes.num_virtual, b0=placed.pad_slots(b0, routes),
+                                w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm,
+                                tile=tile, buffer=_Placed(buf), tp_size=1)
+    finally:
+        buf.set_call_tag(0)
+    layout.routes = routes
+    return y0, layout
+
+
+def _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile, band):
+    routes = layout.routes
+    _check_slots(buf, 1, routes, "w1", w1)
+    _check_slots(buf, 1, routes, "b1", b1)
+    T, k = layout.topk_ids.shape
+    if not (isinstance(topk_weights, torch.Tensor) and tuple(topk_weights.shape) == (T, k)):
+        shape = tuple(topk_weights.shape) if isinstance(topk_weights, torch.Tensor) else None
+        buf.fail_call(1, f"comet.moe_layer1: topk_weights has shape {shape}, expected {(T, k)}")
+    # The T * k (token, slot) pairs as tokens of one slot each: the same flat slot order as
+    # layer0's send plan, so send_pos and the dispatch layout carry over unchanged.
+    one = dataclasses.replace(layout, topk_ids=layout.topk_ids.reshape(T * k, 1),
+                              send_pos=layout.send_pos.reshape(T * k, 1), routes=None)
+    buf.set_call_tag(routes.fingerprint)
+    try:
+        out_slots = moe_layer1(h, placed.pad_slots(w1, routes), topk_weights.reshape(T * k, 1),
+                               one, b1=placed.pad_slots(b1, routes), w1_transposed=w1_transposed,
+                               n_comm=n_comm, tile=tile, buffer=_Placed(buf), band=band)
+    finally:
+        buf.set_call_tag(0)
+    return placed.sum_by_slot(out_slots, T, k, out_slots.dtype)
+
+
+class _Placed:
+    """buf as the plain ops see it inside a placement call: without its default placement (the
+    call is already in the virtual slot space). The call tag is set around the forward calls
+    only; the ops' backward calls run with tag 0 on every rank alike."""
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def __getattr__(self, name):
+        if name == "placement":
+            raise AttributeError(name)
+        return getattr(self._buf, name)
+
+
+def _no_fp8_with_placement(buf, op: int, **fp8_args) -> None:
+    """FP8 runs on the contiguous map only: a placement call with FP8 arguments fails on every
+    rank."""
+    given = sorted(name for name, v in fp8_args.items() if v is not None)
+    if given:
+        buf.fail_call(op, f"comet.moe_layer{op}: FP8 ({', '.join(given)}) with a placement is not "
+                          "supported (FP8 runs on the contiguous map)")

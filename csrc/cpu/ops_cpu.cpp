@@ -40,7 +40,8 @@ CallMeta make_meta(OpKind op, const SymmHeap& heap, int64_t num_experts, int64_t
                    int64_t hidden, int64_t cols, ScalarKind wire, int64_t tokens,
                    int64_t max_rows, const CheckResult& check, int64_t tp) {
   return make_call_meta(op, heap.world(), heap.group_hash(), num_experts, topk, hidden, cols,
-                        check.ok() ? int32_t(wire) : -1, tokens, max_rows, check, tp);
+                        check.ok() ? int32_t(wire) : -1, tokens, max_rows, check, tp,
+                        heap.call_tag());
 }
 
 // Expert tensor parallelism runs on one node (the node-first routing and node-reduced partials

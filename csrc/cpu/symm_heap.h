@@ -49,6 +49,10 @@ class SymmHeap {
   int32_t rank() const { return rank_; }
   int32_t world() const { return world_; }
   int64_t group_hash() const { return group_hash_; }
+  // The placement fingerprint the next calls announce (CallMeta::placement; 0: none), set by the
+  // Python wrapper before each call (comet/layers/placed.py).
+  int32_t call_tag() const { return call_tag_; }
+  void set_call_tag(int32_t t) { call_tag_ = t; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double s) { timeout_s_ = s; }
   // OS threads per CPU block for this heap's calls; 0 = $COMET_CPU_BLOCK_THREADS (default 1).
@@ -132,6 +136,7 @@ class SymmHeap {
   std::vector<uint64_t> remote_pid_;
   std::string job_;
   int64_t group_hash_;
+  int32_t call_tag_ = 0;
   double timeout_s_;
   int32_t block_threads_ = 0;
   int32_t resident_blocks_ = -1;

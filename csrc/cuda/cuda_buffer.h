@@ -49,6 +49,9 @@ class CudaBuffer {
   const std::vector<int32_t>& pes() const { return pes_; }
   int device() const { return device_; }
   int64_t group_hash() const { return group_hash_; }
+  // The placement fingerprint the next calls announce (as SymmHeap::call_tag on the CPU).
+  int32_t call_tag() const { return call_tag_; }
+  void set_call_tag(int32_t t) { call_tag_ = t; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double s) { timeout_s_ = s; }
   // Non-empty when some peer's memory is not reachable by pointer (another node, no P2P): which.
@@ -138,6 +141,7 @@ class CudaBuffer {
   bool subgroup_ = false;
   int device_;
   int64_t group_hash_;
+  int32_t call_tag_ = 0;
   double timeout_s_;
   void* header_ = nullptr;
   void* data_ = nullptr;

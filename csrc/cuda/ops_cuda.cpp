@@ -265,7 +265,7 @@ CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t 
                    int64_t hidden, int64_t cols, int32_t dtype, int64_t tokens,
                    int64_t max_rows, const CheckResult& check, int64_t tp) {
   return make_call_meta(op, b.world(), b.group_hash(), num_experts, topk, hidden, cols, dtype,
-                        tokens, max_rows, check, tp);
+                        tokens, max_rows, check, tp, b.call_tag());
 }
 
 // Expert tensor parallelism runs on one node (as on the CPU backend: the node-first routing and

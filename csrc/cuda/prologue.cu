@@ -74,7 +74,7 @@ __device__ int32_t verdict(const CallMeta* m, int32_t world) {
     if (m[s].error != 0) return s;
   for (int32_t s = 1; s < world; ++s)
     if (m[s].op != m[0].op || m[s].world != m[0].world || m[s].group_hash != m[0].group_hash ||
-        m[s].tp != m[0].tp || m[s].num_experts != m[0].num_experts || m[s].topk != m[0].topk ||
+        m[s].tp != m[0].tp || m[s].placement != m[0].placement || m[s].num_experts != m[0].num_experts || m[s].topk != m[0].topk ||
         m[s].hidden != m[0].hidden || m[s].cols != m[0].cols || m[s].dtype != m[0].dtype ||
         m[s].max_rows != m[0].max_rows)
       return -1;

@@ -548,6 +548,7 @@ void buffer_set_ranks_per_node(int64_t h, int64_t n) {
 int64_t buffer_ranks_per_node(int64_t h) { return find_cuda_buffer(h)->ranks_per_node(); }
 void buffer_set_node_reduce(int64_t h, bool on) { find_cuda_buffer(h)->set_node_reduce(on); }
 void buffer_release(int64_t h) { release_cuda_buffer(h); }
+void buffer_set_call_tag(int64_t h, int64_t t) { find_cuda_buffer(h)->set_call_tag(int32_t(t)); }
 void buffer_set_max_rows(int64_t h, int64_t r) { find_cuda_buffer(h)->set_max_rows(r); }
 int64_t buffer_max_rows(int64_t h) { return find_cuda_buffer(h)->max_rows(); }
 void buffer_set_bench_mode(int64_t h, int64_t m) {
@@ -642,6 +643,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_ranks_per_node(int handle) -> int", &buffer_ranks_per_node);
   m.def("buffer_set_node_reduce(int handle, bool on) -> ()", &buffer_set_node_reduce);
   m.def("buffer_release(int handle) -> ()", &buffer_release);
+  m.def("buffer_set_call_tag(int handle, int tag) -> ()", &buffer_set_call_tag);
   m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
   m.def("buffer_max_rows(int handle) -> int", &buffer_max_rows);
   m.def("buffer_set_bench_mode(int handle, int mode) -> ()", &buffer_set_bench_mode);

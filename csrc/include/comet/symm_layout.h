@@ -26,7 +26,8 @@ struct CallMeta {
   int32_t dtype;        // ScalarKind of x / h
   int32_t error;        // nonzero: this rank's input was rejected; text in message
   int32_t tp;           // tp_size: expert tensor parallelism (comet/layout.h), 1 = none
-  int32_t reserved;
+  int32_t placement;    // fingerprint of the call's expert placement (comet/layers/placed.py);
+                        // 0: the contiguous map. Must agree: a placement is a group's choice
   int64_t tokens;       // T on this rank
   int64_t data_bytes;   // data segment bytes this rank's call needs
   int64_t max_rows;     // the call's bound on dispatched rows (-1: none); shapes every rank's
