@@ -233,6 +233,8 @@ def test_moe_layer_tp_smoke(tmp_path):
     assert r["median_ms"]["tp2"] > 0 and r["median_ms"]["tp1"] > 0
     assert "EP x TP" in proc.stdout and "NOT GPU" in proc.stdout
     print(f"moe_layer.py --smoke --tp 2: {elapsed:.1f} s")
+
+
 def test_moe_layer_smoke_fp8(tmp_path):
     """--dtype fp8: Comet in FP8 checked against the bf16 baselines (inside the script), and
     layer0's token-row bytes per call are (H + 4 H/128) / (2 H) of bf16's (H = 512)."""
