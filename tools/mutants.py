@@ -51,6 +51,12 @@ MUTANTS = [
            "      for (int32_t p = parts - 1; p >= 0; --p) {\n        float v[kColGroup];\n"
            "        load_group_as(recv + (p * pstride",
            ("tests/test_layer1_order.py -k every_case", "cpp:test_fused")),
+    Mutant("b1 added by every tp rank", "csrc/include/comet/layout.h",
+           "return rank % tp == 0; }", "return rank >= 0 || tp == 0; }",
+           ("tests/test_tp.py -k matches_reference",)),
+    Mutant("FP8 B block scale ignored", "csrc/cpu/tile_gemm.h",
+           "Acc(as ? as[kb] : 1.0f) * Acc(bs ? bs[kb] : 1.0f)", "Acc(as ? as[kb] : 1.0f)",
+           ("tests/test_fp8.py -k dequantised_values",)),
     Mutant("swiglu gate and up swapped", "comet/nn.py",
            "gate, up = y.to(acc).chunk(2, dim=-1)", "up, gate = y.to(acc).chunk(2, dim=-1)",
            ("tests/test_nn.py -k dense_reference",)),
