@@ -26,13 +26,16 @@ Expert weights are read from Megatron's own expert module on every forward, whic
 SequentialMLP (local_experts[i].linear_fc1/fc2.weight), GroupedMLP (weight1/weight2 in
 Megatron's grouped-GEMM layout) or TEGroupedMLP (linear_fc1/fc2.weight{i}); a checkpoint of
 Megatron's layer loads unchanged. SequentialMLP / TEGroupedMLP weights are stacked once per forward
-(dispatch and combine share the stack). With ``cache_expert_weights=True`` the stacks are also kept
-between forwards, keyed by each parameter's identity, storage and autograd version counter: any
-in-place update through the parameter (a torch optimizer's step, load_state_dict) invalidates them.
-It is off by default because writes that bypass the version counter are invisible to it --
-``param.data.copy_(...)`` and writes into a buffer the parameter aliases through ``param.data =``,
-which is how megatron-core 0.16.1's mixed-precision and distributed optimizers update the model
-parameters (optimizer.py, distrib_optimizer.py): with those, a cached stack would go stale.
+(dispatch and combine share the stack), and kept between forwards (``cache_expert_weights``,
+default True) until the parameters may have changed: the cache's key holds each parameter's
+identity, storage and autograd version counter (bumped by any in-place write through the
+parameter: load_state_dict, a plain torch optimizer) and the number of optimizer steps taken in
+this process (a torch.optim step post-hook, counted for every optimizer). The step count is what
+sees megatron-core 0.16.1's mixed-precision and distributed optimizers: they write the model
+parameters through ``param.data`` (optimizer.py, distrib_optimizer.py), which no version counter
+sees, right after their inner torch optimizer's step, so the next forward stacks again. Writes
+through ``.data`` outside any optimizer step (a hand-written EMA, say) are invisible to both:
+pass ``cache_expert_weights=False`` then.
 
 What is built: everything MoELayer.__init__ builds (router, experts, shared experts) except the
 token dispatcher, which Comet never uses (and whose alltoall flavour creates a class-wide CUDA
@@ -105,6 +108,7 @@ import threading
 import types
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
 from megatron.core.transformer.moe import moe_utils as _mcore_moe_utils
@@ -117,6 +121,18 @@ import comet
 from comet.layers import autograd as cag
 from comet import nn as comet_nn
 from comet.layers import sidestream
+
+# Optimizer steps taken in this process (every torch.optim optimizer, Megatron's inner ones
+# included): part of the stacked-weight cache's key, because Megatron's optimizers then write the
+# model parameters through .data, which no version counter sees.
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 __all__ = ["CometMoELayer", "comet_moe_spec", "expert_weights", "routing_to_topk"]
 
@@ -216,12 +232,13 @@ class CometMoELayer(MoELayer):
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
     overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
     ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring),
-    ``cache_expert_weights`` (keep stacked SequentialMLP weights between forwards; see the module
-    docstring for when that is safe)."""
+    ``cache_expert_weights`` (default True: keep stacked SequentialMLP weights between forwards
+    until a parameter's version or the process's optimizer step count changes; see the module
+    docstring)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  buffer=None, n_comm=None, tile=None, delay_wgrad=None, max_rows=None,
-                 cache_expert_weights=False):
+                 cache_expert_weights=True):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         build_config = config
@@ -315,9 +332,10 @@ class CometMoELayer(MoELayer):
         forward: dispatch stores them, combine reuses them (the parameters cannot change in
         between), and with cache_expert_weights later forwards too while the key holds: the
         parameters' identity, storage and version counter (bumped by any in-place write through
-        the parameter), the dtype and the grad mode (a no_grad stack has no graph)."""
+        the parameter), the optimizer steps taken so far (writes through .data follow a step),
+        the dtype and the grad mode (a no_grad stack has no graph)."""
         params = tuple(self.experts.parameters())
-        key = (dtype, torch.is_grad_enabled(),
+        key = (dtype, torch.is_grad_enabled(), _OPTIMIZER_STEPS[0],
                tuple((id(p), p.data_ptr(), p._version) for p in params))
         if self._weights is not None and self._weights[0] == key:
             return self._weights[1]

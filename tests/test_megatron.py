@@ -11,8 +11,8 @@ Upstream's own layer needs a few CPU patches (tests/megatron_cpu_patches.py) to 
 reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_patches builds and
 runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the
 patches, and test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
-Also: the stacked SequentialMLP weights (once per forward; kept between forwards with
-cache_expert_weights=True until an in-place update). Skipped when megatron-core is not installed."""
+Also: the stacked SequentialMLP weights (once per forward; kept between forwards
+by default until an in-place update or an optimizer step). Skipped when megatron-core is not installed."""
 import pytest
 import torch
 
@@ -174,21 +174,23 @@ def _shared_expert_checks(x, v):
 
 
 def _stacked_weight_checks(x, v):
-    """SequentialMLP weights are stacked once per forward (dispatch and combine share it); with
-    cache_expert_weights=True once across forwards until an in-place update (an SGD step), and
-    output and gradients match upstream before and after the step (a stale stack would not)."""
+    """SequentialMLP weights are stacked once per forward (dispatch and combine share it) with
+    cache_expert_weights=False; by default once across forwards until the parameters may change:
+    an in-place update (an SGD step) or a write through .data followed by an optimizer step (how
+    Megatron's optimizers write the model parameters). Output and gradients match upstream before
+    and after each (a stale stack would not)."""
     import comet.megatron as cm
 
     calls = []
     real = cm.expert_weights
     cm.expert_weights = lambda *a: calls.append(1) or real(*a)
     try:
-        _, plain = _layers(_config())
+        _, plain = _layers(_config(), cache_expert_weights=False)
         for _ in range(2):
             plain(x)
         assert len(calls) == 2, calls  # one stack per forward, not two
         calls.clear()
-        upstream, ours = _layers(_config(), cache_expert_weights=True)
+        upstream, ours = _layers(_config())  # the default caches
         diff = _compare(upstream, ours, x, v, "cache 1")
         _compare(upstream, ours, x, v, "cache 2")  # the gradients accumulate on both sides
         assert len(calls) == 1, calls  # the second forward reused the stack
@@ -198,6 +200,17 @@ def _stacked_weight_checks(x, v):
         _compare(upstream, ours, x, v, "cache after step")
         assert len(calls) == 2, calls  # the step invalidated it
         assert not torch.allclose(ours(x)[0], before), "the step should change the output"
+        # Megatron's way: the model parameters written through .data (no version bump), right
+        # after the inner optimizer's step; the step count invalidates the stack
+        with torch.no_grad():
+            for layer in (upstream, ours):
+                for p in layer.experts.parameters():
+                    p.data.mul_(1.01)
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0).step()
+        for layer in (upstream, ours):  # fresh gradients: accumulated ones only add rounding
+            layer.zero_grad(set_to_none=True)
+        _compare(upstream, ours, x, v, "cache after a .data write and a step")
+        assert len(calls) == 3, calls
     finally:
         cm.expert_weights = real
     return diff
