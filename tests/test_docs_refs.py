@@ -6,7 +6,6 @@ import pathlib
 import re
 import subprocess
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,14 +18,22 @@ OUTSIDE_NOTES = re.compile("|".join([
 ]))
 
 
+# Outside a git checkout (an unpacked archive): the tree minus what the build and set-up make.
+NOT_SOURCE = {".git", ".venv", "build", "cbuild", "cbuild-tsan", "__pycache__", "results",
+              ".hypothesis", ".pytest_cache"}
+
+
 def repo_files():
-    """Tracked files plus untracked ones git does not ignore (what a commit would hold)."""
+    """Tracked files plus untracked ones git does not ignore (what a commit would hold); without
+    git, every file outside the build and set-up directories."""
     try:
         out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
+        return [p for p in ROOT.rglob("*") if p.is_file() and p.suffix != ".so"
+                and not NOT_SOURCE & set(p.relative_to(ROOT).parts)
+                and not any(part.endswith(".egg-info") for part in p.parts)]
 
 
 def markdown_files():

@@ -252,16 +252,25 @@ def test_backward_matches_reference_autograd(case, transposed, dtype):
         torch.testing.assert_close(got["b1"], want["b1"].grad[q * el:(q + 1) * el], **tol)
 
 
+def _bf16_grads_match_reference(case, inputs, results):
+    """The bf16 gradients of x and topk_weights on every rank against the reference's autograd
+    (the output gradient seeded per rank); returns each rank's gradients."""
+    seeds = [torch.randn(r[2].shape, generator=torch.Generator().manual_seed(7 + i)).to(
+        torch.bfloat16) for i, r in enumerate(results)]
+    want = _reference_grads(case, inputs, seeds)
+    grads = []
+    for r, (_, _, _, got) in enumerate(results):
+        torch.testing.assert_close(got["x"], want["x"][r].grad, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(got["w"], want["w"][r].grad, atol=3e-2, rtol=3e-2)
+        grads.append(got)
+    return grads
+
+
 def test_backward_with_dropped_slots_and_max_rows_bf16():
     case = CASES[3]
     inputs = make_inputs(case, torch.bfloat16)
     results = run(case, inputs, grad=True, max_rows=48)
-    seeds = [torch.randn(r[2].shape, generator=torch.Generator().manual_seed(7 + i)).to(
-        torch.bfloat16) for i, r in enumerate(results)]
-    want = _reference_grads(case, inputs, seeds)
-    for r, (_, _, _, got) in enumerate(results):
-        torch.testing.assert_close(got["x"], want["x"][r].grad, atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(got["w"], want["w"][r].grad, atol=3e-2, rtol=3e-2)
+    for r, got in enumerate(_bf16_grads_match_reference(case, inputs, results)):
         ids = inputs[5][r]
         assert torch.all(got["w"][ids < 0] == 0)
 
@@ -274,12 +283,7 @@ def test_backward_under_the_cuda_kernels_rules(monkeypatch):
     case = TpCase("rules", 4, 2, 4, (6, 3, 0, 5), topk=2, hidden=16, n0=16, drop=0.2, seed=4)
     inputs = make_inputs(case, torch.bfloat16)
     results = run(case, inputs, grad=True)
-    seeds = [torch.randn(r[2].shape, generator=torch.Generator().manual_seed(7 + i)).to(
-        torch.bfloat16) for i, r in enumerate(results)]
-    want = _reference_grads(case, inputs, seeds)
-    for r, (_, _, _, got) in enumerate(results):
-        torch.testing.assert_close(got["x"], want["x"][r].grad, atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(got["w"], want["w"][r].grad, atol=3e-2, rtol=3e-2)
+    _bf16_grads_match_reference(case, inputs, results)
 
 
 @pytest.mark.parametrize("reserve", [False, True], ids=["grow", "reserve"])
