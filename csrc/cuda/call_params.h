@@ -152,6 +152,21 @@ struct CallParams {
   float* c;               // layer1: [h_rows, H] fp32 GEMM output
   void* out;              // layer1: [T, H]
   int64_t h_rows;         // layer1: rows of h (M, or max_rows)
+
+  // Token rows on the wire and in a (layer0): H * elem_bytes, or fp8_row_bytes(H) for packed FP8
+  // rows (comet/fp8_rows.h: the values, then their 1 x 128 scales, moved as one row).
+  int64_t row_bytes;
+  int32_t out_kind;       // ScalarKind of y0 and b0 (layer0) / of out and b1 (layer1)
+  // FP8 GEMM operands (the FP8 kernels only: kind == F8E4M3; both operands FP8 on CUDA):
+  //   A's values: layer0 the packed rows of a (row stride a_ld = row_bytes bytes), layer1 h
+  //   (a_ld = N1); A's 1 x 128 block scales: row r, K block kb at a_scale[r * a_scale_ld + kb]
+  //   (layer0: inside the packed rows, a_scale_ld = row_bytes / 4; layer1: h_scale,
+  //   a_scale_ld = ceil(N1 / 128)); the weights' 128 x 128 block scales w_scale
+  //   [El, ceil(N / 128), ceil(K / 128)] (N the GEMM's output columns, K its depth).
+  int64_t a_ld;
+  const float* a_scale;
+  int64_t a_scale_ld;
+  const float* w_scale;
 };
 
 // layer1's GEMM schedule (comet/gemm_schedule.h): every sm path and bench mode walks the same.

@@ -69,6 +69,23 @@ void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_ma
 void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
                               cudaStream_t stream);
 
+// FP8 paths (comet/fp8_rows.h; CallParams' FP8 fields): A and B float8_e4m3fn with their block
+// scales (A 1 x 128 per row, the weights 128 x 128), fp32 accumulation with each 128-wide K block
+// scaled before it is added; K-major weights only (FP8 tensor cores read both operands K-major);
+// y0 (layer0) in bf16, C (layer1) in fp32 as the 16-bit kernels.
+//  sm_90a (fused_sm90_fp8_layer*.cu): CUTLASS's blockwise-scaled FP8 wgmma mainloop; K % 16 == 0
+//   and 16-byte aligned operands (TMA); devices of compute capability 9.0.
+//  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K.
+// sm_80 has no FP8 tensor cores: the ops refuse FP8 there.
+FusedKernelInfo fused_sm90_fp8_layer0_info();
+FusedKernelInfo fused_sm90_fp8_layer1_info();
+void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
+void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
+FusedKernelInfo fused_sm89_fp8_layer0_info();
+FusedKernelInfo fused_sm89_fp8_layer1_info();
+void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
+void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
+
 // Tile shape the CUDA kernels are compiled for (both paths).
 constexpr int kTileM = 128;
 constexpr int kTileN = 128;
