@@ -83,6 +83,11 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const Coord& coord, i
   // all keep more registers live and spill.
   const int c0 = cute::get<1>(coord(0));
   const B* bias0 = bias != nullptr ? bias + c0 : nullptr;
+  // The same for the output: element (r, c) at base + ((r - r0) * ld + (c - c0)), with r - r0 and
+  // c - c0 compile-time constants: a handful of row offsets, no 64-bit address per element kept
+  // live across the mainloop (the FP8 mainloop's second accumulator leaves no room for them).
+  const int r0 = cute::get<0>(coord(0));
+  T* const base = dst + int64_t(r0) * ld + c0;
   const bool bias_aligned4 = (reinterpret_cast<uintptr_t>(bias0) & 3) == 0;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < cute::size(acc); i += 2) {
@@ -91,7 +96,7 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const Coord& coord, i
     const bool adjacent = cute::get<0>(coord(i + 1)) == r && cute::get<1>(coord(i + 1)) == c + 1;
     if (r >= rows) continue;
     const int dc = c - c0;
-    T* p = dst + int64_t(r) * ld + c;
+    T* p = base + (int64_t(r - r0) * ld + dc);
     if (adjacent && c + 1 < cols &&
         (reinterpret_cast<uintptr_t>(p) & (2 * sizeof(T) - 1)) == 0) {
       float v0 = acc(i), v1 = acc(i + 1);
@@ -107,7 +112,7 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const Coord& coord, i
       const int c1 = cute::get<1>(coord(i + 1));
       if (c < cols) store_one(p, bias0 != nullptr ? acc(i) + bias_one(bias0 + dc) : acc(i));
       if (r1 < rows && c1 < cols)
-        store_one(dst + int64_t(r1) * ld + c1,
+        store_one(base + (int64_t(r1 - r0) * ld + (c1 - c0)),
                   bias0 != nullptr ? acc(i + 1) + bias_one(bias0 + (c1 - c0)) : acc(i + 1));
     }
   }

@@ -33,6 +33,17 @@
 //    arbitrary rows and layer1 publishes each column right after its stores, which plain stores +
 //    a named barrier + a release make simple.
 //
+// FP8 (Fp8GemmConfig; comet/fp8_rows.h): A and B float8_e4m3fn (K-major: FP8 wgmma reads both
+// operands K-major from shared memory) with CUTLASS's blockwise-scaled mainloop
+// (MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8, 128x128x128 tiles: one A scale per row and one
+// B scale per tile for each 128-wide K tile, each k-tile's wgmma results scaled before they are
+// added to the fp32 accumulators, in k order). The operand loads are the same TMA producer warp;
+// the scales come from a second producer warp (load_scales: cp.async, 32 threads, arriving on the
+// same stage barriers), because our tiles start at any row and layer0's scales sit inside the
+// packed rows (row stride a_ld), which the mainloop's own tile-aligned scale loader cannot address.
+// A is layer0's packed rows in place (values at the row start, row stride fp8_row_bytes(H), a
+// multiple of 16) or layer1's h; y0 comes out in bf16 (and b0 / b1 are bf16).
+//
 // Everything is inside `#if __CUDA_ARCH_FEAT_SM90_ALL`: built for sm_80 this translation unit
 // holds empty kernels, never launched there.
 #pragma once
@@ -69,6 +80,9 @@ struct MnMajorB {  // B stored [K, N] per expert: the transposed weights, read i
 
 template <class T, class BMajor = KMajorB>
 struct GemmConfig {
+  using Element = T;
+  using Out0 = T;  // y0's element (and the biases')
+  static constexpr bool kBlockScaled = false;
   using TileShape = Shape<_128, _128, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kStages = 5;  // 5 x 32 KiB of operands
@@ -108,11 +122,11 @@ struct GemmConfig {
   //    and B L = experts, so the descriptors come from two calls with the same arguments and B's
   //    is taken from the second (the same smem layout, box and TMA type: only the extents
   //    differ; the second call's A descriptor is discarded).
-  static Params make_params(const void* a, int64_t a_rows, const void* b, int64_t n, int64_t k,
-                            int64_t experts) {
+  static Params make_params(const void* a, int64_t a_rows, int64_t a_ld, const void* b, int64_t n,
+                            int64_t k, int64_t experts) {
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
-    const StrideA da = make_stride(int64_t(k), Int<1>{}, int64_t(a_rows * k));
+    const StrideA da = make_stride(int64_t(a_ld), Int<1>{}, int64_t(a_rows * a_ld));
     if constexpr (!kBMn) {
       const int64_t b_rows = experts * n;
       const StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
@@ -134,12 +148,123 @@ struct GemmConfig {
   }
 };
 
+// FP8 e4m3 A and B (K-major) with block scales: A 1 x 128 (one per row and k-tile), B 128 x 128
+// (one per tile and k-tile). The scale layouts given to the builder only fix the granularity and
+// that the scales are K-major (so the mainloop loads none by TMA): load_scales fills the stages.
+struct Fp8GemmConfig {
+  using T = cutlass::float_e4m3_t;
+  using Element = T;
+  using Out0 = cutlass::bfloat16_t;
+  static constexpr bool kBlockScaled = true;
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  static constexpr int kAlign = 16;  // elements per 16 bytes
+  static constexpr bool kBMn = false;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T,
+      cute::tuple<cutlass::layout::RowMajor, LayoutSFA>, kAlign, T,
+      cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>, kAlign, float, TileShape, ClusterShape,
+      // as many stages of (32 KiB of operands + 516 B of scales) as shared memory holds (the
+      // builder's blockwise path takes no fixed count); the epilogue uses no shared memory
+      cutlass::gemm::collective::StageCountAutoCarveout<0>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using TiledMma = typename Mainloop::TiledMma;
+  using Pipeline = typename Mainloop::MainloopPipeline;
+  using PipelineState = typename Mainloop::PipelineState;
+  using Params = typename Mainloop::Params;
+  static_assert(!Mainloop::IsTmaLoadSFA && !Mainloop::IsTmaLoadSFB &&
+                    Mainloop::NumProducerThreadEvents == 33,
+                "scales come from load_scales' 32 threads, operands from one TMA thread");
+  static_assert(Mainloop::ScaleMsPerTile == 128 && Mainloop::ScaleNsPerTile == 1);
+  static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
+  static_assert(kStages >= 4, "enough k-tiles in flight to hide TMA latency");
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineStorage pipeline;
+  };
+
+  static constexpr int kThreads = 384;
+  static constexpr int kMmaThreads = 256;
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes >= int(kBlockSharedBytes),
+                "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
+  static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has at most 227 KiB of shared memory");
+  static constexpr int kTileM = 128, kTileN = 128, kTileK = 128;
+  // Measured with ptxas (sm_90a): the scale warp (its tile walk, waits and cp.async addresses)
+  // spills at 40 and 48 registers, and layer1 still spills with 48 / 232; 56 / 224 spills in
+  // neither layer (128 x 56 + 256 x 224 = 64512 of the 65536 registers).
+  static constexpr uint32_t kLoadRegisters = 56;
+  static constexpr uint32_t kMmaRegisters = 224;
+  static constexpr int kConsumerBarrier = 1;
+
+  // A [a_rows, K] with row stride a_ld bytes; B one [experts * n, K] matrix (K contiguous).
+  static Params make_params(const void* a, int64_t a_rows, int64_t a_ld, const void* b, int64_t n,
+                            int64_t k, int64_t experts) {
+    const int64_t b_rows = experts * n;
+    const typename Mainloop::StrideA da = make_stride(int64_t(a_ld), Int<1>{}, int64_t(a_rows * a_ld));
+    const typename Mainloop::StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
+    const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
+                                            static_cast<const T*>(b), db,
+                                            nullptr, LayoutSFA{}, nullptr, LayoutSFB{}};
+    return Mainloop::to_underlying_arguments(make_shape(int(a_rows), int(b_rows), int(k), 1), args,
+                                             nullptr);
+  }
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-template <class T, int kLayer, class BMajor>
-__device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMajor>::Params& mp,
-                           char* smem, uint64_t epoch) {
-  using C = GemmConfig<T, BMajor>;
+// The FP8 mainloop's scale producer (warp 1 of the producer warpgroup): for each k-tile of the
+// tile, the A scales of its 128 rows (rows past the m-tile read as 0: they feed accumulators the
+// epilogue never stores) and the tile's B scale, copied with cp.async into the stage the TMA warp
+// fills, arriving on that stage's barrier when they land (32 arrivals of the 33 it expects).
+// a_scale: the m-tile's first row's scales (row r, k-tile kt at a_scale[r * a_ld + kt]);
+// b_scale: the tile's column block's scales (k-tile kt at b_scale[kt]).
+template <class C>
+__device__ __forceinline__ void load_scales(typename C::Pipeline& pipeline,
+                                            typename C::PipelineState& state,
+                                            typename C::SharedStorage& ss, const float* a_scale,
+                                            int64_t a_ld, int32_t rows, const float* b_scale,
+                                            int k_tiles) {
+  using Mainloop = typename C::Mainloop;
+  const auto sfa = typename Mainloop::SmemLayoutSFA{};
+  const auto sfb = typename Mainloop::SmemLayoutSFB{};
+  float* smem_sfa = ss.tensors.smem_SFA.data();
+  float* smem_sfb = ss.tensors.smem_SFB.data();
+  const int lane = int(threadIdx.x % 32);
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    pipeline.producer_acquire(state);
+    const int stage = int(state.index());
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < Mainloop::ScaleMsPerTile / 32; ++i) {
+      const int r = lane + 32 * i;
+      const bool in = r < rows;
+      const float* src = in ? a_scale + int64_t(r) * a_ld + kt : a_scale;
+      const float* dst = smem_sfa + sfa(make_coord(make_coord(0, r), make_coord(0, 0), stage));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                       uint32_t(__cvta_generic_to_shared(dst))),
+                   "l"(src), "r"(in ? 4 : 0));
+    }
+    if (lane == 0) {
+      const float* dst = smem_sfb + sfb(make_coord(make_coord(0, 0), make_coord(0, 0), stage));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                       uint32_t(__cvta_generic_to_shared(dst))),
+                   "l"(b_scale + kt));
+    }
+    pipeline.producer_commit(state, cutlass::arch::cpasync_barrier_arrive_noinc);
+    ++state;
+  }
+}
+
+template <class C, int kLayer>
+__device__ void gemm_block(const CallParams& p, const typename C::Params& mp, char* smem,
+                           uint64_t epoch) {
+  using T = typename C::Element;
   using Mainloop = typename C::Mainloop;
   using Pipeline = typename C::Pipeline;
   using PipelineState = typename C::PipelineState;
@@ -167,14 +292,18 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
                                      p.mtile_ready, nullptr, nullptr}
                   : layer1_schedule_args(p, epoch);
 
+  // Producers: the TMA warp (warp 0), and with block scales the scale warp (warp 1, load_scales).
+  constexpr bool kScaled = C::kBlockScaled;
   typename Pipeline::Params pp;
   if (warp_group == 0)
-    pp.role = warp_in_group == 0 ? Pipeline::ThreadCategory::Producer
-                                 : Pipeline::ThreadCategory::NonParticipant;
+    pp.role = warp_in_group == 0 || (kScaled && warp_in_group == 1)
+                  ? Pipeline::ThreadCategory::Producer
+                  : Pipeline::ThreadCategory::NonParticipant;
   else
     pp.role = Pipeline::ThreadCategory::Consumer;
   pp.is_leader = int(threadIdx.x) % 128 == 0;
   pp.num_consumers = C::kMmaThreads;
+  if constexpr (kScaled) pp.num_producers = Mainloop::NumProducerThreadEvents;
   pp.transaction_bytes = mp.tma_transaction_bytes;
   Pipeline pipeline(ss.pipeline, pp, typename C::ClusterShape{});
   __syncthreads();  // barrier initialisation visible to every warp
@@ -182,6 +311,32 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
   Mainloop collective;
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<C::kLoadRegisters>();
+    if constexpr (kScaled) {
+      if (warp_in_group == 1) {
+        // The scales of the same tiles in the same order (and, layer0, after the same waits: the
+        // scales of a dispatched row travel inside it).
+        PipelineState state = cutlass::make_producer_start_state<Pipeline>();
+        const int64_t k_blocks = (K + 127) / 128;   // = k_tiles (128-wide k-tiles)
+        const int64_t n_blocks = (n_out + 127) / 128;
+        auto scales_of = [&](const MTile& mt, int32_t nt) {
+          load_scales<C>(pipeline, state, ss, p.a_scale + mt.row_begin * p.a_scale_ld,
+                         p.a_scale_ld, mt.rows,
+                         p.w_scale + (int64_t(mt.expert) * n_blocks + nt) * k_blocks, k_tiles);
+        };
+        ProducerContext ctx(wc);
+        if constexpr (kLayer == 0) {
+          layer0_gemm(ctx, g, ng, ga, scales_of);
+        } else {
+          const int64_t tiles = num_mtiles * p.num_ntiles;
+          const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
+          for (int64_t i = g; i < tiles; i += ng) {
+            const TileCoord tc = layer1_tile(i, num_mtiles, p.num_ntiles, band);
+            scales_of(p.mtiles[tc.mtile], tc.ntile);
+          }
+        }
+        return;
+      }
+    }
     if (warp_in_group != 0) return;
     // Producer warp: TMA loads in the engine's tile order.
     PipelineState state = cutlass::make_producer_start_state<Pipeline>();
@@ -200,8 +355,20 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
       Tensor gB = local_tile(domain_offset(b_origin, mB), typename C::TileShape{},
                              make_coord(_, _, _), Step<X, _1, _1>{});
       auto k_iter = make_coord_iterator(shape<3>(gA));
-      collective.load(mp, pipeline, state, cute::make_tuple(gA, gB), make_coord(0, 0, _, 0),
-                      k_iter, k_tiles, int(threadIdx.x) % 32, 0u, ss.tensors);
+      if constexpr (kScaled) {
+        // The scale tensors of the tuple are only read by a TMA scale load, which this
+        // configuration has none of (load_scales fills them).
+        const Tensor sf = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
+                                      typename C::LayoutSFA{});
+        const Tensor sfb = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
+                                       typename C::LayoutSFB{});
+        collective.load(mp, pipeline, state, cute::make_tuple(gA, gB, sf, sfb),
+                        make_coord(0, 0, _, 0), k_iter, k_tiles, int(threadIdx.x) % 32, 0u,
+                        ss.tensors);
+      } else {
+        collective.load(mp, pipeline, state, cute::make_tuple(gA, gB), make_coord(0, 0, _, 0),
+                        k_iter, k_tiles, int(threadIdx.x) % 32, 0u, ss.tensors);
+      }
       state.advance(k_tiles);
     };
     ProducerContext ctx(wc);
@@ -236,14 +403,15 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
     state.advance(k_tiles);
     // Expert bias [El, n_out] (or null): layer0's b0 into y0 before rounding, layer1's b1 into C
     // (fp32) before the comm blocks' top-k weighting.
-    const T* bias = static_cast<const T*>(kLayer == 0 ? p.b0 : p.b1);
+    using Bias = typename C::Out0;  // the 16-bit kernels' T; bf16 with FP8 operands
+    const Bias* bias = static_cast<const Bias*>(kLayer == 0 ? p.b0 : p.b1);
     const int64_t col0 = int64_t(nt) * C::kTileN;
     const int cols = int(n_out - col0 < C::kTileN ? n_out - col0 : C::kTileN);
     store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out,
                bias != nullptr ? bias + int64_t(mt.expert) * n_out + col0 : nullptr);
   };
   if constexpr (kLayer == 0) {
-    T* y0 = static_cast<T*>(p.y0);
+    auto* y0 = static_cast<typename C::Out0*>(p.y0);
     layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, y0); });
   } else {
     float* c = p.c;
@@ -253,10 +421,10 @@ __device__ void gemm_block(const CallParams& p, const typename GemmConfig<T, BMa
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <class T, int kLayer, class BMajor = KMajorB>
-__global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
+template <class C, int kLayer>
+__global__ void __launch_bounds__(C::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p,
-                 const __grid_constant__ typename GemmConfig<T, BMajor>::Params mp) {
+                 const __grid_constant__ typename C::Params mp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
@@ -273,45 +441,46 @@ __global__ void __launch_bounds__(GemmConfig<T, BMajor>::kThreads, 1)
     }
     return;
   }
-  gemm_block<T, kLayer, BMajor>(p, mp, smem, epoch);
+  gemm_block<C, kLayer>(p, mp, smem, epoch);
 #endif
 }
 
-template <class T, int kLayer, class BMajor>
+template <class C, int kLayer>
 FusedKernelInfo info() {
-  using C = GemmConfig<T, BMajor>;
-  auto* k = &fused_kernel<T, kLayer, BMajor>;
+  auto* k = &fused_kernel<C, kLayer>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), C::kThreads, C::kSmemBytes};
 }
 
 // B: p.w0 / p.w1 in BMajor's layout (MnMajorB: the ops' transposed weights as given; the caller
 // checked N % 8 == 0 and 16-byte alignment, TMA's conditions on B's strides and base).
-template <class T, int kLayer, class BMajor>
+// FP8 (Fp8GemmConfig): A's row stride is p.a_ld (layer0's packed rows are longer than H).
+template <class C, int kLayer>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
-  using C = GemmConfig<T, BMajor>;
   const int64_t K = kLayer == 0 ? p.hidden : p.cols;
   const int64_t n_out = kLayer == 0 ? p.cols : p.hidden;
   const void* a = kLayer == 0 ? static_cast<const void*>(p.a) : p.h;
   const int64_t a_rows = kLayer == 0 ? p.rows_cap : p.h_rows;
+  const int64_t a_ld = C::kBlockScaled ? p.a_ld : K;
   const void* b = kLayer == 0 ? p.w0 : p.w1;
-  const typename C::Params mp = C::make_params(a, a_rows, b, n_out, K, p.experts_local);
-  info<T, kLayer, BMajor>();
-  fused_kernel<T, kLayer, BMajor><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
+  const typename C::Params mp = C::make_params(a, a_rows, a_ld, b, n_out, K, p.experts_local);
+  info<C, kLayer>();
+  fused_kernel<C, kLayer><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
 }
 
 // What the fused_sm90_layer*.cu entry points instantiate: the kernel for B's layout.
 template <class T, int kLayer>
 FusedKernelInfo info(bool b_mn_major) {
-  return b_mn_major ? info<T, kLayer, MnMajorB>() : info<T, kLayer, KMajorB>();
+  return b_mn_major ? info<GemmConfig<T, MnMajorB>, kLayer>()
+                    : info<GemmConfig<T, KMajorB>, kLayer>();
 }
 
 template <class T, int kLayer>
 void launch(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream) {
   if (b_mn_major)
-    launch<T, kLayer, MnMajorB>(p, grid, stream);
+    launch<GemmConfig<T, MnMajorB>, kLayer>(p, grid, stream);
   else
-    launch<T, kLayer, KMajorB>(p, grid, stream);
+    launch<GemmConfig<T, KMajorB>, kLayer>(p, grid, stream);
 }
 
 // One dynamic shared memory size whatever B's layout (the same stages of the same tiles); the

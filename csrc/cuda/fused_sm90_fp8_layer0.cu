@@ -1,0 +1,15 @@
+// Instantiation of the sm_90a-path fused kernel of layer0 with FP8 operands (Fp8GemmConfig: e4m3 A and
+// B with block scales, CUTLASS's blockwise-scaled mainloop); see fused_sm90.cuh.
+// Keep NVSHMEM device calls (and anything needing -rdc) out of this file: ptxas serialises wgmma
+// and ignores setmaxnreg under -rdc (docs/toolchain.md).
+#include "fused_sm90.cuh"
+
+namespace comet::gpu {
+
+FusedKernelInfo fused_sm90_fp8_layer0_info() { return sm90::info<sm90::Fp8GemmConfig, 0>(); }
+
+void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream) {
+  sm90::launch<sm90::Fp8GemmConfig, 0>(p, grid, stream);
+}
+
+}  // namespace comet::gpu
