@@ -1,0 +1,134 @@
+// Fused persistent FP8 kernels of the sm_89 (Ada) path, one per layer: the comm blocks
+// (comet/block_roles.h) run the comm program, the rest walk the engine's tile schedule
+// (comet/gemm_schedule.h: layer0_gemm / layer1_gemm, the same walk and bench modes as the sm80
+// kernel, fused_sm80.cuh) and compute each tile with sm89::Fp8TileGemm (FP8 mma.sync with the
+// operands' block scales), whose epilogue adds the tile's expert bias (bf16, when given) in fp32.
+//
+// Operands (CallParams' FP8 fields; both K-major, e4m3):
+//   layer0: A = the dispatched packed rows p.a (comet/fp8_rows.h: [scales][values][pad], row
+//           stride p.a_ld bytes; the values start fp8_row_values_at(H) bytes into a row, the scales
+//           at p.a_scale, row stride p.a_scale_ld floats); B = w0 [El, N0, H] with w_scale
+//           [El, ceil(N0/128), ceil(H/128)]; out y0 bf16 [rows_cap, N0], bias b0 bf16 [El, N0].
+//   layer1: A = h [h_rows, N1] (row stride p.a_ld), scales p.a_scale (row stride p.a_scale_ld);
+//           B = w1 [El, H, N1] with w_scale [El, ceil(H/128), ceil(N1/128)]; out C fp32
+//           [h_rows, H], bias b1 bf16 [El, H].
+// vec (16-byte operand copies) is decided on the host from p (fp8_vec below).
+//
+// Compiled for sm_89 only: the kernel body is inside `#if __CUDA_ARCH__ == 890` (FP8 mma.sync needs
+// sm_89; other targets get an empty kernel, never launched there).
+#pragma once
+
+#include "comet/fp8_rows.h"
+#include "comet/gemm_schedule.h"
+#include "comm_blocks.cuh"
+#include "launch.h"
+#include "sm89_fp8_tile_gemm.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 890
+#define COMET_SM89_FP8_DEVICE 1
+#else
+#define COMET_SM89_FP8_DEVICE 0
+#endif
+
+namespace comet::gpu::sm89 {
+
+using Tile = Fp8TileGemm;
+
+// The GEMM's A values (first row), its depth K and output width N for layer kLayer.
+template <int kLayer>
+__host__ __device__ inline const uint8_t* a_values(const CallParams& p) {
+  if constexpr (kLayer == 0)
+    return reinterpret_cast<const uint8_t*>(p.a) + fp8_row_values_at(p.hidden);
+  else
+    return static_cast<const uint8_t*>(p.h);
+}
+template <int kLayer>
+__host__ __device__ inline int64_t gemm_k(const CallParams& p) {
+  return kLayer == 0 ? p.hidden : p.cols;
+}
+template <int kLayer>
+__host__ __device__ inline int64_t gemm_n(const CallParams& p) {
+  return kLayer == 0 ? p.cols : p.hidden;
+}
+template <int kLayer>
+__host__ __device__ inline const void* weights(const CallParams& p) {
+  return kLayer == 0 ? p.w0 : p.w1;
+}
+
+// 16-byte cp.async needs every row of A and B to start 16-byte aligned: K (B's row stride) and
+// a_ld multiples of 16, both bases aligned (an expert's weights start at a multiple of K * N).
+template <int kLayer>
+inline bool fp8_vec(const CallParams& p) {
+  const auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
+  return gemm_k<kLayer>(p) % 16 == 0 && p.a_ld % 16 == 0 && aligned16(a_values<kLayer>(p)) &&
+         aligned16(weights<kLayer>(p));
+}
+
+#if COMET_SM89_FP8_DEVICE
+// The tile (m-tile mt, n-tile nt) of layer kLayer: A rows and scales of the m-tile, the weight
+// rows of columns [col0, col0 + kBN) of its expert with their block's scales, and the output.
+template <int kLayer, class Out>
+__device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bool vec,
+                                             const MTile& mt, int32_t nt, Out* out_base,
+                                             const void* bias_base) {
+  const int64_t K = gemm_k<kLayer>(p), N = gemm_n<kLayer>(p);
+  const int64_t col0 = int64_t(nt) * Tile::kBN;
+  const Tile::Operand a{a_values<kLayer>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
+                        p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld};
+  const Tile::Operand b{
+      static_cast<const uint8_t*>(weights<kLayer>(p)) + (int64_t(mt.expert) * N + col0) * K,
+      int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN), K,
+      p.w_scale + (int64_t(mt.expert) * scale_blocks(N) + col0 / Tile::kBN) * scale_blocks(K)};
+  const auto* bias = static_cast<const cutlass::bfloat16_t*>(bias_base);  // [El, N] or null
+  Tile::run(smem, a, b, K, vec, out_base + mt.row_begin * N + col0, N,
+            bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
+}
+#endif
+
+template <int kLayer>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    fused_kernel(const __grid_constant__ CallParams p, bool vec) {
+#if COMET_SM89_FP8_DEVICE
+  extern __shared__ __align__(128) char smem[];
+  const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
+  const KernelClock clock(p.state);
+  if (ran_comm_block<kLayer>(p, epoch, smem)) return;
+  if (p.state->status != int32_t(CallStatus::Ok)) return;
+  const bool compute = p.mode != int32_t(BenchMode::CommOnly);
+  if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
+  const int32_t g = gemm_block_index<kLayer>(p);
+  const int32_t ng = int32_t(gridDim.x) - p.n_comm;
+  BlockGemmContext ctx(wait_config(p));
+
+  if constexpr (kLayer == 0) {
+    const GemmScheduleArgs ga{epoch, p.mtiles, p.state->num_mtiles, p.num_ntiles,
+                              p.mtile_order, p.mtile_ready, nullptr, nullptr};
+    auto* y0 = static_cast<cutlass::bfloat16_t*>(p.y0);
+    layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
+      compute_tile<0>(smem, p, vec, mt, nt, y0, p.b0);
+    });
+  } else {
+    const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
+    layer1_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
+      if (!compute) return;  // comm-only timing: columns are published without computing them
+      compute_tile<1>(smem, p, vec, mt, nt, p.c, p.b1);  // b1 into C, before the top-k weighting
+    });
+  }
+#endif
+}
+
+// Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
+template <int kLayer>
+FusedKernelInfo info() {
+  auto* k = &fused_kernel<kLayer>;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
+}
+
+template <int kLayer>
+void launch(const CallParams& p, int grid, cudaStream_t stream) {
+  info<kLayer>();
+  fused_kernel<kLayer><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, fp8_vec<kLayer>(p));
+}
+
+}  // namespace comet::gpu::sm89
