@@ -51,10 +51,12 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_blocks(const at::Tensor& w) {
 }
 
 at::Tensor fp8_pack_rows(const at::Tensor& q, const at::Tensor& scale) {
-  const int64_t T = q.size(0), H = q.size(1), at_values = fp8_row_values_at(H);
+  const int64_t T = q.size(0), H = q.size(1), at_scales = fp8_row_scales_at(H);
+  const int64_t scale_bytes = 4 * scale_blocks(H);
   at::Tensor rows = at::zeros({T, fp8_row_bytes(H)}, q.options().dtype(at::kByte));
-  rows.narrow(1, 0, at_values).copy_(scale.contiguous().view(at::kByte).view({T, at_values}));
-  rows.narrow(1, at_values, H).copy_(q.view(at::kByte));
+  rows.narrow(1, 0, H).copy_(q.view(at::kByte));
+  rows.narrow(1, at_scales, scale_bytes)
+      .copy_(scale.contiguous().view(at::kByte).view({T, scale_bytes}));
   return rows;
 }
 

@@ -107,13 +107,30 @@ bool Checker::precision(const at::Tensor& act, const char* act_name, const at::T
                 "out_dtype=" + (out_dtype ? dtype_name(*out_dtype) : std::string()) +
                     " is for FP8 calls; this call's result has " + act_name + "'s dtype " +
                     dtype_name(act.scalar_type()));
-  // The CUDA kernels have no FP8 path yet; the CPU backend under their rules refuses it alike.
-  if (!type(!cuda_rules_,
-            "FP8 inputs (float8_e4m3fn, dispatch_fp8) run on the CPU backend only in this build: "
-            "the CUDA kernels take bfloat16/float16 (dequantise with comet.fp8.dequantize_rows / "
-            "dequantize_blocks)" +
-                std::string(device_.is_cuda() ? "" : " [COMET_CPU_CUDA_RULES is set]")))
-    return false;
+  // The CUDA kernels' FP8 path (FP8 tensor cores: sm_89 mma.sync, sm_90a wgmma) takes FP8 on both
+  // operands and writes bfloat16; mixed calls and other result dtypes run on the CPU backend. The
+  // CPU backend under the CUDA rules refuses them alike.
+  if (cuda_rules_) {
+    const std::string rules = device_.is_cuda() ? "" : " [COMET_CPU_CUDA_RULES is set]";
+    const bool act_fp8 = is_fp8(act) || fp8_wire;
+    const std::string how_act = std::string(act_name) == "x"
+                                    ? "pass dispatch_fp8=True or an FP8 x with x_scale"
+                                    : "quantise it with comet.fp8.quantize_rows";
+    if (!type(act_fp8, "the CUDA FP8 kernels take FP8 on both operands: " +
+                           std::string(w_name) + " is float8_e4m3fn but " + act_name + " is " +
+                           dtype_name(act.scalar_type()) + " (" + how_act +
+                           "; mixed precision runs on the CPU backend)" + rules) ||
+        !type(is_fp8(w), "the CUDA FP8 kernels take FP8 on both operands: " +
+                             std::string(act_name) + " is FP8 but " + w_name + " is " +
+                             dtype_name(w.scalar_type()) +
+                             " (quantise it with comet.fp8.quantize_blocks; mixed precision runs "
+                             "on the CPU backend)" + rules) ||
+        !type(!out_dtype || *out_dtype == at::kBFloat16,
+              "the CUDA FP8 kernels write bfloat16, got out_dtype=" +
+                  (out_dtype ? dtype_name(*out_dtype) : std::string()) +
+                  " (other result dtypes run on the CPU backend)" + rules))
+      return false;
+  }
   if (!value(!(is_fp8(w) && w_transposed),
              std::string(w_name) + " is float8_e4m3fn: FP8 weights are taken in their own "
                                    "layout only (no " + w_name + "_transposed)"))

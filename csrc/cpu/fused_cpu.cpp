@@ -112,9 +112,8 @@ TileGemmArgs expert_gemm_args(const void* a, ScalarKind a_kind, const float* a_s
     t.a_scale_stride = scale_blocks(k);
   } else if (a_kind == ScalarKind::F8E4M3 && k > 0) {  // layer0's packed rows
     const int64_t row = fp8_row_bytes(k);
-    t.a = static_cast<const char*>(a) + fp8_row_values_at(k);
     t.a_stride = row;
-    t.a_scale = static_cast<const float*>(a);
+    t.a_scale = reinterpret_cast<const float*>(static_cast<const char*>(a) + fp8_row_scales_at(k));
     t.a_scale_stride = row / 4;
   }
   if (w_kind == ScalarKind::F8E4M3) t.b_scale = w_scale;

@@ -39,7 +39,7 @@ static __device__ void layer0_comm_block(const CallParams& p, int32_t block, uin
       CommContext ctx(p, block, p.n_comm, epoch, /*wait_source_data=*/true, smem);
       const bool nodes = p.topo.nodes() > 1;
       Layer0CommArgs a{p.rank,           p.world,         p.experts_local, p.topk,
-                             p.hidden * p.elem_bytes,          epoch,           p.regions,
+                             p.row_bytes,                      epoch,           p.regions,
                              p.seg_off,        p.mtiles,        p.mtile_order,   num_mtiles,
                              p.a,              p.mtile_ready,   p.row_source,    p.row_token,
                              p.row_slot,       nodes ? p.sources : nullptr,
@@ -63,7 +63,7 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
                                p.regions,    p.c,             p.ntile_ready,
                                plan,         per_item > 0 ? per_item : 1,
                                &p.state->blocks_done,         p.tokens,
-                               p.ids,        p.out,           ScalarKind(p.kind),
+                               p.ids,        p.out,           ScalarKind(p.out_kind),
                                // across nodes: staged partial rows for homes on other nodes
                                p.topo.nodes() > 1 ? p.topo.ranks_per_node : 0,
                                p.topo.nodes() > 1 ? p.datas[p.rank] + p.regions.stage : nullptr,

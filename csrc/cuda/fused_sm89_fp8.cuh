@@ -5,9 +5,9 @@
 // operands' block scales), whose epilogue adds the tile's expert bias (bf16, when given) in fp32.
 //
 // Operands (CallParams' FP8 fields; both K-major, e4m3):
-//   layer0: A = the dispatched packed rows p.a (comet/fp8_rows.h: [scales][values][pad], row
-//           stride p.a_ld bytes; the values start fp8_row_values_at(H) bytes into a row, the scales
-//           at p.a_scale, row stride p.a_scale_ld floats); B = w0 [El, N0, H] with w_scale
+//   layer0: A = the dispatched packed rows p.a (comet/fp8_rows.h: the values at the row start,
+//           row stride p.a_ld bytes; the scales at p.a_scale, row stride p.a_scale_ld floats);
+//           B = w0 [El, N0, H] with w_scale
 //           [El, ceil(N0/128), ceil(H/128)]; out y0 bf16 [rows_cap, N0], bias b0 bf16 [El, N0].
 //   layer1: A = h [h_rows, N1] (row stride p.a_ld), scales p.a_scale (row stride p.a_scale_ld);
 //           B = w1 [El, H, N1] with w_scale [El, ceil(H/128), ceil(N1/128)]; out C fp32
@@ -38,7 +38,7 @@ using Tile = Fp8TileGemm;
 template <int kLayer>
 __host__ __device__ inline const uint8_t* a_values(const CallParams& p) {
   if constexpr (kLayer == 0)
-    return reinterpret_cast<const uint8_t*>(p.a) + fp8_row_values_at(p.hidden);
+    return reinterpret_cast<const uint8_t*>(p.a);
   else
     return static_cast<const uint8_t*>(p.h);
 }

@@ -460,7 +460,9 @@ void launch(const CallParams& p, int grid, cudaStream_t stream) {
   const int64_t K = kLayer == 0 ? p.hidden : p.cols;
   const int64_t n_out = kLayer == 0 ? p.cols : p.hidden;
   const void* a = kLayer == 0 ? static_cast<const void*>(p.a) : p.h;
-  const int64_t a_rows = kLayer == 0 ? p.rows_cap : p.h_rows;
+  // FP8: at least one row (a call without rows still runs this kernel; the host gives A a row).
+  const int64_t a_rows = std::max<int64_t>(kLayer == 0 ? p.rows_cap : p.h_rows,
+                                           C::kBlockScaled ? 1 : 0);
   const int64_t a_ld = C::kBlockScaled ? p.a_ld : K;
   const void* b = kLayer == 0 ? p.w0 : p.w1;
   const typename C::Params mp = C::make_params(a, a_rows, a_ld, b, n_out, K, p.experts_local);

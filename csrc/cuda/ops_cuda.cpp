@@ -34,7 +34,9 @@
 #include "comet/exec_context.h"
 #include "comet/layout.h"
 #include "comet/symm_layout.h"
+#include "comet/fp8_rows.h"
 #include "cuda_buffer.h"
+#include "fp8_quant.h"
 #include "launch.h"
 #include "op_checks.h"
 #include "proxy.h"
@@ -111,6 +113,14 @@ void preload_kernels(int device) {
         fused.push_back(fused_sm90_layer1_info(kind, b_mn).func);
       }
     }
+  // FP8 (one kernel per layer and FP8 architecture; the sm_89 ones have only an sm_89 image).
+  if (prop.major == 9) {
+    fused.push_back(fused_sm90_fp8_layer0_info().func);
+    fused.push_back(fused_sm90_fp8_layer1_info().func);
+  } else if (prop.major == 8 && prop.minor == 9) {
+    fused.push_back(fused_sm89_fp8_layer0_info().func);
+    fused.push_back(fused_sm89_fp8_layer1_info().func);
+  }
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
   if (e == cudaSuccess) e = preload_proxy_kernels();
@@ -157,6 +167,7 @@ bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
 
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
+  int fp8 = 0;        // FP8 operands: the sm_90a (90) or sm_89 (89) FP8 kernels; 0: 16-bit
   bool sm90 = false;  // else the sm_80 path
   bool b_mn = false;  // B MN-major (transposed weights read in place), else K-major
   bool vec = false;   // sm_80 path: 16-byte operand copies
@@ -185,6 +196,30 @@ bool sm90_path(int device, int64_t k, int64_t n_out, const void* a, const void* 
 // proxy kernel (proxy.cu, one block) runs beside the fused kernel, which waits on what the proxy
 // delivers (and on ring room the proxy frees): the fused grid leaves it one SM, since a fused
 // block fills its SM's registers / shared memory and the proxy could not fit beside one.
+// FP8 operands (kind F8E4M3; the shared checks made both operands FP8, K-major, bf16 out): the
+// GPU's FP8 tensor cores pick the kernel: sm_90 the wgmma one (TMA: 16-byte rows, so K % 16 == 0,
+// and 16-byte aligned operands), sm_89 the mma.sync one (any K); no FP8 tensor cores: refused.
+bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer, int64_t k,
+              const void* a, const void* b) {
+  const int sm = prop.major * 10 + prop.minor;
+  if (!c.value(sm == 90 || sm == 89,
+               "FP8 layers need FP8 tensor cores (sm_89 Ada, sm_90 Hopper); this GPU is sm_" +
+                   std::to_string(sm) + ": pass bfloat16 operands (comet.fp8.dequantize_rows / "
+                   "dequantize_blocks) or run FP8 on the CPU backend"))
+    return false;
+  if (sm == 90 &&
+      !c.value(k % 16 == 0 && (a == nullptr || aligned16(a)) && aligned16(b),
+               std::string("FP8 on sm_90 loads rows with TMA, which needs 16-byte rows: ") +
+                   (layer == 0 ? "H" : "N1") + " = " + std::to_string(k) +
+                   (k % 16 == 0 ? " and the operands must be 16-byte aligned"
+                                : " is not a multiple of 16")))
+    return false;
+  lp.fp8 = sm;
+  lp.info = sm == 90 ? (layer == 0 ? fused_sm90_fp8_layer0_info() : fused_sm90_fp8_layer1_info())
+                     : (layer == 0 ? fused_sm89_fp8_layer0_info() : fused_sm89_fp8_layer1_info());
+  return true;
+}
+
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
                        int64_t n_gemm, bool proxy_sm) {
@@ -195,15 +230,19 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
                "the CUDA kernels are built for sm_80 (Ampere/Ada) and sm_90a (Hopper); this GPU "
                "is sm_" + std::to_string(prop.major * 10 + prop.minor)))
     return lp;
-  // sm_80 path: 16-byte copies need 16-byte rows and bases; MN-major B's rows are n_out long.
-  lp.vec = k % 8 == 0 && (a == nullptr || aligned16(a)) && aligned16(b) &&
-           (!b_mn || n_out % 8 == 0);
-  lp.sm90 = sm90_path(device, k, n_out, a, b, b_mn);
-  lp.b_mn = b_mn;
-  lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn)
-                                  : fused_sm90_layer1_info(kind, b_mn))
-                    : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn)
-                                  : fused_sm80_layer1_info(kind, b_mn));
+  if (kind == ScalarKind::F8E4M3) {
+    if (!plan_fp8(c, lp, prop, layer, k, a, b)) return lp;
+  } else {
+    // sm_80 path: 16-byte copies need 16-byte rows and bases; MN-major B's rows are n_out long.
+    lp.vec = k % 8 == 0 && (a == nullptr || aligned16(a)) && aligned16(b) &&
+             (!b_mn || n_out % 8 == 0);
+    lp.sm90 = sm90_path(device, k, n_out, a, b, b_mn);
+    lp.b_mn = b_mn;
+    lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn)
+                                    : fused_sm90_layer1_info(kind, b_mn))
+                      : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn)
+                                    : fused_sm80_layer1_info(kind, b_mn));
+  }
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
                                                     lp.info.smem_bytes) != cudaSuccess)
@@ -390,17 +429,43 @@ void check_fits(Checker& c, int64_t max_rows, int64_t tokens, int64_t tcap) {
                                 "capacity first (Buffer.reserve / an eager call)");
 }
 
+// The symmetric regions' token-row geometry (hidden elements of elem bytes): layer0's packed FP8
+// rows (comet/fp8_rows.h) travel as row_bytes 1-byte elements, as on the CPU backend.
+struct RowGeometry {
+  int64_t hidden;
+  int32_t elem;
+};
+RowGeometry row_geometry(OpKind op, ScalarKind kind, int64_t hidden, int32_t elem) {
+  if (op == OpKind::Layer0 && kind == ScalarKind::F8E4M3) return {fp8_row_bytes(hidden), 1};
+  return {hidden, elem};
+}
+
+DataRegions regions_of(const CallParams& p, const NodeTopology& topo, int64_t tcap) {
+  const RowGeometry g = row_geometry(OpKind(p.op), ScalarKind(p.kind), p.hidden, p.elem_bytes);
+  return call_regions(topo, OpKind(p.op), std::max<int64_t>(tcap, 0), int32_t(g.hidden), p.topk,
+                      p.num_experts, g.elem, 4, p.tp);
+}
+
+int64_t token_capacity(const CudaBuffer& b, OpKind op, ScalarKind kind, int64_t hidden,
+                       int64_t k, int32_t num_experts, int32_t elem, int32_t tp) {
+  const RowGeometry g = row_geometry(op, kind, hidden, elem);
+  return b.token_capacity(op, g.hidden, int32_t(k), num_experts, g.elem, tp);
+}
+
+// out_kind: of y0 / out (FP8 calls write bfloat16).
 void set_call_sizes(CallParams& p, OpKind op, ScalarKind kind, int32_t elem, bool ok,
                     int64_t tokens, int64_t hidden, int64_t cols, int64_t tcap, int64_t k,
-                    int32_t num_experts, const NodeTopology& topo) {
+                    int32_t num_experts, const NodeTopology& topo, ScalarKind out_kind) {
   p.kind = int32_t(kind);
+  p.out_kind = int32_t(out_kind);
   p.elem_bytes = elem;
   p.tokens = ok ? tokens : 0;
   p.hidden = hidden;
   p.cols = cols;
   p.tcap = tcap;
-  p.regions = call_regions(topo, op, std::max<int64_t>(tcap, 0), int32_t(hidden), int32_t(k),
-                           num_experts, elem, 4, p.tp);
+  const RowGeometry g = row_geometry(op, kind, hidden, elem);
+  p.row_bytes = g.hidden * g.elem;
+  p.regions = regions_of(p, topo, tcap);
 }
 
 // The eager path's read-back: raises (on every rank alike) when the call was rejected, grows the
@@ -424,9 +489,7 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     if (local.code == 2) TORCH_CHECK_TYPE(false, v);
     TORCH_CHECK_VALUE(false, v);
   }
-  const size_t need = call_regions(b.topology(), OpKind(p.op), s.state.max_tokens,
-                                   int32_t(p.hidden), p.topk, p.num_experts, p.elem_bytes, 4, p.tp)
-                          .total;
+  const size_t need = regions_of(p, b.topology(), s.state.max_tokens).total;
   if (need > b.capacity()) {
     if (b.subgroup()) {  // growing would need every process of the NVSHMEM world
       launch_finish(p, stream);
@@ -453,7 +516,17 @@ void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
 
 void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
                   cudaStream_t stream) {
-  if (lp.sm90) {
+  if (lp.fp8 == 90) {
+    if (layer == 0)
+      launch_fused_sm90_fp8_layer0(p, lp.grid, stream);
+    else
+      launch_fused_sm90_fp8_layer1(p, lp.grid, stream);
+  } else if (lp.fp8 == 89) {
+    if (layer == 0)
+      launch_fused_sm89_fp8_layer0(p, lp.grid, stream);
+    else
+      launch_fused_sm89_fp8_layer1(p, lp.grid, stream);
+  } else if (lp.sm90) {
     if (layer == 0)
       launch_fused_sm90_layer0(kind, p, lp.b_mn, lp.grid, stream);
     else
@@ -499,14 +572,18 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
   const int64_t N0 = shaped ? w0_out(w0, w0_transposed) : 0, k = shaped ? topk_ids.size(1) : 0;
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / (W / tp);
-  const ScalarKind kind = shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
-  const int32_t elem = 2;
+  // FP8 (the checks made both operands FP8): packed rows on the wire, bf16 y0.
+  const bool fp8 = shaped && (is_fp8(x) || dispatch_fp8);
+  const ScalarKind kind =
+      fp8 ? ScalarKind::F8E4M3 : shaped ? scalar_kind(x.scalar_type()) : ScalarKind::BF16;
+  const ScalarKind out_kind = fp8 ? ScalarKind::BF16 : kind;
+  const int32_t elem = fp8 ? 1 : 2;
   // w0 read in place: [El, N0, H], or [El, H, N0] when transposed (MN-major B).
   const bool w_mn = shaped && w0_transposed;
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
                                     shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
                                     b.multi_node());
-  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem, tp) : 0;
+  int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
@@ -516,7 +593,18 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                 tp_size);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok), tp);
-  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology());
+  set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology(), out_kind);
+  // The rows this rank publishes: x, or its packed FP8 rows (x's own, or quantised here, on the
+  // sending side), made now, while no proxy spins (they allocate).
+  at::Tensor rows = x;
+  if (ok && fp8) {
+    if (is_fp8(x)) {
+      rows = fp8_pack_rows(x, *x_scale);
+    } else {
+      const auto [q, scale] = fp8_quantize_rows(x);
+      rows = fp8_pack_rows(q, scale);
+    }
+  }
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
@@ -548,8 +636,11 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     p.rows_cap = rows_cap;
     p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
     const auto opts = x.options();
-    a = at::empty({rows_cap, H}, opts);
-    y0 = at::empty({rows_cap, N0}, opts);
+    // FP8: the packed rows (at least one: the TMA descriptor over them needs a row; narrowed to
+    // rows_cap below), y0 in bfloat16.
+    a = fp8 ? at::empty({std::max<int64_t>(rows_cap, 1), p.row_bytes}, opts.dtype(at::kByte))
+            : at::empty({rows_cap, H}, opts);
+    y0 = at::empty({rows_cap, N0}, opts.dtype(fp8 ? at::kBFloat16 : x.scalar_type()));
     row_source = at::empty({rows_cap}, i32);
     row_token = at::empty({rows_cap}, i32);
     row_slot = at::empty({rows_cap}, i32);
@@ -581,10 +672,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   }
   if (max_rows < 0) {
     const CallSummary s = settle(b, p, with_pending(check, pending), "comet.moe_layer0", stream, proxy);
-    tcap = b.token_capacity(OpKind::Layer0, H, int32_t(k), E, elem, tp);
+    tcap = token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp);
     p.tcap = tcap;
-    p.regions =
-        call_regions(b.topology(), OpKind::Layer0, tcap, int32_t(H), int32_t(k), E, elem, 4, tp);
+    p.regions = regions_of(p, b.topology(), tcap);
     // The rows are known only now: allocate with the proxy stopped (its end kernel is queued
     // behind the begin kernel, so a device synchronisation in the allocator completes).
     proxy.pause();
@@ -601,18 +691,25 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   p.row_source = row_source.data_ptr<int32_t>();
   p.row_token = row_token.data_ptr<int32_t>();
   p.row_slot = row_slot.data_ptr<int32_t>();
+  if (fp8) {  // A's values at the packed rows' start, their scales inside them (fp8_rows.h)
+    p.a_ld = p.row_bytes;
+    p.a_scale = reinterpret_cast<const float*>(p.a + fp8_row_scales_at(H));
+    p.a_scale_ld = p.row_bytes / 4;
+    p.w_scale = w0_scale->data_ptr<float>();
+  }
 
   // This rank's source data into its data segment (after begin: peers are done with it).
   char* own = b.own_data();
   copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
   copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.x, x.data_ptr(), size_t(T * H) * elem, stream);
+  copy_async(own + p.regions.x, rows.data_ptr(), size_t(T * p.row_bytes), stream);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
   // No rows: no TMA descriptor over A, so the sm_80 kernel runs (of the same B layout), with no
   // tile to compute (M = 0, or the call overflowed max_rows = 0 and skips its GEMM): it never
   // reads the weights.
+  // (The FP8 kernels always run: their A has at least one row.)
   LaunchPlan run = lp;
   if (run.sm90 && rows_cap < 1) run.sm90 = false;
   if (!run.sm90 && lp.sm90) {
@@ -621,7 +718,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   launch_fused(0, kind, p, run, stream);
   proxy.end();
   raise_pending(pending);
-  return {y0, a, recv_counts, send_pos, row_source, row_token, row_slot};
+  return {y0, fp8 ? a.narrow(0, 0, rows_cap) : a, recv_counts, send_pos, row_source, row_token,
+          row_slot};
 }
 
 at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
@@ -659,14 +757,19 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int64_t h_rows = shaped ? h.size(0) : 0, N1 = shaped ? h.size(1) : 0;
   const int64_t H = shaped ? w1_out(w1, w1_transposed) : 0;
   const int32_t E = shaped ? int32_t(num_experts) : W, El = E / (W / tp);
-  const ScalarKind kind = shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
+  // FP8 (the checks made both operands FP8): h's scales beside it, out (and the partial rows on
+  // the wire, elem) in bfloat16.
+  const bool fp8 = shaped && is_fp8(h);
+  const ScalarKind kind =
+      fp8 ? ScalarKind::F8E4M3 : shaped ? scalar_kind(h.scalar_type()) : ScalarKind::BF16;
+  const ScalarKind out_kind = fp8 ? ScalarKind::BF16 : kind;
   const int32_t elem = 2;
   // w1 read in place: [El, H, N1], or [El, N1, H] when transposed (MN-major B).
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
                                     b.multi_node());
-  int64_t tcap = shaped ? b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem, tp) : 0;
+  int64_t tcap = shaped ? token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
   const bool ok = check.ok();
@@ -676,7 +779,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                 tp_size);
   CallParams p = base_params(b, OpKind::Layer1, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(H, kTileN)), device_max_rows(max_rows, ok), tp);
-  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology());
+  set_call_sizes(p, OpKind::Layer1, kind, elem, ok, T, H, N1, tcap, k, E, b.topology(), out_kind);
   p.h_rows = h_rows;
   p.band_n = int32_t(band_n);  // checked: 0 .. INT32_MAX
 
@@ -726,7 +829,11 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
 
   // Allocated before the proxy starts (as in layer0): their sizes are known now.
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
-  at::Tensor out = at::empty({T, H}, h.options());
+  at::Tensor out = at::empty({T, H}, h.options().dtype(fp8 ? at::kBFloat16 : h.scalar_type()));
+  // FP8 with no rows: the TMA descriptor over h still needs one row to describe.
+  at::Tensor h_stub = fp8 && h_rows < 1 ? at::zeros({1, std::max<int64_t>(N1, 16)},
+                                                    h.options().dtype(at::kByte))
+                                        : at::Tensor();
 
   launch_source(p, stream);
   check_cuda(cudaGetLastError(), "launching the source kernel");
@@ -739,13 +846,18 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   }
   if (max_rows < 0) {
     settle(b, p, with_pending(check, pending), "comet.moe_layer1", stream, proxy);
-    tcap = b.token_capacity(OpKind::Layer1, H, int32_t(k), E, elem, tp);
+    tcap = token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp);
     p.tcap = tcap;
-    p.regions =
-        call_regions(b.topology(), OpKind::Layer1, tcap, int32_t(H), int32_t(k), E, elem, 4, tp);
+    p.regions = regions_of(p, b.topology(), tcap);
   }
 
-  p.h = h.data_ptr();
+  p.h = h_stub.defined() ? h_stub.data_ptr() : h.data_ptr();
+  if (fp8) {  // h [h_rows, N1] with h_scale [h_rows, ceil(N1/128)]
+    p.a_ld = N1;
+    p.a_scale = h_scale->data_ptr<float>();
+    p.a_scale_ld = scale_blocks(N1);
+    p.w_scale = w1_scale->data_ptr<float>();
+  }
   p.w1 = w1.data_ptr();
   p.b1 = adds_layer1_bias(p.rank, tp) ? bias_ptr(b1) : nullptr;  // once per (token, expert)
   p.c = cbuf.data_ptr<float>();

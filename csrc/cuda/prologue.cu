@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
     // Node-first pushes to the other nodes' mirrors (node_push.h), whatever this rank's own
     // status (a local row overflow must not starve the peers), then where each source is read.
     const NodePushArgs na{p.topo, d, p.num_experts, El, p.topk, p.tokens,
-                          p.hidden * p.elem_bytes, 4, e, p.regions, p.ids};
+                          p.row_bytes, 4, e, p.regions, p.ids};
     if (layer1)
       layer1_push_program(ctx, na);
     else

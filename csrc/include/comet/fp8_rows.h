@@ -3,9 +3,12 @@
 //
 // On the wire (layer0's symmetric x region and its dispatched rows `a`) an FP8 token row travels
 // with its scales as one packed row, so the comm blocks move it as they move any row, unchanged:
-//   [ceil(H/128) fp32 scales][H fp8 values][zero padding to a multiple of 16 bytes]
-// (scales first: they stay 4-byte aligned whatever H is; 16 bytes is the comm's vector width).
-// For H a multiple of 512 the padding is empty and a row is H + 4 H/128 bytes, against 2 H in bf16.
+//   [H fp8 values][zero padding to 4 bytes][ceil(H/128) fp32 scales][zero padding to 16 bytes]
+// Values first: on the GPU the dispatched rows are the GEMM's A operand as they lie, one matrix of
+// row stride fp8_row_bytes(H) (a multiple of 16, TMA's condition on strides) starting at the
+// buffer's 16-byte-aligned base, whatever H is; the scales stay 4-byte aligned; 16 bytes is the
+// comm's vector width. For H a multiple of 512 both paddings are empty and a row is H + 4 H/128
+// bytes, against 2 H in bf16.
 #pragma once
 
 #include "comet/config.h"
@@ -16,11 +19,11 @@ constexpr int64_t kScaleBlock = 128;  // values per scale along a row / per side
 
 COMET_HD int64_t scale_blocks(int64_t n) { return ceil_div(n, kScaleBlock); }
 
-// Bytes before the values of a packed row (its scales).
-COMET_HD int64_t fp8_row_values_at(int64_t hidden) { return 4 * scale_blocks(hidden); }
+// Byte offset of a packed row's scales (after its values).
+COMET_HD int64_t fp8_row_scales_at(int64_t hidden) { return ceil_div(hidden, 4) * 4; }
 
 COMET_HD int64_t fp8_row_bytes(int64_t hidden) {
-  return ceil_div(fp8_row_values_at(hidden) + hidden, 16) * 16;
+  return ceil_div(fp8_row_scales_at(hidden) + 4 * scale_blocks(hidden), 16) * 16;
 }
 
 }  // namespace comet
