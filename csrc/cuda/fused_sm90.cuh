@@ -398,6 +398,9 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
 
   auto compute_tile = [&](const MTile& mt, int32_t nt, auto* out) {
     Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename C::TileShape{}));
+    // The blockwise mainloop adds each scaled k-tile into acc (acc += partial * scale) and never
+    // zeroes it; the 16-bit mainloop's first wgmma overwrites it.
+    if constexpr (kScaled) clear(acc);
     collective.mma(pipeline, state, acc, k_tiles, mma_thread, ss.tensors, mp);
     collective.mma_tail(pipeline, state, k_tiles);
     state.advance(k_tiles);
