@@ -8,7 +8,8 @@ max(comm alone, GEMM alone) and every method's ratio to it.
                                                    # ops both; bench/tp_compare.py)
     torchrun --nproc-per-node 8 bench/moe_layer.py --world 8 --tokens 4096 --scale 1 --dtype bf16
                                                    # GPU (untested: no GPU where this was written)
-    .venv/bin/python bench/moe_layer.py --dtype fp8 --hidden 512   # FP8 (CPU backend only)
+    .venv/bin/python bench/moe_layer.py --dtype fp8 --hidden 512   # FP8 (on a GPU: sm_89 / sm_90,
+                                                   # the FP8 kernels, untested: no GPU here)
 
 --dtype fp8: Comet runs in FP8 (comet.fp8: bf16 tokens quantised on dispatch, weights quantised
 once, the SwiGLU output per row, results in bf16); the torch baselines run in bf16 and Comet's
@@ -150,7 +151,8 @@ def _body(rank: int, world: int, cfg: dict):
                 model = dict(error=repr(e))
 
         gemm_flops = 2.0 * rows * shape["H"] * (shape["N0"] + shape["N1"])
-        layer0_bytes = _layer0_bytes(inp) if fp8 else None
+        # (the link counters are the CPU backend's: its links are what it can count)
+        layer0_bytes = _layer0_bytes(inp) if fp8 and dev.type == "cpu" else None
         records.append(dict(
             model=name, title=shape["title"], world=world, tokens=T, dtype=cfg["dtype"],
             shape={k: shape[k] for k in ("H", "ffn", "N0", "N1", "E", "k", "scale", "full_H",
@@ -170,7 +172,7 @@ def _body(rank: int, world: int, cfg: dict):
             comet_launch=launch,
             max_abs_err_vs_sequential=errs, output_max_abs=scale_,
             perfmodel=model,
-            **({"layer0_bytes": layer0_bytes} if fp8 else {}),
+            **({"layer0_bytes": layer0_bytes} if layer0_bytes else {}),
         ))
         C.progress(f"{label}: sequential {med['sequential'] * 1e3:.2f} ms, tutel(c={best_c}) "
                    f"{tutel[best_c] * 1e3:.2f} ms, comet {med['comet'] * 1e3:.2f} ms, limit "
