@@ -5,20 +5,29 @@ What it adds to the CPU extension (docs/toolchain.md says why each flag is there
   - csrc/cuda/*.cu compiled by nvcc for every architecture of COMET_CUDA_ARCHS (default "80;90a";
     sm_90a is required for the TMA/wgmma path, sm_80 for the mma.sync path). -DNDEBUG and no
     -rdc: ptxas serialises wgmma and ignores setmaxnreg otherwise. The kernels are torch-free.
-  - ONE exception, RDC_SOURCES (csrc/cuda/proxy.cu, the inter-node transport's proxy kernel, the
-    only device code that calls NVSHMEM): compiled with -rdc=true and device-linked on its own
-    with libnvshmem_device.a (`nvcc -dlink proxy.o -lnvshmem_device`, no -dlto: there is no
-    libnvvm here), by build_ext_class() before the extension links; both objects, the static
-    library (its host part: nvshmemx_init_attr's device-state set-up) and libcudadevrt join the
-    link of comet._C. The other .cu files never see -rdc, so the fused kernels are unchanged.
+  - Sources with their own architectures, SOURCE_ARCHS (source_archs()): the sm_89 FP8 fused
+    kernels (csrc/cuda/fused_sm89_fp8_layer*.cu) are compiled for sm_89 only. FP8 mma.sync
+    (QMMA e4m3) exists from sm_89, so their device code is guarded by __CUDA_ARCH__ == 890 and is
+    empty for any other architecture; every other TU needs no sm_89 image (its sm_80 SASS runs on
+    Ada), and compiling every TU for sm_89 too would only lengthen the build.
+  - RDC_SOURCES (csrc/cuda/proxy.cu, the inter-node transport's proxy kernel, the only device
+    code that calls NVSHMEM): compiled with -rdc=true and device-linked on its own with
+    libnvshmem_device.a (`nvcc -dlink proxy.o -lnvshmem_device`, no -dlto: there is no libnvvm
+    here); both objects, the static library (its host part: nvshmemx_init_attr's device-state
+    set-up) and libcudadevrt join the link of comet._C. The other .cu files never see -rdc, so
+    the fused kernels are unchanged.
+  - Both kinds (separate_sources()) are compiled outside torch's ninja source list, one nvcc
+    command per source (compile_object(), rebuilt when older than the source, a header or this
+    file), by build_ext_class() before the extension links; their objects join its link.
   - csrc/cuda/*.cpp (the CUDA op kernels and the NVSHMEM host side) compiled by the C++ compiler.
   - CUTLASS/CuTe headers: $COMET_CUTLASS_DIR (a checkout, e.g. third_party/cutlass) or the
     nvidia-cutlass wheel's copy.
   - NVSHMEM: libnvshmem_host.so.3 (there is no unversioned libnvshmem_host.so, so it is linked by
     file name with an rpath) and libnvshmem_device.a (see above).
 
-Also used by tools/check_ptxas.py (the same flags, so the static check sees what the build
-builds): `nvcc_command(root, source, arch, extra)`, which adds `source_flags(source)`.
+Also used by tools/check_ptxas.py (the same flags and architectures, so the static check sees what
+the build builds): `nvcc_command(root, source, archs, extra)`, which adds `source_flags(source)`,
+and `source_archs(source)`.
 """
 from __future__ import annotations
 
@@ -102,9 +111,34 @@ NVCC_FLAGS = [
 # docstring. Relative to the repository root.
 RDC_SOURCES = ("csrc/cuda/proxy.cu",)
 
+# Sources compiled for their own architectures instead of COMET_CUDA_ARCHS: see the module
+# docstring. Relative to the repository root.
+SOURCE_ARCHS = {
+    "csrc/cuda/fused_sm89_fp8_layer0.cu": ("89",),
+    "csrc/cuda/fused_sm89_fp8_layer1.cu": ("89",),
+}
+
+
+def _table_key(source: str, table) -> str | None:
+    """The entry of `table` (repository-relative paths) that names `source` (relative or absolute)."""
+    path = source.replace(os.sep, "/")
+    return next((s for s in table if path == s or path.endswith("/" + s)), None)
+
 
 def is_rdc(source: str) -> bool:
-    return any(source.replace(os.sep, "/").endswith(s) for s in RDC_SOURCES)
+    return _table_key(source, RDC_SOURCES) is not None
+
+
+def source_archs(source: str) -> list[str]:
+    """The architectures `source` is compiled for: its SOURCE_ARCHS entry, else archs()."""
+    key = _table_key(source, SOURCE_ARCHS)
+    return list(SOURCE_ARCHS[key]) if key is not None else archs()
+
+
+def is_separate(source: str) -> bool:
+    """Whether `source` is compiled outside torch's ninja list (compile_object(), see the module
+    docstring): the -rdc sources and those with their own architectures."""
+    return is_rdc(source) or _table_key(source, SOURCE_ARCHS) is not None
 
 
 def source_flags(source: str) -> list[str]:
@@ -120,18 +154,29 @@ def include_dirs(root: str) -> list[str]:
             os.path.join(root, "csrc", "cuda")] + cutlass_include_dirs()
 
 
-def nvcc_command(root: str, source: str, arch: str, extra: list[str] | None = None) -> list[str]:
-    """The nvcc command line compiling one CUDA source of the build for one architecture."""
+def nvcc_command(root: str, source: str, arch_list: list[str],
+                 extra: list[str] | None = None) -> list[str]:
+    """The nvcc command line compiling one CUDA source of the build for the given architectures."""
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                                 "bin", "nvcc")
-    cmd = [nvcc] + NVCC_FLAGS + gencode_flags([arch])
+    cmd = [nvcc] + NVCC_FLAGS + gencode_flags(list(arch_list))
     cmd += [f"-I{d}" for d in include_dirs(root)] + source_flags(source)
     return cmd + (extra or []) + ["-c", source]
 
 
 def cuda_sources(root: str) -> list[str]:
-    """Every csrc/cuda/*.cu (RDC_SOURCES included: check_ptxas compiles them all)."""
+    """Every csrc/cuda/*.cu (the separate ones included: check_ptxas compiles them all)."""
     return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+
+
+def separate_sources(root: str) -> list[str]:
+    """The csrc/cuda/*.cu compiled outside torch's ninja list (is_separate)."""
+    return [s for s in cuda_sources(root) if is_separate(s)]
+
+
+def ninja_cuda_sources(root: str) -> list[str]:
+    """The csrc/cuda/*.cu that torch's ninja build compiles (for COMET_CUDA_ARCHS)."""
+    return [s for s in cuda_sources(root) if not is_separate(s)]
 
 
 def _newer(target: str, deps: list[str]) -> bool:
@@ -142,34 +187,43 @@ def _newer(target: str, deps: list[str]) -> bool:
     return any(os.path.getmtime(d) > t for d in deps if os.path.exists(d))
 
 
+def _header_deps(root: str) -> list[str]:
+    """What every separate object is rebuilt after: our headers and this file (its flags)."""
+    return glob.glob(os.path.join(root, "csrc", "cuda", "*.h")) + \
+        glob.glob(os.path.join(root, "csrc", "cuda", "*.cuh")) + \
+        glob.glob(os.path.join(root, "csrc", "include", "comet", "*.h")) + [__file__]
+
+
+def compile_object(root: str, source: str, build_dir: str, verbose: bool = False) -> str:
+    """Compiles one separate source (relative to root) to build_dir/<name>.o for source_archs()
+    with source_flags() (-rdc for RDC_SOURCES), unless the object is newer than the source and
+    _header_deps(). Returns the object."""
+    import subprocess
+
+    os.makedirs(build_dir, exist_ok=True)
+    path = os.path.join(root, source)
+    obj = os.path.join(build_dir, os.path.basename(source) + ".o")
+    if _newer(obj, [path] + _header_deps(root)):
+        cmd = nvcc_command(root, path, source_archs(source), ["-Xcompiler=-fPIC", "-o", obj])
+        if os.environ.get("COMET_PTXAS_VERBOSE"):
+            cmd.append("-Xptxas=-v")
+        if verbose:
+            print(" ".join(cmd))
+        subprocess.run(cmd, check=True)
+    return obj
+
+
 def build_rdc_objects(root: str, build_dir: str, verbose: bool = False) -> list[str]:
     """Compiles RDC_SOURCES with -rdc=true and device-links them with libnvshmem_device.a alone.
     Returns the objects for the host link: each source's object, then the device-link object."""
     import subprocess
 
-    os.makedirs(build_dir, exist_ok=True)
     _, nv_lib = nvshmem_dirs()
-    gencodes = gencode_flags(archs())
-    objs = []
-    deps = glob.glob(os.path.join(root, "csrc", "cuda", "*.h")) + \
-        glob.glob(os.path.join(root, "csrc", "cuda", "*.cuh")) + \
-        glob.glob(os.path.join(root, "csrc", "include", "comet", "*.h"))
-    for src in RDC_SOURCES:
-        path = os.path.join(root, src)
-        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
-        if _newer(obj, [path, __file__] + deps):
-            cmd = nvcc_command(root, path, archs()[0], ["-Xcompiler=-fPIC", "-o", obj])
-            cmd[1:1] = gencodes[1:]
-            if os.environ.get("COMET_PTXAS_VERBOSE"):
-                cmd.append("-Xptxas=-v")
-            if verbose:
-                print(" ".join(cmd))
-            subprocess.run(cmd, check=True)
-        objs.append(obj)
-    nvcc = nvcc_command(root, RDC_SOURCES[0], archs()[0])[0]
+    objs = [compile_object(root, src, build_dir, verbose) for src in RDC_SOURCES]
+    nvcc = nvcc_command(root, RDC_SOURCES[0], archs())[0]
     dlink = os.path.join(build_dir, "rdc_dlink.o")
     if _newer(dlink, objs):
-        cmd = [nvcc, "-dlink", "-Xcompiler=-fPIC"] + gencodes + objs + \
+        cmd = [nvcc, "-dlink", "-Xcompiler=-fPIC"] + gencode_flags(archs()) + objs + \
             [f"-L{nv_lib}", "-lnvshmem_device", "-o", dlink]
         if verbose:
             print(" ".join(cmd))
@@ -177,19 +231,29 @@ def build_rdc_objects(root: str, build_dir: str, verbose: bool = False) -> list[
     return objs + [dlink]
 
 
+def build_own_arch_objects(root: str, build_dir: str, verbose: bool = False) -> list[str]:
+    """Compiles the SOURCE_ARCHS sources (whole-program, no -rdc: no device link) for their own
+    architectures. Returns their objects for the host link."""
+    return [compile_object(root, src, build_dir, verbose)
+            for src in separate_sources(root) if not is_rdc(src)]
+
+
 def build_ext_class():
-    """torch's BuildExtension (ninja) that first builds the rdc objects of an extension marked by
-    cuda_extension (attribute comet_rdc_root) and adds them to its link."""
+    """torch's BuildExtension (ninja) that first builds the separate objects (the rdc ones and
+    those with their own architectures) of an extension marked by cuda_extension (attribute
+    comet_root) and adds them to its link."""
     from torch.utils import cpp_extension
 
     base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
     class CometBuildExt(base):
         def build_extension(self, ext):
-            root = getattr(ext, "comet_rdc_root", None)
+            root = getattr(ext, "comet_root", None)
             if root is not None:
                 objs = build_rdc_objects(root, os.path.join(self.build_temp, "comet_rdc"),
-                                         verbose=bool(self.verbose))
+                                         verbose=bool(self.verbose)) + \
+                    build_own_arch_objects(root, os.path.join(self.build_temp, "comet_arch"),
+                                           verbose=bool(self.verbose))
                 ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in objs] + objs
             super().build_extension(ext)
 
@@ -218,7 +282,7 @@ def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_
     cuda_lib = os.path.join(os.environ["CUDA_HOME"], "lib64")
     ext = cpp_extension.CUDAExtension(
         "comet._C",
-        list(sources) + cuda_cpp + [s for s in cuda_sources(root) if not is_rdc(s)],
+        list(sources) + cuda_cpp + ninja_cuda_sources(root),
         include_dirs=incs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         # After the rdc objects (extra_objects): the device library's host part, then cudadevrt
@@ -228,5 +292,5 @@ def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_
                          "-lcudadevrt"],
         libraries=["rt"],
     )
-    ext.comet_rdc_root = root  # build_ext_class() builds and links RDC_SOURCES
+    ext.comet_root = root  # build_ext_class() builds and links separate_sources()
     return ext

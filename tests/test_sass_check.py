@@ -49,3 +49,56 @@ def test_stats_and_checks(tmp_path, monkeypatch):
     assert [(r[1], r[2], r[3]["in_flight"]) for r in rows] == [
         ("sm_80", "layer0", 4), ("sm_80", "layer1", 2), ("sm_90a", "layer0", 2)]
     assert len(problems) == 1 and "sm_90a" in problems[0] and "want 4" in problems[0]
+
+
+S89_L0 = "_ZN5comet3gpu4sm8912fused_kernelILi0EEEvNS0_10CallParamsEb"
+S90_FP8_L1 = "_ZN5comet3gpu4sm9012fused_kernelINS1_13Fp8GemmConfigELi1EEEvNS0_10CallParamsENT_6ParamsE"
+QMMA = ["QMMA.16832.F32.E4M3.E4M3 R24, R4, R8, R24"] * 2
+QGMMA = ["QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24, gsb0"] * 2
+HMMA = ["HMMA.16816.F32.BF16 R24, R4, R8, R24"] * 2
+
+
+def _problems(monkeypatch, source, sections):
+    lines = []
+    for arch, fns in sections:
+        lines += ["Fatbin elf code:", f"arch = {arch}"]
+        for name, body in fns:
+            lines += _fn(name, body)
+
+    class Done:
+        stdout = "\n".join(lines)
+
+    monkeypatch.setattr(sass_check.subprocess, "run", lambda *a, **k: Done())
+    return sass_check.check("x.o", source, "cuobjdump", 4)
+
+
+def test_kind_reads_the_layer_of_every_fused_kernel():
+    assert sass_check.kind(L0) == "layer0" and sass_check.kind(L1) == "layer1"
+    assert sass_check.kind(S89_L0) == "layer0"  # sm89::fused_kernel<0>: no type argument first
+    assert sass_check.kind(S90_FP8_L1) == "layer1"
+
+
+def test_fp8_kernels_need_their_tensor_core_opcode(monkeypatch):
+    rows, problems = _problems(monkeypatch, "csrc/cuda/fused_sm89_fp8_layer0.cu",
+                               [("sm_89", [(S89_L0, COPY4 + QMMA + FILL)])])
+    assert problems == [] and rows[0][3]["fp8_mma"] == 2
+    # An mma.sync of another type (or none) is a fallback off the FP8 tensor cores.
+    _, problems = _problems(monkeypatch, "csrc/cuda/fused_sm89_fp8_layer0.cu",
+                            [("sm_89", [(S89_L0, COPY4 + HMMA + FILL)])])
+    assert len(problems) == 1 and "QMMA.16832.F32.E4M3.E4M3" in problems[0]
+    # sm_90a: QGMMA needed there; the sm_80 stub of the same source is not checked.
+    stub = ["EXIT"] * 3
+    rows, problems = _problems(monkeypatch, "csrc/cuda/fused_sm90_fp8_layer1.cu",
+                               [("sm_80", [(S90_FP8_L1, stub)]),
+                                ("sm_90a", [(S90_FP8_L1, COPY2 + QGMMA + FILL)])])
+    assert problems == [] and [(r[1], r[3]["fp8_mma"]) for r in rows] == [("sm_90a", 2)]
+    _, problems = _problems(monkeypatch, "csrc/cuda/fused_sm90_fp8_layer1.cu",
+                            [("sm_90a", [(S90_FP8_L1, COPY2 + QMMA + FILL)])])
+    assert len(problems) == 1 and "QGMMA" in problems[0] and "sm_90a" in problems[0]
+    # A stub-sized kernel on the FP8 architecture is not skipped, and a missing kernel fails.
+    _, problems = _problems(monkeypatch, "csrc/cuda/fused_sm90_fp8_layer1.cu",
+                            [("sm_90a", [(S90_FP8_L1, stub)])])
+    assert len(problems) == 1 and "QGMMA" in problems[0]
+    _, problems = _problems(monkeypatch, "csrc/cuda/fused_sm89_fp8_layer1.cu",
+                            [("sm_89", [("_Z6helperv", FILL)])])
+    assert len(problems) == 1 and "no fused kernel" in problems[0]

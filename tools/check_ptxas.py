@@ -2,21 +2,24 @@
 """Static check of comet's CUDA kernels from ptxas's resource report (no GPU needed).
 
 Compiles every csrc/cuda/*.cu with the build's own nvcc flags (comet_build.py: per source, so the
-NVSHMEM proxy, comet_build.RDC_SOURCES, is compiled with -rdc=true as the build does) for every
-architecture of COMET_CUDA_ARCHS (default "80;90a") with `-Xptxas -v`, or parses an existing log
+NVSHMEM proxy, comet_build.RDC_SOURCES, is compiled with -rdc=true as the build does) for its
+architectures, comet_build.source_archs (every architecture of COMET_CUDA_ARCHS, default "80;90a";
+the sm_89 FP8 kernels' sources for sm_89 only), with `-Xptxas -v`, or parses an existing log
 (--log, e.g. a build run with COMET_PTXAS_VERBOSE=1), and prints one row per kernel and
 architecture: registers, static and dynamic shared memory, stack frame, spill stores / loads.
 
 Also reads each object's SASS (tools/sass_check.py): layer0's row copy must keep kCopyUnroll
 128-bit loads in flight per thread, layer1's comm path and the combine kernel must use 128-bit
-loads and stores.
+loads and stores, and the FP8 fused kernels must contain FP8 tensor-core instructions (sm_90a
+QGMMA e4m3, sm_89 QMMA.16832 e4m3).
 
 Fails (exit code 1) when
-  - a GEMM kernel (the fused kernels: comm + GEMM blocks) spills registers;
+  - a GEMM kernel (the fused kernels, FP8 ones included: comm + GEMM blocks) spills registers;
   - a device function of ours spills (NVSHMEM's own out-of-line functions, emitted by the -rdc
     proxy, are listed apart: not our code, and only the proxy kernel calls them);
   - ptxas reports C7509 / C7510 ("wgmma.mma_async instructions are serialized": every wgmma
     waits for the previous one) or C7504 ("setmaxnreg ignored"): silent large slowdowns;
+  - the SASS checks (tools/sass_check.py) fail;
   - a source does not compile, or no kernel at all was found.
 Exit code 2: bad usage / no nvcc.
 
@@ -51,17 +54,21 @@ GEMM_KERNEL = re.compile(r"fused_kernel")
 # Out-of-line NVSHMEM device functions (mangled or not) that an -rdc compile emits from its headers.
 NVSHMEM_FUNCTION = re.compile(r"nvshmem")
 
-# Dynamic shared memory is not in ptxas's report: a host-only probe prints the kernels' constants.
+# Dynamic shared memory is not in ptxas's report: a host-only probe prints the kernels' constants,
+# one line per kernel family (kernel_family()).
 SMEM_PROBE = r"""
 #include <cstdio>
 #include "fused_sm80.cuh"
 #include "fused_sm90.cuh"
+#include "sm89_fp8_tile_gemm.cuh"
 int main() {
   using namespace comet::gpu;
   std::printf("sm80 %d %d\n", sm80::TileGemm<cutlass::bfloat16_t>::kSmemBytes,
               sm80::TileGemm<cutlass::bfloat16_t>::kThreads);
   std::printf("sm90 %d %d\n", sm90::GemmConfig<cutlass::bfloat16_t>::kSmemBytes,
               sm90::GemmConfig<cutlass::bfloat16_t>::kThreads);
+  std::printf("sm90_fp8 %d %d\n", sm90::Fp8GemmConfig::kSmemBytes, sm90::Fp8GemmConfig::kThreads);
+  std::printf("sm89_fp8 %d %d\n", sm89::Fp8TileGemm::kSmemBytes, sm89::Fp8TileGemm::kThreads);
   return 0;
 }
 """
@@ -133,12 +140,25 @@ def parse(text: str, source: str, notes: list[str] | None = None):
     return rows, problems
 
 
-def compile_one(source: str, archs: list[str], outdir: str, objdump: str | None):
+# Kernel family (the probe's key) -> the architecture its device code is built for; on any other
+# it is an empty, never-launched stub.
+FAMILY_ARCH = {"sm80": None, "sm90": "sm_90a", "sm90_fp8": "sm_90a", "sm89_fp8": "sm_89"}
+
+
+def kernel_family(name: str) -> str | None:
+    """The SMEM_PROBE key of a kernel's short name, None for kernels without dynamic smem."""
+    if "sm90::" in name:
+        return "sm90_fp8" if "Fp8GemmConfig" in name else "sm90"
+    if "sm89::" in name:
+        return "sm89_fp8"
+    return "sm80" if "sm80::" in name else None
+
+
+def compile_one(source: str, outdir: str, objdump: str | None):
+    """Compiles `source` for comet_build.source_archs(source), as the build does."""
     obj = os.path.join(outdir, os.path.basename(source) + ".o")
-    cmd = comet_build.nvcc_command(ROOT, os.path.join(ROOT, source), archs[0],
-                                   ["-Xptxas=-v", "-o", obj])
-    # nvcc_command gives one -gencode; add the other architectures.
-    cmd[1:1] = comet_build.gencode_flags(archs[1:])
+    cmd = comet_build.nvcc_command(ROOT, os.path.join(ROOT, source),
+                                   comet_build.source_archs(source), ["-Xptxas=-v", "-o", obj])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     secs = time.time() - start
@@ -149,13 +169,13 @@ def compile_one(source: str, archs: list[str], outdir: str, objdump: str | None)
 
 
 def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
-    """{'sm80': (bytes, threads), 'sm90': (...)} from a host-only probe (empty on failure)."""
+    """{family: (bytes, threads)} from a host-only probe (empty on failure)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.cu")
         exe = os.path.join(tmp, "probe")
         with open(src, "w") as f:
             f.write(SMEM_PROBE)
-        cmd = comet_build.nvcc_command(ROOT, src, "90a" if "90a" in archs else archs[0])
+        cmd = comet_build.nvcc_command(ROOT, src, ["90a" if "90a" in archs else archs[0]])
         cmd = [c for c in cmd if c != "-c"] + ["-o", exe]
         if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
             return {}
@@ -206,11 +226,12 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp, \
                 cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             for source, rc, out, secs, (srows, sprobs) in pool.map(
-                    lambda s: compile_one(s, archs, tmp, objdump), sources):
+                    lambda s: compile_one(s, tmp, objdump), sources):
                 sass_rows += srows
                 problems += sprobs
                 rdc = " (-rdc=true)" if comet_build.is_rdc(source) else ""
-                print(f"compiled {source}{rdc} for {','.join('sm_' + a for a in archs)} in "
+                built = comet_build.source_archs(source)
+                print(f"compiled {source}{rdc} for {','.join('sm_' + a for a in built)} in "
                       f"{secs:.0f} s" + ("" if rc == 0 else "  FAILED"))
                 if rc != 0:
                     failures.append(f"{source}: nvcc exit {rc}\n{out[-4000:]}")
@@ -226,10 +247,10 @@ def main(argv=None) -> int:
     table = []
     for r in sorted(rows, key=lambda r: (r["source"], names[r["kernel"]], r["arch"])):
         name = short(names[r["kernel"]])
-        path = "sm90" if "sm90::" in name else "sm80" if "sm80::" in name else None
-        dyn = smem.get(path, (None,))[0] if path else 0
-        stub = path == "sm90" and r["arch"] != "sm_90a"
-        if stub:  # the sm_90a path built for another architecture: an empty, never-launched stub
+        family = kernel_family(name)
+        dyn = smem.get(family, (None,))[0] if family else 0
+        stub = FAMILY_ARCH.get(family) not in (None, r["arch"])
+        if stub:  # e.g. the sm_90a path built for sm_80: an empty, never-launched stub
             name += " (stub)"
         table.append((name, r["arch"], str(r["regs"]), str(r["smem"]),
                       "-" if stub else "?" if dyn is None else str(dyn), str(r["stack"]),
@@ -252,12 +273,15 @@ def main(argv=None) -> int:
     if sass_rows:
         sass_names = demangle(sorted({r[0] for r in sass_rows}))
         print("\nSASS of the comm paths (128-bit global/generic loads and stores; 'in flight': "
-              "longest run of 128-bit loads with no 128-bit store between them)")
+              "longest run of 128-bit loads with no 128-bit store between them) and the FP8 "
+              "kernels' tensor-core instructions ('fp8 mma': QGMMA e4m3 on sm_90a, QMMA.16832 "
+              "e4m3 on sm_89)")
         print(f"{'kernel':44s}  {'arch':7s}  {'path':7s}  {'ld.128':>6s}  {'st.128':>6s}  "
-              f"{'in flight':>9s}")
+              f"{'in flight':>9s}  {'fp8 mma':>7s}")
         for name, arch, k, st in sorted(sass_rows, key=lambda r: (sass_names[r[0]], r[1])):
+            mma = "-" if st.get("fp8_mma") is None else str(st["fp8_mma"])
             print(f"{short(sass_names[name]):44s}  {arch:7s}  {k:7s}  {st['loads']:6d}  "
-                  f"{st['stores']:6d}  {st['in_flight']:9d}")
+                  f"{st['stores']:6d}  {st['in_flight']:9d}  {mma:>7s}")
     if notes:
         print("\nNot ours (NVSHMEM's out-of-line device functions in the -rdc proxy; not a failure):")
         for n in sorted(set(notes)):

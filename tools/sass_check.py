@@ -8,7 +8,13 @@ a few instructions - are skipped):
     LDGSTS, the GEMM's cp.async) with no 128-bit store between them: the row copy keeps that
     many loads in flight per thread;
   - layer1 fused kernels (fused_kernel<T, 1>): 128-bit loads of C and 128-bit stores of partials;
-  - the combine kernel: 128-bit loads of partials and 128-bit stores of the output.
+  - the combine kernel: 128-bit loads of partials and 128-bit stores of the output;
+  - the FP8 fused kernels on their tensor-core architecture (FP8_MMA_RULES): fused_sm90_fp8_layer*
+    for sm_90a must contain FP8 wgmma (QGMMA.*.E4M3.E4M3), fused_sm89_fp8_layer* for sm_89 FP8
+    mma.sync (QMMA.16832.F32.E4M3.E4M3). Without them the GEMM fell back to something that is not
+    an FP8 tensor-core instruction (a silent large slowdown); this rule also applies to a kernel
+    short enough to look like a stub, and a source with none of its fused kernels at that
+    architecture fails too.
 """
 from __future__ import annotations
 
@@ -24,6 +30,15 @@ STORE128 = re.compile(r"\b(STG|ST)\.E(\.\w+)*\.128\b")
 FUNC = re.compile(r"Function : (\S+)")
 ARCH = re.compile(r"arch = (sm_\w+)")
 STUB_INSTRUCTIONS = 40
+# The template's last (int) argument, kLayer, of a void function template: "...Li0EEEv...".
+LAYER_ARG = re.compile(r"Li([01])EEEv")
+# (source file name prefix, architecture, the SASS opcode its fused kernels must contain, what).
+FP8_MMA_RULES = (
+    ("fused_sm90_fp8_layer", "sm_90a", re.compile(r"\bQGMMA\.\S*E4M3\.E4M3\b"),
+     "QGMMA.*.E4M3.E4M3 (FP8 wgmma)"),
+    ("fused_sm89_fp8_layer", "sm_89", re.compile(r"\bQMMA\.16832\.F32\.E4M3\.E4M3\b"),
+     "QMMA.16832.F32.E4M3.E4M3 (FP8 mma.sync)"),
+)
 
 
 def copy_unroll() -> int:
@@ -87,21 +102,41 @@ def stats(body: list[str]) -> dict:
 
 def kind(mangled: str) -> str | None:
     if "fused_kernel" in mangled:
-        return "layer0" if "ELi0E" in mangled else "layer1" if "ELi1E" in mangled else None
+        m = LAYER_ARG.search(mangled)
+        return f"layer{m.group(1)}" if m else None
     if "combine_kernel" in mangled:
         return "combine"
     return None
 
 
+def fp8_mma_rule(source: str, arch: str):
+    """(opcode pattern, what) the fused kernels of `source` must contain on `arch`, or None."""
+    base = os.path.basename(source)
+    return next(((op, what) for prefix, a, op, what in FP8_MMA_RULES
+                 if base.startswith(prefix) and a == arch), None)
+
+
 def check(obj: str, source: str, tool: str, unroll: int):
-    """Rows (kernel, arch, kind, stats) and problems of one compiled object."""
+    """Rows (kernel, arch, kind, stats) and problems of one compiled object. stats["fp8_mma"]: the
+    FP8 tensor-core instructions of a kernel under FP8_MMA_RULES, else None."""
     sass = subprocess.run([tool, "-sass", obj], capture_output=True, text=True).stdout
     rows, problems = [], []
+    fp8_archs, fp8_checked = set(), set()
     for arch, name, body in functions(sass):
+        rule = fp8_mma_rule(source, arch)
+        if rule is not None:
+            fp8_archs.add(arch)
         k = kind(name)
         if k is None:
             continue
         s = stats(body)
+        s["fp8_mma"] = None
+        if rule is not None:
+            s["fp8_mma"] = sum(1 for line in body if rule[0].search(line))
+            fp8_checked.add(arch)
+            if s["fp8_mma"] == 0:
+                problems.append(f"{source}: {name} ({arch}): no {rule[1]} instruction: the FP8 "
+                                "GEMM does not run on the tensor cores")
         if s["instructions"] < STUB_INSTRUCTIONS:
             continue
         rows.append((name, arch, k, s))
@@ -111,4 +146,7 @@ def check(obj: str, source: str, tool: str, unroll: int):
         if k in ("layer1", "combine") and (s["loads"] < 1 or s["stores"] < 1):
             problems.append(f"{source}: {name} ({arch}): {s['loads']} 128-bit loads, "
                             f"{s['stores']} 128-bit stores in the {k} comm path, want both")
+    for arch in sorted(fp8_archs - fp8_checked):
+        problems.append(f"{source}: no fused kernel found in its {arch} SASS (the FP8 tensor-core "
+                        "check has nothing to check)")
     return rows, problems
