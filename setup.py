@@ -44,7 +44,7 @@ if want_cuda():
     from comet_build import build_ext_class, cuda_extension
 
     ext = cuda_extension(ROOT, sources, include_dirs, cxx_flags)
-    build_ext = build_ext_class()  # also builds the one -rdc source (the NVSHMEM proxy)
+    build_ext = build_ext_class()  # also builds the -rdc proxy and the per-arch (sm_89) sources
 else:
     ext = cpp_extension.CppExtension(
         "comet._C", sources, include_dirs=include_dirs, extra_compile_args=cxx_flags,

@@ -75,6 +75,25 @@ def test_only_the_proxy_is_relocatable_device_code():
     assert "-rdc=true" not in comet_build.NVCC_FLAGS
 
 
+def test_sm89_fp8_sources_are_built_for_sm89_only():
+    """The sm_89 FP8 kernels (FP8 mma.sync exists from sm_89) are compiled for sm_89 alone, outside
+    the ninja list; every other CUDA source is in the ninja list, for the build's architectures."""
+    sys.path.insert(0, ROOT)
+    try:
+        import comet_build
+    finally:
+        sys.path.pop(0)
+    sources = comet_build.cuda_sources(ROOT)
+    own = sorted(s for s in sources if "fused_sm89_fp8" in s)
+    assert own == [os.path.join("csrc", "cuda", f"fused_sm89_fp8_layer{i}.cu") for i in (0, 1)]
+    for s in own:
+        assert list(comet_build.source_archs(s)) == ["89"]
+    ninja = comet_build.ninja_cuda_sources(ROOT)
+    assert sorted(ninja + own + [os.path.join("csrc", "cuda", "proxy.cu")]) == sorted(sources)
+    for s in ninja:
+        assert list(comet_build.source_archs(s)) == comet_build.archs()
+
+
 LOG = """\
 ptxas info    : Compiling entry function '__nv_static_29__c1eff56a_8_proxy_cu_73416e4b__ZN5comet3gpu40_GLOBAL__N__c1eff56a_8_proxy_cu_73416e4b12proxy_kernelENS0_11ProxyParamsE' for 'sm_90a'
 ptxas info    : Function properties for __nv_static_29__c1eff56a_8_proxy_cu_73416e4b__ZN5comet3gpu40_GLOBAL__N__c1eff56a_8_proxy_cu_73416e4b12proxy_kernelENS0_11ProxyParamsE
