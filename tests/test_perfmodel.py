@@ -903,16 +903,61 @@ def test_fp8_link_bytes(H):
     assert pm.dtype_name("e4m3") == "fp8"
 
 
-def test_fp8_gemm_is_twice_as_fast_and_backward_is_bf16():
+def test_fp8_gemm_runs_at_twice_the_rate_plus_the_promotion_and_backward_is_bf16():
+    """A tile's MMAs take half of bf16's time at the FP8 rate; the promotion (one FMA per
+    output element and 128-wide K block at fp32_tflops / 2, on the tile's SM) comes on top."""
     spec = pm.GPUS["h800"]
     for model in PRESETS:
         for layer in (0, 1):
             bf = preset_shape(model, layer)
             f8 = dataclasses.replace(bf, dtype_bytes=1)
+            k_red = pm.gemm_dims(f8, layer)[1]
+            promotion = 128 * 128 * math.ceil(k_red / 128) / (67e12 / 2 / 132)
             tile = pm._tile_seconds(f8, spec, layer, pm.DEFAULT_TILE)
-            assert tile == pytest.approx(pm._tile_seconds(bf, spec, layer, pm.DEFAULT_TILE) / 2)
+            assert tile == pytest.approx(pm._tile_seconds(bf, spec, layer, pm.DEFAULT_TILE) / 2
+                                         + promotion)
             assert pm.gemm_time(f8, spec, 100, layer) < pm.gemm_time(bf, spec, 100, layer)
             pf = pm.predict(f8, spec, pm.choose_n_comm(f8, spec, layer), layer)
             pb = pm.predict(bf, spec, pm.choose_n_comm(bf, spec, layer), layer)
             assert pf["fused"] < pb["fused"] and pf["fused"] < pf["baseline"]
             assert pm.predict_backward(f8, spec, layer) == pm.predict_backward(bf, spec, layer)
+
+
+def test_fp8_promotion_is_charged_on_fp8_tensor_cores_only():
+    """An FP8 GEMM [M, N, K] costs its tensor-core time 2 M N K / (fp8_rate * gemm_eff) plus
+    M N ceil(K / 128) / fma_rate (the accumulator promotion, not overlapped); nothing extra on
+    the CPU backend's spec or on a GPU without FP8 tensor cores."""
+    # One local expert of M = 11 m-tiles and N = 12 n-tiles: 132 tiles, one wave on 132 SMs, so
+    # the wave time is the whole GEMM's; K = 8256 = 64.5 scale blocks (ceil: 65).
+    M, N, K = 1408, 1536, 8256
+    f8 = pm.MoEShape(W=8, E=8, k=2, H=K, N=N, T=4096, dtype_bytes=1, expert_rows=(M,))
+    spec = pm.GPUS["h800"]
+    assert spec.fma_rate == 67e12 / 2 and pm.fp8_promotion_charged(f8, spec)
+    tensor_cores = 2 * M * N * K / (spec.peak_flops(1) * spec.gemm_eff)
+    promotion = M * N * 65 / spec.fma_rate
+    assert pm.fp8_promotion_seconds(M, N, K, spec.fma_rate) == pytest.approx(promotion)
+    assert pm.gemm_time(f8, spec, 132, 0) == pytest.approx(tensor_cores + promotion)
+    assert pm.gemm_time(f8, dataclasses.replace(spec, fp8_promotion=False), 132, 0) == \
+        pytest.approx(tensor_cores)
+    bf = dataclasses.replace(f8, dtype_bytes=2)
+    assert not pm.fp8_promotion_charged(bf, spec)
+    # The CPU backend: same fp32 units for everything, no promotion term (compute-bound here).
+    cpu = pm.cpu_spec(threads=4, gflops_per_thread=8.0, mem_gbs=1e6)
+    assert not cpu.fp8_promotion and not pm.fp8_promotion_charged(f8, cpu)
+    assert pm.gemm_time(f8, cpu, 4, 0) == pytest.approx(2 * M * N * K / cpu.peak_flops(1))
+    # No FP8 tensor cores (A100): the bf16 rate, no promotion.
+    a100 = pm.GPUS["a100"]
+    assert not pm.fp8_promotion_charged(f8, a100)
+    assert pm._tile_seconds(f8, a100, 0, pm.DEFAULT_TILE) == \
+        pytest.approx(pm._tile_seconds(bf, a100, 0, pm.DEFAULT_TILE))
+
+
+@pytest.mark.parametrize("gpu, share", [("h100", 0.23), ("h800", 0.23), ("h20", 0.053),
+                                        ("l20", 0.031)])
+def test_fp8_promotion_share_of_a_k_tile(gpu, share):
+    """The module docstring's figures: the promotion of a 128 x 128 tile's k-tile against the
+    k-tile's 2 * 128^3 FP8 tensor-core FLOPs, both at peak."""
+    spec = pm.GPUS[gpu]
+    promote = 128 * 128 / spec.fma_rate
+    mma = 2 * 128 ** 3 / spec.peak_flops(1)
+    assert promote / mma == pytest.approx(share, abs=0.002)
