@@ -12,7 +12,7 @@ The quantisers are the ops ``torch.ops.comet.fp8_quantize_rows / fp8_quantize_bl
 code moe_layer0 runs on the sending side for ``dispatch_fp8=True`` (so both give the same bits).
 
 Packed rows: with FP8 token rows on the wire, moe_layer0's ``a`` output (the dispatched rows) holds
-each row's scales and values together, uint8 ``[rows, row_bytes(H)]`` (csrc/include/comet/
+each row's values and scales together, uint8 ``[rows, row_bytes(H)]`` (csrc/include/comet/
 fp8_rows.h); :func:`unpack_rows` splits them.
 
 Training: :func:`moe_layer0` / :func:`moe_layer1` take bf16 master weights, quantise them per
@@ -63,18 +63,21 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor,
 
 
 def row_bytes(hidden: int) -> int:
-    """Bytes of one packed FP8 row of `hidden` values (comet/fp8_rows.h): its ceil(H/128) fp32
-    scales, then the values, padded to a multiple of 16 bytes."""
-    scales = 4 * -(-hidden // BLOCK)
-    return -(-(scales + hidden) // 16) * 16
+    """Bytes of one packed FP8 row of `hidden` values (comet/fp8_rows.h): the values, padded to
+    4 bytes, then their ceil(H/128) fp32 scales, padded to a multiple of 16 bytes."""
+    return -(-(_scales_at(hidden) + 4 * -(-hidden // BLOCK)) // 16) * 16
+
+
+def _scales_at(hidden: int) -> int:
+    return -(-hidden // 4) * 4
 
 
 def unpack_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows uint8 [R, row_bytes(H)] (moe_layer0's `a` with FP8 rows) -> (q [R, H]
     float8_e4m3fn, scale [R, ceil(H/128)] float32), copies."""
-    nb = -(-hidden // BLOCK)
-    scale = rows[:, :4 * nb].contiguous().view(torch.float32)
-    q = rows[:, 4 * nb:4 * nb + hidden].contiguous().view(DTYPE)
+    nb, at = -(-hidden // BLOCK), _scales_at(hidden)
+    scale = rows[:, at:at + 4 * nb].contiguous().view(torch.float32)
+    q = rows[:, :hidden].contiguous().view(DTYPE)
     return q, scale
 
 

@@ -234,8 +234,8 @@ def test_bitwise_for_any_split_and_tile():
 
 
 def test_dispatched_rows_are_packed_fp8_rows():
-    """moe_layer0's `a` with FP8 rows: uint8 [M, row_bytes(H)], each the source token's scales and
-    values (unpack_rows gives them back)."""
+    """moe_layer0's `a` with FP8 rows: uint8 [M, row_bytes(H)], each the source token's values
+    and scales (unpack_rows gives them back)."""
     case = CASES[1]
     xq, w0q, _w1q, ids, _wts = _fp8_inputs(case)
 
