@@ -184,22 +184,19 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, dispatch_fp8: bool
     """comet.moe_layer0 in FP8 from bf16 (master) weights: w0 [E_local, N0, H] is quantised per
     call (quantize_blocks), x travels as FP8 rows (dispatch_fp8, the default) or as it is.
     Differentiable: x gets its gradient in its dtype, w0 (and b0) in bf16 (x's dtype).
+    Not on a buffer with a placement (FP8 runs on the contiguous map): that raises on every rank.
     Returns (y0, Layout) as comet.moe_layer0."""
     from comet.layers import ops
 
-    buf = ops._buffer_for(buffer, group, x)
-    ops._same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0})
-    tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
-    cfg = ops.launch_config(x.device, n_comm, tile, layer=0, world=buf.world,
-                            num_experts=num_experts, ranks_per_node=getattr(buf, "ranks_per_node",
-                                                                            None),
-                            x=x, w=w0, topk_ids=topk_ids, tp_size=tp, fp8=True)
-    bound = -1 if max_rows is None else int(max_rows)
-    y0, _a, recv_counts, send_pos, rs, rt, rsl = _MasterLayer0.apply(
-        x, w0, b0, topk_ids, (int(num_experts), buf.handle, tuple(cfg), bound, out_dtype,
-                              bool(dispatch_fp8), tp))
-    return y0, ops.Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt,
-                          rsl, bound, tp)
+    # comet.moe_layer0's preamble (device check on every rank, tp_size, bound, launch config).
+    buf = ops.call_buffer(buffer, group, x)
+    if getattr(buf, "placement", None) is not None:  # FP8 runs on the contiguous map only
+        ops._no_fp8_with_placement(buf, 0, w0_scale=True, dispatch_fp8=dispatch_fp8 or None)
+    c = ops.layer0_call(buf, x, w0, topk_ids, num_experts=num_experts, b0=b0, max_rows=max_rows,
+                        n_comm=n_comm, tile=tile, tp_size=tp_size, fp8=True)
+    return c.layout(num_experts, topk_ids, _MasterLayer0.apply(
+        x, w0, b0, topk_ids, (int(num_experts), c.buf.handle, c.cfg, c.rows, out_dtype,
+                              bool(dispatch_fp8), c.tp)))
 
 
 def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
@@ -207,20 +204,16 @@ def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
                tile=None, buffer=None, band: int | None = None):
     """comet.moe_layer1 in FP8 from bf16 (master) weights: w1 [E_local, H, N1] quantised per call,
     h quantised per row (quantize_rows) unless quantize_h=False. Differentiable: h, w1 (and b1) get
-    bf16 gradients (h's dtype), topk_weights its own dtype. Returns out [T, H]."""
+    bf16 gradients (h's dtype), topk_weights its own dtype. A layout made with a placement
+    raises on every rank (FP8 runs on the contiguous map). Returns out [T, H]."""
     from comet.layers import ops
 
-    buf = ops._buffer_for(buffer, group, h)
-    if buf.handle != layout.buffer:
-        buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
-    ops._same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights, "b1": b1})
-    cfg = ops.launch_config(h.device, n_comm, tile, layer=1, world=buf.world,
-                            ranks_per_node=getattr(buf, "ranks_per_node", None),
-                            node_reduce=getattr(buf, "node_reduce", False),
-                            num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
-                            with_band=True, tp_size=int(layout.tp_size), fp8=True)
-    band_n = cfg[4] if band is None else int(band)
+    buf = ops.call_buffer(buffer, group, h, layout)
+    if layout.routes is not None:
+        ops._no_fp8_with_placement(buf, 1, h_scale=quantize_h or None, w1_scale=True)
+    c = ops.layer1_call(buf, h, w1, topk_weights, layout, b1=b1, n_comm=n_comm, tile=tile,
+                        band=band, fp8=True)
     return _MasterLayer1.apply(
         h, w1, topk_weights, b1, (layout.topk_ids, layout.send_pos, layout.recv_counts),
-        (layout.num_experts, buf.handle, tuple(cfg[:4]), int(layout.max_rows), band_n, out_dtype,
-         bool(quantize_h), int(layout.tp_size)))
+        (layout.num_experts, c.buf.handle, c.cfg, c.rows, c.band_n, out_dtype, bool(quantize_h),
+         c.tp))

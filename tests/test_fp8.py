@@ -9,9 +9,14 @@
 * bitwise the same for any comm/GEMM split and tile;
 * layer0's link bytes with FP8 rows: (H + 4 H/128) / (2 H) of bf16's;
 * every e4m3 code decoded as torch decodes it; opcheck of FP8 calls; the tuner's FP8 profiling;
-* three real processes (gloo) against the reference's torch.distributed form.
+* three real processes (gloo) against the reference's torch.distributed form;
+* the master-weight wrappers (comet.fp8.moe_layer0/1) run the ops' preamble: a tensor on another
+  device raises on every rank, and so does a placement (FP8 runs on the contiguous map).
 Gradients: tests/test_fp8_grad.py; bad input: tests/test_fp8_checks.py.
 """
+import dataclasses
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -342,6 +347,80 @@ def test_tuner_profilers_run_fp8_calls():
                                 sm_count=3, id=lambda: "fp8-key")
     for factory in (profiling.layer0_profiler, profiling.layer1_profiler):
         assert factory(key)(tn.Config(1, 16, 16)) > 0
+
+
+def _master_call(r, buf, bad_layer):
+    """Rank r's comet.fp8 (master-weight) layer0 + layer1 call on a group of 2 (the shapes of
+    tests/test_input_checks.py); rank 1's topk_ids (bad_layer 0) or its layout's (1) on the meta
+    device. Returns the call's error (or None) and whether a good pair of calls afterwards
+    works."""
+    from tests.test_input_checks import N1, _layer0_args
+
+    a = _layer0_args(r)
+    g = torch.Generator().manual_seed(10 + r)
+    w1, tw = torch.randn(a["w0"].shape[0], a["x"].shape[1], N1, generator=g), torch.rand(5, 2)
+
+    def pair(ids_of=lambda t: t, layout_of=lambda lay: lay):
+        y0, layout = fp8.moe_layer0(a["x"], a["w0"], ids_of(a["topk_ids"]),
+                                    num_experts=a["num_experts"], buffer=buf)
+        return fp8.moe_layer1(y0[:, :N1].contiguous(), w1, tw, layout_of(layout), buffer=buf)
+
+    try:
+        if r == 1 and bad_layer == 0:
+            pair(ids_of=lambda t: t.to("meta"))
+        elif r == 1:
+            pair(layout_of=lambda lay: dataclasses.replace(lay, topk_ids=lay.topk_ids.to("meta")))
+        else:
+            pair()
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return err, pair().shape == (5, a["x"].shape[1])
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_master_weight_wrappers_check_devices_on_every_rank(layer):
+    """comet.fp8.moe_layer0/1 run comet.moe_layer0/1's preamble (comet/layers/ops.py: layer0_call
+    / layer1_call): rank 1's topk_ids (layer1: its layout's) on another device, the meta device
+    standing in for a CPU tensor among CUDA ones, raise the ops' device error there and name
+    rank 1 on rank 0, before any quantisation or kernel; the buffer serves the next calls."""
+    (err0, ok0), (err1, ok1) = run_threads(2, lambda r, buf: _master_call(r, buf, layer))
+    assert err1 and re.search(rf"comet\.moe_layer{layer}: topk_ids is on meta but "
+                              rf"{'x' if layer == 0 else 'h'} is on cpu; all inputs must share "
+                              "a device", err1), err1
+    assert err0 and "rank 1" in err0, err0
+    assert ok0 and ok1
+
+
+def test_master_weight_wrappers_refuse_a_placement():
+    """FP8 runs on the contiguous map: comet.fp8.moe_layer0 on a buffer with a placement, and
+    moe_layer1 with a layout made under one, raise on every rank (they would otherwise run the
+    contiguous map on the placement's slots)."""
+    from comet.plan.placement import Placement
+    from tests.test_input_checks import N1, _layer0_args
+
+    bufs = comet.Buffer.simulated_world(2, timeout=20, placement=Placement.contiguous(4, 2))
+
+    def rank(r, buf):
+        a = _layer0_args(r)
+        y0, layout = comet.moe_layer0(a["x"], a["w0"], a["topk_ids"], num_experts=4, buffer=buf)
+        errs = []
+        for call in (lambda: fp8.moe_layer0(a["x"], a["w0"], a["topk_ids"], num_experts=4,
+                                            buffer=buf),
+                     lambda: fp8.moe_layer1(y0[:, :N1].contiguous(), torch.randn(2, 8, N1),
+                                            torch.rand(5, 2), layout, buffer=buf)):
+            try:
+                call()
+                errs.append(None)
+            except ValueError as e:
+                errs.append(str(e))
+        return errs
+
+    for e0, e1 in run_threads(2, rank, buffers=bufs):
+        assert e0 == ("comet.moe_layer0: FP8 (dispatch_fp8, w0_scale) with a placement is not "
+                      "supported (FP8 runs on the contiguous map)"), e0
+        assert e1 == ("comet.moe_layer1: FP8 (h_scale, w1_scale) with a placement is not "
+                      "supported (FP8 runs on the contiguous map)"), e1
 
 
 def _fp8_across_processes(rank, world):

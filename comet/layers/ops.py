@@ -336,6 +336,82 @@ def _is_fp8(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn
 
 
+# -- The wrappers' preamble: one for comet.moe_layer0/1 and comet.fp8's master-weight wrappers ----
+#
+# What a call resolves before its op runs: the buffer, every tensor the op reads on one device
+# (a failure raises on every rank through fail_call, so peers never wait on a rank that stopped
+# in Python), tp_size, the bound and the launch configuration.
+
+
+@dataclasses.dataclass
+class Call:
+    """One wrapper call's preamble (layer0_call / layer1_call).
+
+    buf     the group's buffer the call runs on;  cfg (n_comm, n_gemm, tile_m, tile_n);
+    tp      the call's tp_size;  rows  the bound (max_rows, -1: none; layer1: the layout's);
+    band_n  layer1's band width (n-tiles per column band; layer0: 1)."""
+
+    buf: object
+    cfg: tuple
+    tp: int
+    rows: int
+    band_n: int = 1
+
+    def layout(self, num_experts, topk_ids, outs) -> tuple[torch.Tensor, Layout]:
+        """(y0, Layout) from the seven outputs of this layer0 call's op."""
+        y0, _a, recv_counts, send_pos, rs, rt, rsl = outs
+        return y0, Layout(int(num_experts), self.buf.handle, topk_ids, recv_counts, send_pos, rs,
+                          rt, rsl, self.rows, self.tp)
+
+
+def call_buffer(buffer, group, t, layout: Layout | None = None):
+    """The buffer a call runs on (the explicit one, else the group's for t's device); with a
+    layout (layer1) it must be the one the layout was produced on, else every rank raises."""
+    buf = _buffer_for(buffer, group, t)
+    if layout is not None and buf.handle != layout.buffer:
+        buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
+    return buf
+
+
+def call_tp(buf, tp_size: int | None) -> int:
+    """A layer0 call's tp_size: the caller's, else the buffer's (1 unless Buffer(tp_size=))."""
+    return int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
+
+
+def layer0_call(buf, x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: bool = False,
+                max_rows: int | None = None, n_comm: int | None = None, tile=None,
+                tp_size: int | None = None, fp8: bool = False, **scales) -> Call:
+    """moe_layer0's preamble on `buf` (a placement call has gone its own way before): x, w0,
+    topk_ids, b0 and `scales` (x_scale / w0_scale, when given) on one device, tp_size (default
+    the buffer's), the bound, the launch configuration (fp8: the call runs in FP8)."""
+    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0, **scales})
+    tp = call_tp(buf, tp_size)
+    cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
+                        ranks_per_node=getattr(buf, "ranks_per_node", None),
+                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp,
+                        fp8=fp8)
+    return Call(buf, tuple(cfg), tp, -1 if max_rows is None else int(max_rows))
+
+
+def layer1_call(buf, h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
+                n_comm: int | None = None, tile=None, band: int | None = None, fp8: bool = False,
+                **scales) -> Call:
+    """moe_layer1's preamble on `buf` (call_buffer checked the layout's): h, w1, topk_weights,
+    the layout's topk_ids, b1 and `scales` (h_scale / w1_scale) on one device, the launch
+    configuration and band width (band: the caller's, else the tuner's); tp_size and the bound
+    are the layout's."""
+    device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
+                                   "topk_ids": layout.topk_ids, "b1": b1, **scales})
+    cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
+                        ranks_per_node=getattr(buf, "ranks_per_node", None),
+                        node_reduce=getattr(buf, "node_reduce", False),
+                        num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
+                        w_transposed=w1_transposed, with_band=True,
+                        tp_size=int(layout.tp_size), fp8=fp8)
+    return Call(buf, tuple(cfg[:4]), int(layout.tp_size), int(layout.max_rows),
+                cfg[4] if band is None else int(band))
+
+
 def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: bool = False,
                max_rows: int | None = None, group=None, n_comm: int | None = None,
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
@@ -365,7 +441,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     these ops do not sum over replicas (comet.nn.MoE does).
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
-    buf = _buffer_for(buffer, group, x)
+    buf = call_buffer(buffer, group, x)
     if placement is None:
         placement = getattr(buf, "placement", None)
     if placement is not None:
@@ -373,19 +449,14 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
                                dispatch_fp8=dispatch_fp8 or None)
         return _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows,
                               n_comm, tile, tp_size, placement)
-    device = _same_device(buf, 0, {"x": x, "w0": w0, "topk_ids": topk_ids, "b0": b0,
-                                   "x_scale": x_scale, "w0_scale": w0_scale})
-    tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
-    cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
-                        ranks_per_node=getattr(buf, "ranks_per_node", None),
-                        x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp,
-                        fp8=bool(dispatch_fp8) or _is_fp8(x))
-    bound = -1 if max_rows is None else int(max_rows)
-    y0, _a, recv_counts, send_pos, rs, rt, rsl = torch.ops.comet.moe_layer0(
-        x, w0, topk_ids, int(num_experts), buf.handle, *cfg, b0, bool(w0_transposed), bound, tp,
-        x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype, dispatch_fp8=bool(dispatch_fp8))
-    return y0, Layout(int(num_experts), buf.handle, topk_ids, recv_counts, send_pos, rs, rt, rsl,
-                      bound, tp)
+    c = layer0_call(buf, x, w0, topk_ids, num_experts=num_experts, b0=b0,
+                    w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm, tile=tile,
+                    tp_size=tp_size, fp8=bool(dispatch_fp8) or _is_fp8(x), x_scale=x_scale,
+                    w0_scale=w0_scale)
+    return c.layout(num_experts, topk_ids, torch.ops.comet.moe_layer0(
+        x, w0, topk_ids, int(num_experts), buf.handle, *c.cfg, b0, bool(w0_transposed), c.rows,
+        c.tp, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
+        dispatch_fp8=bool(dispatch_fp8)))
 
 
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
@@ -405,28 +476,18 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     ceil(H/128), ceil(N1/128)] float32; out in out_dtype (default bfloat16 when FP8 is involved).
     Returns out [T, H] on every rank for its own tokens.
     """
-    buf = _buffer_for(buffer, group, h)
-    if buf.handle != layout.buffer:
-        buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
+    buf = call_buffer(buffer, group, h, layout)
     if layout.routes is not None:
         _no_fp8_with_placement(buf, 1, h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
         return _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile,
                               band)
-    device = _same_device(buf, 1, {"h": h, "w1": w1, "topk_weights": topk_weights,
-                                   "topk_ids": layout.topk_ids, "b1": b1, "h_scale": h_scale,
-                                   "w1_scale": w1_scale})
-    cfg = launch_config(device, n_comm, tile, layer=1, world=buf.world,
-                        ranks_per_node=getattr(buf, "ranks_per_node", None),
-                        node_reduce=getattr(buf, "node_reduce", False),
-                        num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
-                        w_transposed=w1_transposed, with_band=True,
-                        tp_size=int(layout.tp_size), fp8=_is_fp8(h))
-    band_n = cfg[4] if band is None else int(band)
+    c = layer1_call(buf, h, w1, topk_weights, layout, b1=b1, w1_transposed=w1_transposed,
+                    n_comm=n_comm, tile=tile, band=band, fp8=_is_fp8(h), h_scale=h_scale,
+                    w1_scale=w1_scale)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
-                                      layout.recv_counts, layout.num_experts, buf.handle, *cfg[:4],
-                                      b1, bool(w1_transposed), int(layout.max_rows), band_n,
-                                      int(layout.tp_size), h_scale=h_scale, w1_scale=w1_scale,
-                                      out_dtype=out_dtype)
+                                      layout.recv_counts, layout.num_experts, buf.handle, *c.cfg,
+                                      b1, bool(w1_transposed), c.rows, c.band_n, c.tp,
+                                      h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
 
 
 # -- With a placement (comet/layers/placed.py: the virtual slot space and the reduction by slot) --
@@ -461,7 +522,7 @@ def _check_slots(buf, op: int, routes, name: str, w) -> None:
 
 def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, n_comm, tile,
                    tp_size, placement):
-    tp = int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
+    tp = call_tp(buf, tp_size)
     routes = _placed_routes(buf, 0, placement, num_experts, tp)
     _check_slots(buf, 0, routes, "w0", w0)
     _check_slots(buf, 0, routes, "b0", b0)
