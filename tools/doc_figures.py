@@ -211,7 +211,7 @@ FIGURES: Dict[str, Figure] = {
     "model-across-nodes": Figure("docs/tuning.md", model_across_nodes_lines),
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
     "model-tp": Figure("README.md", model_tp_lines),
-    "model-fp8": Figure("docs/tuning.md", model_fp8_lines),
+    "model-fp8": Figure("README.md", model_fp8_lines),
     "model-skew": Figure("docs/tuning.md", model_skew_lines),
     "symmetric-memory": Figure("docs/gpu.md", symmetric_memory_lines),
 }
