@@ -261,6 +261,25 @@ __device__ __forceinline__ void load_scales(typename C::Pipeline& pipeline,
   }
 }
 
+// The tile walk of a producer warp (the TMA loads; with FP8 also the scales): layer0 after each
+// m-tile's readiness, layer1 in the MMA warpgroups' order (layer1_gemm: the same bands, the same
+// tiles; the producers publish nothing).
+template <int kLayer, class Fn>
+__device__ __forceinline__ void producer_walk(const CallParams& p, const WaitConfig& wc, int32_t g,
+                                              int32_t ng, const GemmScheduleArgs& ga, Fn&& fn) {
+  if constexpr (kLayer == 0) {
+    ProducerContext ctx(wc);
+    layer0_gemm(ctx, g, ng, ga, fn);
+  } else {
+    const int64_t tiles = ga.num_mtiles * p.num_ntiles;
+    const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
+    for (int64_t i = g; i < tiles; i += ng) {
+      const TileCoord tc = layer1_tile(i, ga.num_mtiles, p.num_ntiles, band);
+      fn(p.mtiles[tc.mtile], tc.ntile);
+    }
+  }
+}
+
 template <class C, int kLayer>
 __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, char* smem,
                            uint64_t epoch) {
@@ -318,22 +337,11 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
         PipelineState state = cutlass::make_producer_start_state<Pipeline>();
         const int64_t k_blocks = (K + 127) / 128;   // = k_tiles (128-wide k-tiles)
         const int64_t n_blocks = (n_out + 127) / 128;
-        auto scales_of = [&](const MTile& mt, int32_t nt) {
+        producer_walk<kLayer>(p, wc, g, ng, ga, [&](const MTile& mt, int32_t nt) {
           load_scales<C>(pipeline, state, ss, p.a_scale + mt.row_begin * p.a_scale_ld,
                          p.a_scale_ld, mt.rows,
                          p.w_scale + (int64_t(mt.expert) * n_blocks + nt) * k_blocks, k_tiles);
-        };
-        ProducerContext ctx(wc);
-        if constexpr (kLayer == 0) {
-          layer0_gemm(ctx, g, ng, ga, scales_of);
-        } else {
-          const int64_t tiles = num_mtiles * p.num_ntiles;
-          const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
-          for (int64_t i = g; i < tiles; i += ng) {
-            const TileCoord tc = layer1_tile(i, num_mtiles, p.num_ntiles, band);
-            scales_of(p.mtiles[tc.mtile], tc.ntile);
-          }
-        }
+        });
         return;
       }
     }
@@ -371,18 +379,7 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
       }
       state.advance(k_tiles);
     };
-    ProducerContext ctx(wc);
-    if constexpr (kLayer == 0) {
-      layer0_gemm(ctx, g, ng, ga, load_tile);
-    } else {
-      // The MMA warpgroups' order (layer1_gemm): the same bands, the same tiles.
-      const int64_t tiles = num_mtiles * p.num_ntiles;
-      const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
-      for (int64_t i = g; i < tiles; i += ng) {
-        const TileCoord tc = layer1_tile(i, num_mtiles, p.num_ntiles, band);
-        load_tile(p.mtiles[tc.mtile], tc.ntile);
-      }
-    }
+    producer_walk<kLayer>(p, wc, g, ng, ga, load_tile);
     collective.load_tail(pipeline, state);
     return;
   }
