@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from comet._native import _C  # noqa: F401  (registers the ops)
+from comet._native import _C  # registers the ops; _C.engine: the packed rows' geometry
 
 __all__ = ["BLOCK", "FP8_MAX", "dequantize_blocks", "dequantize_rows", "moe_layer0", "moe_layer1",
            "quantize_blocks", "quantize_rows", "row_bytes", "unpack_rows"]
@@ -63,19 +63,16 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor,
 
 
 def row_bytes(hidden: int) -> int:
-    """Bytes of one packed FP8 row of `hidden` values (comet/fp8_rows.h): the values, padded to
-    4 bytes, then their ceil(H/128) fp32 scales, padded to a multiple of 16 bytes."""
-    return -(-(_scales_at(hidden) + 4 * -(-hidden // BLOCK)) // 16) * 16
-
-
-def _scales_at(hidden: int) -> int:
-    return -(-hidden // 4) * 4
+    """Bytes of one packed FP8 row of `hidden` values (comet/fp8_rows.h, the one definition): the
+    values, padded to 4 bytes, then their ceil(H/128) fp32 scales, padded to a multiple of 16
+    bytes."""
+    return int(_C.engine.fp8_row_bytes(hidden))
 
 
 def unpack_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed rows uint8 [R, row_bytes(H)] (moe_layer0's `a` with FP8 rows) -> (q [R, H]
     float8_e4m3fn, scale [R, ceil(H/128)] float32), copies."""
-    nb, at = -(-hidden // BLOCK), _scales_at(hidden)
+    nb, at = -(-hidden // BLOCK), int(_C.engine.fp8_row_scales_at(hidden))
     scale = rows[:, at:at + 4 * nb].contiguous().view(torch.float32)
     q = rows[:, :hidden].contiguous().view(DTYPE)
     return q, scale

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "comet/fp8_rows.h"
 #include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
 #include "comet/stream_rule.h"
@@ -252,6 +253,10 @@ void bind_engine(py::module_& m) {
       py::arg("world"), py::arg("elem_bytes"), py::arg("acc_bytes") = 4,
       py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false, py::arg("tp") = 1);
   e.def("header_bytes", [](int32_t world) { return int64_t(comet::header_bytes(world)); });
+  // comet/fp8_rows.h: bytes of one packed FP8 token row of `hidden` values and the offset of its
+  // scales (comet.fp8.row_bytes / unpack_rows, required_bytes for FP8 rows).
+  e.def("fp8_row_bytes", [](int64_t hidden) { return comet::fp8_row_bytes(hidden); });
+  e.def("fp8_row_scales_at", [](int64_t hidden) { return comet::fp8_row_scales_at(hidden); });
   // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
   e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,
                           bool current_capturing) {

@@ -62,6 +62,36 @@ def test_required_bytes_is_what_the_calls_ask_for(case, rpn, reduce, dtype):
         assert after >= need
 
 
+@pytest.mark.parametrize("case,rpn,reduce", SHAPES[:2], ids=[str(s[0]) for s in SHAPES[:2]])
+def test_required_bytes_of_fp8_rows_is_what_the_calls_ask_for(case, rpn, reduce):
+    """dtype float8_e4m3fn: layer0's packed FP8 rows (values and scales) and layer1's bf16
+    partials, as the FP8 calls size them."""
+    from comet import fp8
+
+    xs, w0s, w1s, ids, wts = make_inputs(case, torch.bfloat16)
+    bufs = comet.Buffer.simulated_world(case.world, ranks_per_node=rpn, node_reduce=reduce,
+                                        timeout=20)
+
+    def rank(r, buf):
+        w0q, s0 = fp8.quantize_blocks(w0s[r])
+        w1q, s1 = fp8.quantize_blocks(w1s[r])
+        y0, layout = comet.moe_layer0(xs[r], w0q, ids[r], num_experts=case.experts, buffer=buf,
+                                      w0_scale=s0, dispatch_fp8=True)
+        layer0 = buf.requested_bytes
+        hq, hs = fp8.quantize_rows(h_from_y0(y0, case.n1))
+        comet.moe_layer1(hq, w1q, wts[r], layout, buffer=buf, h_scale=hs, w1_scale=s1)
+        return layer0, buf.requested_bytes
+
+    try:
+        got = run_threads(case.world, rank, buffers=bufs)
+    finally:
+        for b in bufs:
+            b.close()
+    fp8_rows = _need(case, torch.float8_e4m3fn, rpn, reduce, op=0)
+    assert fp8_rows != _need(case, torch.bfloat16, rpn, reduce, op=0)
+    assert got == [(fp8_rows, _need(case, torch.float8_e4m3fn, rpn, reduce))] * case.world
+
+
 @pytest.mark.parametrize("case,rpn,reduce", SHAPES, ids=[str(s[0]) for s in SHAPES])
 def test_reserve_then_calls_do_not_grow(case, rpn, reduce):
     need = _need(case, torch.bfloat16, rpn, reduce)

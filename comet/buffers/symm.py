@@ -275,7 +275,11 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     no symmetric region is FFN-wide (layer0's output and layer1's input live in ordinary device
     memory). Layer1's receive region dominates: min(topk, world) x tokens x hidden x element
     bytes (with tp_size t: min(topk, world / t) x t partial slots). The header (flags, call
-    metadata; a few KiB) is separate."""
+    metadata; a few KiB) is separate.
+
+    FP8 (dtype torch.float8_e4m3fn: FP8 token rows, x FP8 or dispatch_fp8): layer0's rows travel
+    packed with their scales (comet/fp8_rows.h), layer1's partial rows in bfloat16 (the default
+    out_dtype), as the ops size them."""
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -287,8 +291,15 @@ def required_bytes(*, tokens: int, hidden: int, topk: int, num_experts: int, wor
     # The CPU backend accumulates float64 inputs' weights in float64 (ops_cpu.cpp), else float32.
     acc = 8 if dtype == torch.float64 else 4
     ops = (0, 1) if op is None else (op,)
-    return max(int(_C.engine.region_bytes(o, tokens, hidden, topk, num_experts, world,
-                                          dtype.itemsize, acc, ranks_per_node or 0,
+    fp8 = dtype == torch.float8_e4m3fn
+
+    def rows(o):  # (row elements, element bytes) of op o's token rows
+        if fp8:
+            return (int(_C.engine.fp8_row_bytes(hidden)), 1) if o == 0 else (hidden, 2)
+        return hidden, dtype.itemsize
+
+    return max(int(_C.engine.region_bytes(o, tokens, rows(o)[0], topk, num_experts, world,
+                                          rows(o)[1], acc, ranks_per_node or 0,
                                           bool(node_reduce), tp_size_setting(tp_size, world)))
                for o in ops)
 
