@@ -462,3 +462,38 @@ def test_example_and_opcheck_on_gloo_processes():
     errors = run_ranks(_example_and_opcheck, 2, timeout=240)
     assert max(errors) < 1e-4, errors
 
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=str)
+def test_fp8_matches_the_dequantised_fp32_layer(case):
+    """FP8 with tp_size > 1 (x, each rank's w0 / w1 shard and h quantised): y0 and out equal, at
+    bf16 tolerance, the fp32 TP layer run on the same operands dequantised (that layer matches
+    the reference above), so the FP8 rows, scales and shards travel and combine as in fp32."""
+    from comet import fp8
+
+    xs, w0, w1, b0, b1, ids, wts = make_inputs(case, torch.float32, bias=False)
+    bufs = [comet.Buffer.simulated_world(case.world, timeout=20, tp_size=case.tp,
+                                         ranks_per_node=case.world) for _ in range(2)]
+
+    def rank(r, buf8, buf32):
+        w0r, w1r, _, _ = shards(case, r, w0, w1, None, None)
+        (xq, xsc), (w0q, s0), (w1q, s1) = (fp8.quantize_rows(xs[r]), fp8.quantize_blocks(w0r),
+                                            fp8.quantize_blocks(w1r))
+        y0, layout = comet.moe_layer0(xq, w0q, ids[r], num_experts=case.experts, buffer=buf8,
+                                      x_scale=xsc, w0_scale=s0, n_comm=1, tile=(8, 8))
+        hq, hs = fp8.quantize_rows(act(y0.float()))
+        out = comet.moe_layer1(hq, w1q, wts[r], layout, buffer=buf8, h_scale=hs, w1_scale=s1,
+                               n_comm=1, tile=(8, 8))
+        y0_32, layout32 = comet.moe_layer0(
+            fp8.dequantize_rows(xq, xsc, torch.float32), fp8.dequantize_blocks(w0q, s0, torch.float32),
+            ids[r], num_experts=case.experts, buffer=buf32, n_comm=1, tile=(8, 8))
+        out_32 = comet.moe_layer1(fp8.dequantize_rows(hq, hs, torch.float32),
+                                  fp8.dequantize_blocks(w1q, s1, torch.float32), wts[r], layout32,
+                                  buffer=buf32, n_comm=1, tile=(8, 8))
+        return y0, out, y0_32, out_32
+
+    results = run_threads(case.world, lambda r, b: rank(r, b, bufs[1][r]), buffers=bufs[0])
+    for y0, out, y0_32, out_32 in results:
+        assert y0.dtype == out.dtype == torch.bfloat16
+        torch.testing.assert_close(y0.float(), y0_32, **TOL[torch.bfloat16])
+        torch.testing.assert_close(out.float(), out_32, **TOL[torch.bfloat16])
