@@ -169,6 +169,13 @@ struct CallParams {
   const float* w_scale;
 };
 
+// layer0's GEMM schedule (comet/gemm_schedule.h): the m-tiles in the comm blocks' order, each after
+// its readiness flag; every sm path walks the same.
+COMET_HD GemmScheduleArgs layer0_schedule_args(const CallParams& p, uint64_t epoch) {
+  return GemmScheduleArgs{epoch,         p.mtiles,      p.state->num_mtiles, p.num_ntiles,
+                          p.mtile_order, p.mtile_ready, nullptr,             nullptr};
+}
+
 // layer1's GEMM schedule (comet/gemm_schedule.h): every sm path and bench mode walks the same.
 COMET_HD GemmScheduleArgs layer1_schedule_args(const CallParams& p, uint64_t epoch) {
   GemmScheduleArgs a{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,

@@ -113,4 +113,19 @@ static __device__ __forceinline__ bool ran_comm_block(const CallParams& p, uint6
   return true;
 }
 
+// The GEMM side of an mma.sync fused kernel (sm80, sm89) once ran_comm_block said no: this block's
+// index among the GEMM blocks and their count, whether it computes tiles (not in comm-only
+// timing, where layer1's columns are still published), and whether it has anything to do at all
+// (not in a rejected call, nor in layer0's comm-only timing, whose comm needs no GEMM block).
+struct MmaGemmBlock {
+  int32_t g, ng;
+  bool compute, active;
+};
+template <int kLayer>
+static __device__ __forceinline__ MmaGemmBlock mma_gemm_block(const CallParams& p) {
+  const bool compute = p.mode != int32_t(BenchMode::CommOnly);
+  const bool active = p.state->status == int32_t(CallStatus::Ok) && (kLayer == 1 || compute);
+  return MmaGemmBlock{gemm_block_index<kLayer>(p), int32_t(gridDim.x) - p.n_comm, compute, active};
+}
+
 }  // namespace comet::gpu

@@ -43,16 +43,14 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
   if (ran_comm_block<kLayer>(p, epoch, smem)) return;
-  if (p.state->status != int32_t(CallStatus::Ok)) return;
-  const bool compute = p.mode != int32_t(BenchMode::CommOnly);
-  if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
-  const int32_t g = gemm_block_index<kLayer>(p);
-  const int32_t ng = int32_t(gridDim.x) - p.n_comm;
+  const MmaGemmBlock gb = mma_gemm_block<kLayer>(p);
+  if (!gb.active) return;
+  const int32_t g = gb.g, ng = gb.ng;
+  const bool compute = gb.compute;
   BlockGemmContext ctx(wait_config(p));
 
   if constexpr (kLayer == 0) {
-    const GemmScheduleArgs ga{epoch, p.mtiles, p.state->num_mtiles, p.num_ntiles,
-                              p.mtile_order, p.mtile_ready, nullptr, nullptr};
+    const GemmScheduleArgs ga = layer0_schedule_args(p, epoch);
     const int64_t K = p.hidden, N = p.cols;
     const T* A = reinterpret_cast<const T*>(p.a);
     const T* B = static_cast<const T*>(p.w0);

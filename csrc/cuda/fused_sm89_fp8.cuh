@@ -93,24 +93,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
   if (ran_comm_block<kLayer>(p, epoch, smem)) return;
-  if (p.state->status != int32_t(CallStatus::Ok)) return;
-  const bool compute = p.mode != int32_t(BenchMode::CommOnly);
-  if (kLayer == 0 && !compute) return;  // comm-only timing: layer0's comm needs no GEMM block
-  const int32_t g = gemm_block_index<kLayer>(p);
-  const int32_t ng = int32_t(gridDim.x) - p.n_comm;
+  const MmaGemmBlock gb = mma_gemm_block<kLayer>(p);
+  if (!gb.active) return;
   BlockGemmContext ctx(wait_config(p));
 
   if constexpr (kLayer == 0) {
-    const GemmScheduleArgs ga{epoch, p.mtiles, p.state->num_mtiles, p.num_ntiles,
-                              p.mtile_order, p.mtile_ready, nullptr, nullptr};
+    const GemmScheduleArgs ga = layer0_schedule_args(p, epoch);
     auto* y0 = static_cast<cutlass::bfloat16_t*>(p.y0);
-    layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
+    layer0_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
       compute_tile<0>(smem, p, vec, mt, nt, y0, p.b0);
     });
   } else {
     const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
-    layer1_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
-      if (!compute) return;  // comm-only timing: columns are published without computing them
+    layer1_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
+      if (!gb.compute) return;  // comm-only timing: columns are published without computing them
       compute_tile<1>(smem, p, vec, mt, nt, p.c, p.b1);  // b1 into C, before the top-k weighting
     });
   }

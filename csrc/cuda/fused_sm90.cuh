@@ -292,7 +292,6 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
 
   const int32_t g = gemm_block_index<kLayer>(p);
   const int32_t ng = int32_t(gridDim.x) - p.n_comm;
-  const int64_t num_mtiles = p.state->num_mtiles;
   const int warp_group = int(threadIdx.x) / 128;
   const int warp_in_group = (int(threadIdx.x) / 32) % 4;
   const WaitConfig wc = wait_config(p);
@@ -307,9 +306,7 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
   const int k_tiles = int((K + C::kTileK - 1) / C::kTileK);
 
   const GemmScheduleArgs ga =
-      kLayer == 0 ? GemmScheduleArgs{epoch, p.mtiles, num_mtiles, p.num_ntiles, p.mtile_order,
-                                     p.mtile_ready, nullptr, nullptr}
-                  : layer1_schedule_args(p, epoch);
+      kLayer == 0 ? layer0_schedule_args(p, epoch) : layer1_schedule_args(p, epoch);
 
   // Producers: the TMA warp (warp 0), and with block scales the scale warp (warp 1, load_scales).
   constexpr bool kScaled = C::kBlockScaled;
