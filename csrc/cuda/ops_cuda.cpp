@@ -514,6 +514,24 @@ void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
              "copying source data into the symmetric buffer");
 }
 
+// T packed FP8 rows (comet/fp8_rows.h) straight into the symmetric x region: the values q
+// [T, H] and their scales [T, ceil(H/128)] land at their offsets of each row_bytes-long row (two
+// strided copies, no staging tensor). The rows' padding bytes are not written: nothing reads them
+// (the GEMM's A is H wide; the comm blocks copy them along unread).
+void copy_packed_rows(char* dst, const at::Tensor& q, const at::Tensor& scale, int64_t row_bytes,
+                      cudaStream_t stream) {
+  const int64_t T = q.size(0), H = q.size(1);
+  if (T == 0) return;
+  const size_t scale_bytes = size_t(scale.size(1)) * 4;
+  check_cuda(cudaMemcpy2DAsync(dst, size_t(row_bytes), q.data_ptr(), size_t(H), size_t(H),
+                               size_t(T), cudaMemcpyDeviceToDevice, stream),
+             "copying FP8 rows into the symmetric buffer");
+  check_cuda(cudaMemcpy2DAsync(dst + fp8_row_scales_at(H), size_t(row_bytes), scale.data_ptr(),
+                               scale_bytes, scale_bytes, size_t(T), cudaMemcpyDeviceToDevice,
+                               stream),
+             "copying FP8 row scales into the symmetric buffer");
+}
+
 void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
                   cudaStream_t stream) {
   if (lp.fp8 == 90) {
@@ -594,16 +612,15 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology(), out_kind);
-  // The rows this rank publishes: x, or its packed FP8 rows (x's own, or quantised here, on the
-  // sending side), made now, while no proxy spins (they allocate).
-  at::Tensor rows = x;
+  // FP8 rows this rank publishes: x's values and scales, or x quantised here, on the sending side
+  // (the quantiser of comet.fp8.quantize_rows), made now, while no proxy spins (they allocate);
+  // packed into the symmetric region below.
+  at::Tensor fp8_q, fp8_scale;
   if (ok && fp8) {
-    if (is_fp8(x)) {
-      rows = fp8_pack_rows(x, *x_scale);
-    } else {
-      const auto [q, scale] = fp8_quantize_rows(x);
-      rows = fp8_pack_rows(q, scale);
-    }
+    if (is_fp8(x))
+      std::tie(fp8_q, fp8_scale) = std::make_tuple(x, x_scale->contiguous());
+    else
+      std::tie(fp8_q, fp8_scale) = fp8_quantize_rows(x);
   }
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
@@ -702,7 +719,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   char* own = b.own_data();
   copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
   copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.x, rows.data_ptr(), size_t(T * p.row_bytes), stream);
+  if (fp8)
+    copy_packed_rows(own + p.regions.x, fp8_q, fp8_scale, p.row_bytes, stream);
+  else
+    copy_async(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes), stream);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
