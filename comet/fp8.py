@@ -8,8 +8,11 @@ amax / 448 of the block (448: e4m3fn's largest finite value; an all-zero block g
 * weights, one scale per 128 x 128 block: :func:`quantize_blocks` ``w [E, N, K]`` ->
   ``(q [E, N, K], scale [E, ceil(N/128), ceil(K/128)])``.
 
-The quantisers are the ops ``torch.ops.comet.fp8_quantize_rows / fp8_quantize_blocks``, the same
-code moe_layer0 runs on the sending side for ``dispatch_fp8=True`` (so both give the same bits).
+The quantisers are the ops ``torch.ops.comet.fp8_quantize_rows / fp8_quantize_blocks`` (ATen, any
+device). moe_layer0's sending side for ``dispatch_fp8=True`` quantises and packs each row in one
+pass (the CPU backend's loop, one CUDA kernel on the GPU) with the arithmetic of
+csrc/include/comet/fp8_rows.h, which gives the same bits (tests/test_fp8.py holds its rounding to
+torch's conversion for every bfloat16 value and the one-pass rows to quantize_rows').
 
 Packed rows: with FP8 token rows on the wire, moe_layer0's ``a`` output (the dispatched rows) holds
 each row's values and scales together, uint8 ``[rows, row_bytes(H)]`` (csrc/include/comet/

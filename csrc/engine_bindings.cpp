@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comet/fp8_rows.h"
+#include "fp8_quant.h"
 #include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
 #include "comet/stream_rule.h"
@@ -257,6 +258,19 @@ void bind_engine(py::module_& m) {
   // scales (comet.fp8.row_bytes / unpack_rows, required_bytes for FP8 rows).
   e.def("fp8_row_bytes", [](int64_t hidden) { return comet::fp8_row_bytes(hidden); });
   e.def("fp8_row_scales_at", [](int64_t hidden) { return comet::fp8_row_scales_at(hidden); });
+  // comet/fp8_rows.h's float -> float8_e4m3fn rounding on a float32 CPU tensor (bits as uint8), for
+  // the tests that hold it to torch's own conversion.
+  e.def("fp8_from_float", [](const at::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "fp8_from_float: float32 CPU");
+    const at::Tensor f = t.contiguous();
+    at::Tensor out = at::empty(f.sizes(), f.options().dtype(at::kByte));
+    const float* src = f.data_ptr<float>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < f.numel(); ++i) dst[i] = comet::float_to_fp8e4m3(src[i]);
+    return out;
+  });
+  // dispatch_fp8's sending-side quantiser of the CPU backend (packed rows), for the same tests.
+  e.def("fp8_quantize_pack_rows", [](const at::Tensor& x) { return comet::fp8_quantize_pack_rows(x); });
   // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
   e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,
                           bool current_capturing) {

@@ -1,5 +1,7 @@
 #include "fp8_quant.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -57,6 +59,27 @@ at::Tensor fp8_pack_rows(const at::Tensor& q, const at::Tensor& scale) {
   rows.narrow(1, 0, H).copy_(q.view(at::kByte));
   rows.narrow(1, at_scales, scale_bytes)
       .copy_(scale.contiguous().view(at::kByte).view({T, scale_bytes}));
+  return rows;
+}
+
+at::Tensor fp8_quantize_pack_rows(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t T = x.size(0), H = x.size(1), nb = scale_blocks(H);
+  at::Tensor rows = at::zeros({T, fp8_row_bytes(H)}, x.options().dtype(at::kByte));
+  const int64_t rb = rows.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fp8_quantize_pack_rows",
+                                  [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    uint8_t* rp = rows.data_ptr<uint8_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = xp + t * H;
+        for (int64_t kb = 0; kb < nb; ++kb)
+          quantize_pack_block([&](int64_t i) { return static_cast<float>(row[i]); }, H, kb,
+                              rp + t * rb);
+      }
+    });
+  });
   return rows;
 }
 

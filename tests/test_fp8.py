@@ -101,6 +101,56 @@ def test_quantizers_refuse_bad_shapes():
         fp8.quantize_rows(torch.zeros(2, 2, dtype=torch.int32))
 
 
+def test_rounding_to_e4m3_is_torchs_for_every_bf16_value_and_more():
+    """The sending-side quantiser's float -> float8_e4m3fn rounding (comet/fp8_rows.h, run by the
+    CPU backend and the CUDA kernel alike) gives torch's bits for every bfloat16 value below 464
+    in magnitude (all 65536 patterns: subnormals, ties, signed zeros, NaN), and for float32 values
+    around every e4m3 code's rounding boundaries; 464 and above saturate to 448 (torch: NaN above
+    464), which the quantiser's values (at most 448 after their scale) never reach."""
+    from comet._native import _C
+
+    bf = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8.DTYPE).float()
+    codes = codes[codes.isfinite()]
+    mids = (codes.sort().values[1:] + codes.sort().values[:-1]) / 2  # the ties (exact in fp32)
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(1e9)),
+                      torch.nextafter(mids, torch.tensor(-1e9))])
+    g = torch.Generator().manual_seed(5)
+    rnd = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-3, 0.05, 1.0, 100.0)])
+    for v in (bf, near, rnd):
+        v = v[(v.abs() < 464) | v.isnan()]
+        ours = _C.engine.fp8_from_float(v)
+        theirs = v.to(fp8.DTYPE).view(torch.uint8)
+        nan = v.isnan()
+        assert torch.equal(ours[~nan], theirs[~nan])
+        assert torch.equal(ours[nan] & 0x7F, torch.full_like(ours[nan], 0x7F))
+    big = torch.tensor([464.0, 500.0, -1e30, float("inf")])
+    assert _C.engine.fp8_from_float(big).tolist() == [0x7E, 0x7E, 0xFE, 0x7E]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("H", [1, 127, 300, 512])
+def test_one_pass_quantiser_gives_quantize_rows_bits(dtype, H):
+    """dispatch_fp8's one-pass quantise-and-pack (the CPU backend's, the same arithmetic as the
+    CUDA kernel) equals quantize_rows + packing bit for bit, with all-zero, NaN, inf and tiny
+    blocks among ordinary ones."""
+    from comet._native import _C
+
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(9, H, generator=g) * torch.logspace(-6, 3, 9).unsqueeze(1)
+    x[1] = 0.0
+    x[2, H // 2] = float("nan")
+    x[3, 0] = float("inf")
+    x[4, -1] = -1e-7
+    x = x.to(dtype)
+    rows = _C.engine.fp8_quantize_pack_rows(x)
+    assert rows.shape == (9, fp8.row_bytes(H))
+    q, s = fp8.unpack_rows(rows, H)
+    q_ref, s_ref = fp8.quantize_rows(x)
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_row_bytes_matches_the_packed_rows_of_layer0():
     for H in (1, 100, 128, 300, 512):
         assert fp8.row_bytes(H) % 16 == 0 and fp8.row_bytes(H) >= H + 4 * -(-H // 128)

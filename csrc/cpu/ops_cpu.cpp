@@ -139,12 +139,9 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     at::Tensor recv_counts = at::empty({W, El}, ids.options());
     at::Tensor rows = x;  // what this rank publishes: x, or its packed FP8 rows
     if (fp8_rows) {
-      if (is_fp8(x)) {
-        rows = fp8_pack_rows(x, *x_scale);
-      } else {
-        const auto [q, scale] = fp8_quantize_rows(x);
-        rows = fp8_pack_rows(q, scale);
-      }
+      // x's own values and scales, or x quantised here in one pass with the arithmetic the CUDA
+      // kernel runs (comet/fp8_rows.h)
+      rows = is_fp8(x) ? fp8_pack_rows(x, *x_scale) : fp8_quantize_pack_rows(x);
     }
     const at::ScalarType out_type = result_dtype(x, w0, dispatch_fp8, out_dtype);
     Layer0Problem p{rows.data_ptr(), w0.data_ptr(), ids.data_ptr<int32_t>(),

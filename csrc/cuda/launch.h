@@ -36,6 +36,13 @@ constexpr int kCombineThreads = 256;
 void launch_combine(const CallParams& p, int grid, cudaStream_t stream);
 cudaError_t preload_combine_kernel();  // loads it now (as preload_prologue_kernels)
 
+// dispatch_fp8's sending side (fp8_pack.cu): x [tokens, hidden] of `kind` (bf16 / fp16 / fp32),
+// contiguous, quantised and packed into `tokens` rows of row_bytes at dst (comet/fp8_rows.h), one
+// warp per 128-value block; the rows' padding bytes are not written (nothing reads them).
+void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, int64_t hidden,
+                              char* dst, int64_t row_bytes, cudaStream_t stream);
+cudaError_t preload_fp8_pack_kernel();  // loads it now (as preload_prologue_kernels)
+
 // What the occupancy check needs about a fused kernel.
 struct FusedKernelInfo {
   const void* func;   // the __global__ function, for cudaOccupancyMaxActiveBlocksPerMultiprocessor

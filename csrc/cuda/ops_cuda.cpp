@@ -36,7 +36,6 @@
 #include "comet/symm_layout.h"
 #include "comet/fp8_rows.h"
 #include "cuda_buffer.h"
-#include "fp8_quant.h"
 #include "launch.h"
 #include "op_checks.h"
 #include "proxy.h"
@@ -123,6 +122,7 @@ void preload_kernels(int device) {
   }
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
+  if (e == cudaSuccess) e = preload_fp8_pack_kernel();
   if (e == cudaSuccess) e = preload_proxy_kernels();
   for (const void* f : fused) {
     cudaFuncAttributes a;
@@ -612,16 +612,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
                              int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology(), out_kind);
-  // FP8 rows this rank publishes: x's values and scales, or x quantised here, on the sending side
-  // (the quantiser of comet.fp8.quantize_rows), made now, while no proxy spins (they allocate);
-  // packed into the symmetric region below.
-  at::Tensor fp8_q, fp8_scale;
-  if (ok && fp8) {
-    if (is_fp8(x))
-      std::tie(fp8_q, fp8_scale) = std::make_tuple(x, x_scale->contiguous());
-    else
-      std::tie(fp8_q, fp8_scale) = fp8_quantize_rows(x);
-  }
+  // FP8 x: its scales (contiguous now, while no proxy spins: it may allocate); packed into the
+  // symmetric region below, with x's values. dispatch_fp8: x is quantised there, on the sending
+  // side, by one kernel writing the packed rows (fp8_pack.cu).
+  const at::Tensor fp8_scale = ok && is_fp8(x) ? x_scale->contiguous() : at::Tensor();
 
   at::Tensor ids32 = ok ? topk_ids.to(at::kInt).contiguous() : at::Tensor();
   p.ids = ok ? ids32.data_ptr<int32_t>() : nullptr;
@@ -719,8 +713,11 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   char* own = b.own_data();
   copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
   copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
-  if (fp8)
-    copy_packed_rows(own + p.regions.x, fp8_q, fp8_scale, p.row_bytes, stream);
+  if (fp8 && is_fp8(x))
+    copy_packed_rows(own + p.regions.x, x, fp8_scale, p.row_bytes, stream);
+  else if (fp8)
+    launch_fp8_quantize_pack(x.data_ptr(), scalar_kind(x.scalar_type()), T, H,
+                             own + p.regions.x, p.row_bytes, stream);
   else
     copy_async(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes), stream);
   launch_publish(p, stream);
