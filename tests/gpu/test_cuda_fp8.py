@@ -8,7 +8,8 @@ file skips without a GPU (conftest.py), and its FP8 tests skip on a GPU without 
   the GPU sums each 128-wide K block in its own order, so 2e-2), with awkward-but-allowed sizes
   (H, N1 multiples of 16 and not of 128), an empty rank, skewed and dropped routing, biases;
   bitwise run to run;
-* dispatch_fp8=True equals the pre-quantised x bitwise (the sender runs quantize_rows), and layer0's
+* dispatch_fp8=True equals the pre-quantised x bitwise (the sender's one-pass kernel, fp8_pack.cu,
+  gives quantize_rows' bits), and layer0's
   `a` (the packed rows) unpacks to the source rows;
 * backward (bf16 on the dequantised values) through comet.fp8.moe_layer0 / moe_layer1 (on CUDA
   both operands must be FP8, so training goes through these master-weight wrappers, which call the
