@@ -58,6 +58,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "comet/fp8_rows.h"
 #include "comet/gemm_schedule.h"
 #include "comm_blocks.cuh"
 #include "launch.h"
@@ -332,8 +333,10 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
         // The scales of the same tiles in the same order (and, layer0, after the same waits: the
         // scales of a dispatched row travel inside it).
         PipelineState state = cutlass::make_producer_start_state<Pipeline>();
-        const int64_t k_blocks = (K + 127) / 128;   // = k_tiles (128-wide k-tiles)
-        const int64_t n_blocks = (n_out + 127) / 128;
+        // The weights' 128 x 128 block scales: [El, scale_blocks(n_out), scale_blocks(K)]; a
+        // k-tile is one K block and an n-tile one N block (Fp8GemmConfig's tile = kScaleBlock).
+        static_assert(C::kTileK == kScaleBlock && C::kTileN == kScaleBlock);
+        const int64_t k_blocks = scale_blocks(K), n_blocks = scale_blocks(n_out);
         producer_walk<kLayer>(p, wc, g, ng, ga, [&](const MTile& mt, int32_t nt) {
           load_scales<C>(pipeline, state, ss, p.a_scale + mt.row_begin * p.a_scale_ld,
                          p.a_scale_ld, mt.rows,
