@@ -165,9 +165,10 @@ class MoE(nn.Module):
             `dtype` and are quantised per forward (128 x 128 blocks), tokens are quantised on
             dispatch and the SwiGLU output per row (1 x 128); backward in `dtype` on the
             dequantised values, so the parameters get their gradients in their own dtype.
-        placement: a comet.plan.Placement (None: the buffer's, else the contiguous map). The
-            module then holds this rank's E_r slots (w0 [E_r, 2F, H], w1 [E_r, H, F], its
-            logical experts ascending; E_r may be 0), every replica initialised alike (the
+        placement: a comet.plan.Placement (None: the buffer's, else the contiguous map; one
+            built without world= completes to the group, Placement.for_world). The module
+            then holds this rank's E_r slots (w0 [E_r, 2F, H], w1 [E_r, H, F], its logical
+            experts ascending; E_r may be 0), every replica initialised alike (the
             initialisation is per logical expert), and allreduce_gradients sums a replicated
             expert's weight gradients over its replicas so they stay identical after the
             optimiser step (docs/placement.md). Not with tp_size > 1 or fp8.
@@ -198,7 +199,7 @@ class MoE(nn.Module):
         if placement is None and buffer is not None:
             placement = getattr(buffer, "placement", None)
         if placement is not None:
-            self._check_placement(placement, num_experts, world, tp)
+            placement = self._check_placement(placement, num_experts, world, tp)
             if self.fp8:
                 raise ValueError("comet.nn.MoE: fp8=True with a placement is not supported "
                                  "(the FP8 layers run on the contiguous map)")
@@ -308,18 +309,24 @@ class MoE(nn.Module):
         self.w1.copy_(self._w1_shard(w1[sl]))
 
     @staticmethod
-    def _check_placement(placement, num_experts: int, world: int, tp: int) -> None:
+    def _check_placement(placement, num_experts: int, world: int, tp: int):
+        """The placement on this module's group (Placement.for_world: one built without world=
+        completes to it), after checking it fits the module."""
         from comet.plan import Placement
 
         if not isinstance(placement, Placement):
             raise TypeError(f"comet.nn.MoE: placement must be a comet.plan.Placement, got "
                             f"{type(placement).__name__}")
-        if placement.num_experts != num_experts or placement.world != world:
+        if placement.num_experts != num_experts:
             raise ValueError(f"comet.nn.MoE: the placement places {placement.num_experts} experts "
-                             f"on {placement.world} ranks; the module has num_experts="
-                             f"{num_experts} on a group of {world}")
+                             f"but the module has num_experts={num_experts}")
+        try:
+            placed = placement.for_world(world)
+        except ValueError as e:
+            raise ValueError(f"comet.nn.MoE: {e}") from None
         if tp != 1:
             raise ValueError(f"comet.nn.MoE: tp_size={tp} > 1 is not supported with a placement")
+        return placed
 
     @torch.no_grad()
     def migrate(self, placement, optimizer=None, group=None) -> None:
@@ -334,7 +341,7 @@ class MoE(nn.Module):
         from comet.plan import Placement, migrate
 
         old = self.placement or Placement.contiguous(self.num_experts, self.world)
-        self._check_placement(placement, self.num_experts, self.world, self.tp_size)
+        placement = self._check_placement(placement, self.num_experts, self.world, self.tp_size)
         ws = [self.w0, self.w1]
         states = []  # (param, key) of each state tensor shaped like its parameter
         if optimizer is not None:

@@ -6,7 +6,9 @@ and BITWISE equal across placements (contiguous, replicated hot experts with une
 holding 0 experts), with dropped slots and skewed routing, on one node and on 2 nodes of 2; y0
 rows equal up to their order. The default (no placement) is the plain ops' path. Backward: the
 gradients of x, topk_weights and each replica's w0 / w1 (the rows it served) against the
-reference. Bad input: a clear error on every rank before any kernel."""
+reference. Bad input: a clear error on every rank before any kernel. A placement built without
+world= completes to the group (its last ranks holding nothing) on the ops, Buffer and the module,
+bitwise as the same map given with world=; a given world that is not the group's raises."""
 import pytest
 import torch
 
@@ -482,3 +484,263 @@ def test_any_placement_gives_the_reference_bitwise_alike(p, seed):
         assert torch.equal(got[r], base[r])
         torch.testing.assert_close(got[r].double(), reference(xs[r], w0, w1, b0, b1, ids[r],
                                                               wts[r]), **TOL[torch.float32])
+
+
+# -- a placement built without world= completes to the group (Placement.for_world) ---------------
+
+# (expert -> ranks map, group size): the map names fewer ranks than the group has, so the
+# group's last rank (or last two) holds no expert; built without world= it completes to the group.
+TRAILING = {
+    "3 ranks, last empty": ([[0], [1, 0], [0], [1], [1]], 3),
+    "3 ranks, last two empty": ([[0], [0], [0], [0]], 3),
+    "4 ranks, last empty": ([[0, 1], [1], [2], [0], [2, 1]], 4),
+    "4 ranks, last two empty": ([[0], [1], [0, 1], [1], [0]], 4),
+    "4 ranks, middle and last empty": ([[0], [2], [0, 2], [2], [0]], 4),
+}
+
+
+def _holds(expert_ranks, r):
+    """Rank r's slots straight from the expert -> ranks map (the oracle, not Placement's)."""
+    return [e for e, ranks in enumerate(expert_ranks) if r in ranks]
+
+
+def _run_group(placement, expert_ranks, inputs, world, *, bufs=None, grad=True):
+    """The ops on `world` simulated ranks with `placement` (None: the buffers' own); per rank
+    (layout, out, grads of x, w0, w1, b0, b1, topk_weights)."""
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    bufs = bufs or comet.Buffer.simulated_world(world, timeout=20)
+
+    def rank(r, buf):
+        mine = _holds(expert_ranks, r)
+        leaves = [xs[r].clone()] + [w[mine].contiguous() for w in (w0, w1, b0, b1)] + \
+            [wts[r].clone()]
+        for leaf in leaves:
+            leaf.requires_grad_(grad)
+        x, w0r, w1r, b0r, b1r, wt = leaves
+        kw = {} if placement is None else dict(placement=placement)
+        y0, layout = comet.moe_layer0(x, w0r, ids[r], num_experts=w0.shape[0], b0=b0r,
+                                      buffer=buf, n_comm=1, tile=(8, 8), **kw)
+        out = comet.moe_layer1(act(y0), w1r, wt, layout, b1=b1r, buffer=buf, n_comm=1,
+                               tile=(8, 8))
+        grads = None
+        if grad:
+            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
+            (out * seed.to(out.dtype)).sum().backward()
+            grads = [leaf.grad for leaf in leaves]
+        return layout, out.detach(), grads
+
+    return run_threads(world, rank, buffers=bufs, timeout=60)
+
+
+@pytest.mark.parametrize("case", list(TRAILING))
+def test_trailing_empty_ranks_complete_to_the_group(case):
+    """Forward and backward against the fp64 reference, and bitwise equal to the same map given
+    with world= (out and every gradient)."""
+    expert_ranks, world = TRAILING[case]
+    E_ = len(expert_ranks)
+    implicit = Placement(expert_ranks)
+    assert implicit.world < world and not implicit.explicit_world
+    explicit = Placement(expert_ranks, world=world)
+    tokens = (5, 0, 7, 3)[:world]
+    inputs = make(E_, torch.float32, tokens=tokens, seed=13)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    got = _run_group(implicit, expert_ranks, inputs, world)
+    want = _run_group(explicit, expert_ranks, inputs, world)
+    gw = [torch.zeros_like(w, dtype=torch.float64) for w in (w0, w1, b0, b1)]
+    refw = [w.double().clone().requires_grad_(True) for w in (w0, w1, b0, b1)]
+    for r, ((layout, out, grads), (_, out_x, grads_x)) in enumerate(zip(got, want)):
+        assert layout.routes.placement == explicit and layout.routes.placement.world == world
+        assert torch.equal(out, out_x), f"{case}: rank {r} out differs from world={world}'s"
+        for i, (g, gx) in enumerate(zip(grads, grads_x)):
+            assert torch.equal(g, gx), f"{case}: rank {r} gradient {i} differs bitwise"
+        mine = _holds(expert_ranks, r)
+        assert grads[1].shape[0] == len(mine)  # a trailing rank's w0 is [0, N, H]
+        for i, g in enumerate(grads[1:5]):
+            gw[i][mine] += g.double()
+        torch.testing.assert_close(out.double(), reference(xs[r], w0, w1, b0, b1, ids[r], wts[r]),
+                                   **TOL[torch.float32])
+        if xs[r].shape[0] == 0:
+            continue
+        x = xs[r].double().clone().requires_grad_(True)
+        wt = wts[r].double().clone().requires_grad_(True)
+        ref = reference_autograd(x, *refw, ids[r], wt)
+        seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
+        (ref * seed.double()).sum().backward()
+        torch.testing.assert_close(grads[0].double(), x.grad, **TOL[torch.float32])
+        torch.testing.assert_close(grads[5].double(), wt.grad, **TOL[torch.float32])
+    for i in range(4):  # summed over each expert's replicas: the reference's weight gradients
+        torch.testing.assert_close(gw[i], refw[i].grad, **TOL[torch.float32])
+
+
+def test_trailing_empty_rank_through_buffer_and_module():
+    """Buffer(placement=) and comet.nn.MoE complete it too: buffer.placement and moe.placement
+    are the group's, the last rank's module holds no expert, and out is bitwise that of the
+    same map given with world= (and of another placement of the same experts)."""
+    expert_ranks, world = TRAILING["3 ranks, last empty"]
+    E_ = len(expert_ranks)
+    implicit, explicit = Placement(expert_ranks), Placement(expert_ranks, world=world)
+    inputs = make(E_, torch.float32, tokens=(4, 6, 3), seed=17)
+    bufs = comet.Buffer.simulated_world(world, timeout=20, placement=implicit)
+    assert all(b.placement == explicit and b.placement.world == world for b in bufs)
+    got = _run_group(None, expert_ranks, inputs, world, bufs=bufs, grad=False)
+    want = _run_group(explicit, expert_ranks, inputs, world, grad=False)
+    for (_, out, _), (_, out_x, _) in zip(got, want):
+        assert torch.equal(out, out_x)
+
+    other = Placement([[0], [1], [2], [0], [2]], world=world)
+    x_all = torch.randn(world, 5, H, generator=torch.Generator().manual_seed(3))
+
+    def module(r, buf):
+        outs = []
+        for kw in (dict(buffer=buf), dict(buffer=buf, placement=implicit),
+                   dict(buffer=buf, placement=other)):
+            moe = comet.nn.MoE(H, 8, E_, 2, dtype=torch.float32, aux_loss_coeff=0, n_comm=1,
+                               tile=(8, 8), **kw)
+            outs.append((moe.placement, moe.w0.shape[0], moe.local_experts, moe(x_all[r])))
+        return outs
+
+    for r, outs in enumerate(run_threads(world, module, buffers=bufs, timeout=60)):
+        for mp, er, le, _ in outs[:2]:
+            assert mp == explicit and mp.world == world
+            assert er == len(_holds(expert_ranks, r)) and list(le) == _holds(expert_ranks, r)
+        if r == world - 1:
+            assert outs[0][1] == 0  # the last rank holds no expert
+        base = outs[2][3]
+        assert torch.equal(outs[0][3], base) and torch.equal(outs[1][3], base)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_an_explicit_world_that_is_not_the_groups_raises_on_every_rank(world):
+    """world= given and not the group's: the ops (placement= and the Buffer's default) raise on
+    every rank, each with the placement's world and the group's size; so does a map naming a
+    rank past the group (built without world=)."""
+    expert_ranks = [[0], [1], [0], [1]]
+    inputs = make(4, torch.float32, tokens=(3,) * world, drop=0)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+
+    def call(p, buf_p=None):
+        def fn(r, buf):
+            kw = {} if buf_p else dict(placement=p)
+            mine = _holds(expert_ranks, r)
+            comet.moe_layer0(xs[r], w0[mine], ids[r], num_experts=4, buffer=buf, n_comm=1,
+                             tile=(8, 8), **kw)
+        bufs = comet.Buffer.simulated_world(world, timeout=10, placement=buf_p)
+        return run_threads(world, lambda r, buf: _catch(fn, r, buf), buffers=bufs, timeout=60)
+
+    for wrong in sorted({2, world - 1, world + 1}):
+        p = Placement(expert_ranks, world=wrong)
+        for msgs in (call(p), call(None, buf_p=p)):
+            assert len(msgs) == world
+            for m in msgs:
+                assert m and f"the placement is for world={wrong} but the group has {world} " \
+                    "ranks" in m, (wrong, msgs)
+    past = Placement([[0], [1], [world], [1]])  # names rank `world`: no group rank
+    for m in call(past):
+        assert m and f"world={world + 1} (expert 2 is on rank {world}) but the group has " \
+            f"{world} ranks" in m, m
+    # the module raises with the same message, at construction, on every rank
+    for m in run_threads(world, lambda r, buf: _catch(
+            lambda r_, b: comet.nn.MoE(H, 8, 4, 2, buffer=b, placement=Placement(
+                expert_ranks, world=2)), r, buf),
+            buffers=comet.Buffer.simulated_world(world, timeout=10), timeout=60):
+        assert m and "comet.nn.MoE: the placement is for world=2 but the group has" in m, m
+
+
+def _catch(fn, r, buf):
+    try:
+        fn(r, buf)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def test_planner_placements_keep_their_world():
+    """balance and lysi_assign know their world: their placements keep it (a trailing worker
+    with no memory stays in the placement), run on that group and raise on another."""
+    from comet.plan import balance, lysi_assign
+
+    loads = [5.0, 3.0, 2.0, 1.0, 1.0]
+    q = balance(loads, world=3, slots_per_rank=2)
+    assert q.explicit_world and q.world == 3 and q.for_world(3) is q
+    lysi = lysi_assign([1.0, 1.0, 1.0], loads, slots=[3, 3, 0])  # worker 2 holds nothing
+    assert lysi.explicit_world and lysi.world == 3 and lysi.slots()[2] == 0
+    assert Placement(lysi.expert_ranks).world == 2  # what the map alone would infer
+    for p in (q, lysi):
+        for wrong in (2, 4):
+            with pytest.raises(ValueError, match=f"for world=3 but the group has {wrong} ranks"):
+                p.for_world(wrong)
+    inputs = make(5, torch.float32, tokens=(4, 3, 5), seed=19)
+    xs, w0, w1, b0, b1, ids, wts = inputs
+    for p in (q, lysi):
+        ranks = [list(r) for r in p.expert_ranks]
+        for r, (layout, out, _) in enumerate(_run_group(p, ranks, inputs, 3, grad=False)):
+            assert layout.routes.placement == p
+            torch.testing.assert_close(out.double(), reference(xs[r], w0, w1, b0, b1, ids[r],
+                                                               wts[r]), **TOL[torch.float32])
+    xs4 = make(5, torch.float32, tokens=(3,) * 4, drop=0)
+
+    def fn(r, buf):
+        comet.moe_layer0(xs4[0][r], w0[:0], xs4[5][r], num_experts=5, buffer=buf, n_comm=1,
+                         tile=(8, 8), placement=lysi)
+    msgs = run_threads(4, lambda r, buf: _catch(fn, r, buf),
+                       buffers=comet.Buffer.simulated_world(4, timeout=10), timeout=60)
+    assert all(m and "the placement is for world=3 but the group has 4 ranks" in m
+               for m in msgs), msgs
+
+
+def _trailing_module_body(rank, world):
+    """comet.nn.MoE on gloo with a map that leaves the last rank empty, built without world=:
+    the module, its replica gradient sum and migrate complete it to the group."""
+    import torch.distributed as dist
+    from comet.nn import MoE, allreduce_gradients
+
+    buf = comet.Buffer(dist.group.WORLD, timeout=20)
+    implicit = Placement([[0], [0, 1], [1], [1]])       # expert 1 on ranks 0 and 1; rank 2: none
+    single = Placement([[0], [1], [2], [0]], world=world)
+    kw = dict(buffer=buf, dtype=torch.float32, aux_loss_coeff=0, n_comm=1, tile=(8, 8))
+    m, ref = MoE(H, 8, 4, 2, placement=implicit, **kw), MoE(H, 8, 4, 2, placement=single, **kw)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(rank))
+    out, want = m(x), ref(x)
+    same = torch.equal(out, want)
+    slots = m.w0.shape[0]
+    out.square().sum().backward()
+    want.square().sum().backward()
+    allreduce_gradients(m)
+    allreduce_gradients(ref)
+
+    def dense(mod, w):  # [E, ...] of every expert's summed gradient (one replica per expert)
+        d = torch.zeros(4, *w.shape[1:])
+        d[list(mod.local_experts)] = w.grad
+        dist.all_reduce(d)
+        return d
+
+    full0, full1 = dense(ref, ref.w0), dense(ref, ref.w1)
+    mine = list(m.local_experts)
+    g_err = max(float((m.w0.grad - full0[mine]).abs().max()),
+                float((m.w1.grad - full1[mine]).abs().max())) if mine else 0.0
+    # migrate to another map without world= (rank 2 still empty), then forward again
+    m.migrate(Placement([[1], [0], [1], [0]]))
+    moved = (m.placement.world == world and m.placement == Placement([[1], [0], [1], [0]],
+                                                                      world=world)
+             and m.w0.shape[0] == len(m.placement.local_experts(rank)))
+    with torch.no_grad():
+        again = torch.equal(m(x), ref(x))
+    back = comet.plan.migrate(Placement([[1], [0], [1], [0]]), implicit, m.w0.data, m.w1.data)
+    back_ok = back[0].shape[0] == slots
+    try:
+        comet.plan.migrate(Placement([[1], [0], [1], [0]], world=2), implicit, m.w0.data,
+                           m.w1.data)
+        wrong = None
+    except ValueError as e:
+        wrong = str(e)
+    return (same, g_err, slots, moved, again, back_ok, wrong)
+
+
+def test_trailing_empty_rank_module_and_migrate_on_gloo():
+    from tests.dist_utils import run_ranks
+
+    for r, (same, g_err, er, moved, again, back_ok, wrong) in enumerate(
+            run_ranks(_trailing_module_body, 3, timeout=120)):
+        assert same and g_err < 1e-5 and moved and again and back_ok, (r, same, g_err, moved)
+        assert er == (2, 3, 0)[r]  # E_r of [[0], [0, 1], [1], [1]] on 3 ranks
+        assert wrong and "migrate: the placement is for world=2 but the group has 3 ranks" in wrong

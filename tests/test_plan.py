@@ -137,6 +137,62 @@ def test_replica_rule_checks_its_arguments():
         choose_replica(p, 0, 0, 3)
 
 
+def test_for_world_completes_a_placement_built_without_world():
+    p = Placement([[0], [1, 0], [0]])                  # world inferred: 2
+    assert p.world == 2 and not p.explicit_world and p.for_world(2) is p
+    q = p.for_world(4)
+    assert q == Placement([[0], [0, 1], [0]], world=4) and q.explicit_world
+    assert q.expert_ranks == p.expert_ranks and q.slots() == (3, 1, 0, 0)
+    assert q.local_experts(3) == () and q.for_world(4) is q
+    assert route_table(q) == route_table(Placement([[0], [0, 1], [0]], world=4))
+    with pytest.raises(ValueError, match=r"^the placement is for world=2 \(expert 1 is on rank 1\) "
+                                         r"but the group has 1 ranks$"):
+        p.for_world(1)
+    with pytest.raises(ValueError,
+                       match="^the placement is for world=4 but the group has 5 ranks$"):
+        q.for_world(5)
+    with pytest.raises(ValueError,
+                       match="^the placement is for world=4 but the group has 3 ranks$"):
+        Placement([[0]], world=4).for_world(3)
+    assert Placement.contiguous(4, 2).explicit_world
+    with pytest.raises(ValueError, match="for world=2 but the group has 4 ranks"):
+        Placement.contiguous(4, 2).for_world(4)
+    # equality is the map and the world; repr says which (and rebuilds the same kind)
+    assert p == Placement([[0], [0, 1], [0]], world=2)
+    assert repr(p) == "Placement([[0], [0, 1], [0]])"
+    assert repr(q) == "Placement([[0], [0, 1], [0]], world=4)"
+    for x in (p, q):
+        y = eval(repr(x), {"Placement": Placement})
+        assert y == x and y.explicit_world == x.explicit_world
+
+
+@settings(max_examples=100, deadline=None)
+@given(placements(), st.integers(0, 4))
+def test_for_world_adds_ranks_holding_nothing(p, extra):
+    """The map alone (no world=) completed to any group at least its size: the same map, the
+    ranks past the largest it names hold nothing, and the replica rule is the explicit world's."""
+    bare = Placement([list(r) for r in p.expert_ranks])
+    W = bare.world + extra
+    q = bare.for_world(W)
+    assert q == Placement([list(r) for r in p.expert_ranks], world=W) and q.world == W
+    assert all(q.local_experts(r) == () for r in range(bare.world, W))
+    assert all(q.local_experts(r) == bare.local_experts(r) for r in range(bare.world))
+    assert route_table(q) == route_table(Placement(p.expert_ranks, world=W))
+    assert p.for_world(p.world) is p  # built with world=: that group only
+    with pytest.raises(ValueError, match=f"for world={p.world} but the group has"):
+        p.for_world(p.world + 1 + extra)
+
+
+def test_rank_shapes_complete_a_placement_built_without_world():
+    shape = pm.MoEShape(W=4, E=4, k=2, H=256, N=512, T=1024)
+    loads = [4.0, 2.0, 1.0, 1.0]
+    bare = Placement([[0], [1], [0, 1], [2]])          # rank 3 holds nothing
+    assert skew.rank_shapes(shape, 0, bare, loads) == \
+        skew.rank_shapes(shape, 0, Placement(bare.expert_ranks, world=4), loads)
+    with pytest.raises(ValueError, match="placement is for W=3"):
+        skew.rank_shapes(shape, 0, Placement(bare.expert_ranks, world=3), loads)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loads
 # ---------------------------------------------------------------------------------------------

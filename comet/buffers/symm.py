@@ -49,6 +49,16 @@ def forget_handle(handle: int) -> None:
     _RANK_OF_HANDLE.pop(int(handle), None)
 
 
+def placement_for_group(placement, world: int):
+    """A buffer's default placement= on its group of `world` ranks: a comet.plan.Placement built
+    without world= completed to the group (Placement.for_world); anything else, or a placement
+    that does not fit the group, as given (the ops then raise on every rank when it is used)."""
+    try:
+        return placement.for_world(world) if hasattr(placement, "for_world") else placement
+    except ValueError:
+        return placement
+
+
 def tp_size_setting(tp_size, world: int) -> int:
     """A buffer's tp_size (expert tensor parallelism; 1 = expert-parallel only): an int >= 1
     dividing the group size."""
@@ -89,7 +99,9 @@ class Buffer:
     r // tp_size, and EP = W / tp_size must divide num_experts (docs/api.md, "Expert tensor
     parallelism"). The same on every rank (each call checks that the ranks agree).
     `placement` (default None: the contiguous map): a comet.plan.Placement, the default of the
-    ops' placement= for calls through this buffer (docs/placement.md, "Running a placement").
+    ops' placement= for calls through this buffer (docs/placement.md, "Running a placement");
+    one built without world= is completed to the group (Placement.for_world), so
+    `buffer.placement.world == buffer.world`.
     """
 
     def __init__(self, group=None, *, timeout: float | None = None,
@@ -130,7 +142,7 @@ class Buffer:
         self.node_reduce = _C.heap_node_reduce(self.handle)
         self.tp_size = tp_size_setting(tp_size, self.world)
         # The ops' default placement= (a comet.plan.Placement; None: the contiguous map).
-        self.placement = placement
+        self.placement = placement_for_group(placement, self.world)
         register_handle(self.handle, self.world, self.rank)
         self._finalizer = weakref.finalize(self, _release, self.handle)
         if threads_per_block is not None:

@@ -159,7 +159,6 @@ class Buffer:
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
                  capacity_bytes: int | None = None, node_reduce: bool | None = None,
                  reserve: dict | None = None, tp_size: int | None = None, placement=None):
-        self.placement = placement  # the ops' default placement= (None: the contiguous map)
         self.device = _device(device)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -200,6 +199,8 @@ class Buffer:
         self.nodes = self.world // self.ranks_per_node
         self._closed = False
         self.tp_size = symm.tp_size_setting(tp_size, self.world)  # comet.Buffer's tp_size
+        # the ops' default placement= (None: the contiguous map), completed to the group
+        self.placement = symm.placement_for_group(placement, self.world)
         symm.register_handle(self.handle, self.world, self.rank)
         self._finalizer = weakref.finalize(self, symm.forget_handle, self.handle)
         if reserve is not None:

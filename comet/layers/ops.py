@@ -434,11 +434,12 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     x on the sending side (its rows travel as FP8 with their scales); y0 in out_dtype (default
     bfloat16 when FP8 is involved).
     placement: a comet.plan.Placement (default: the buffer's, else the contiguous map, today's
-    bits): w0 / b0 then hold this rank's E_r slots in ascending logical expert id, each
-    (token, slot) goes to the replica the placement's route table names, and moe_layer1 reduces
-    by slot, so out does not depend on the placement (comet/layers/placed.py; not with
-    tp_size > 1). Gradients: each replica's w0 / b0 gradient covers only the rows it served;
-    these ops do not sum over replicas (comet.nn.MoE does).
+    bits; one built without world= completes to the group, Placement.for_world): w0 / b0 then
+    hold this rank's E_r slots in ascending logical expert id, each (token, slot) goes to the
+    replica the placement's route table names, and moe_layer1 reduces by slot, so out does not
+    depend on the placement (comet/layers/placed.py; not with tp_size > 1). Gradients: each
+    replica's w0 / b0 gradient covers only the rows it served; these ops do not sum over
+    replicas (comet.nn.MoE does).
     Returns (y0 [M, N0] in the dispatch layout, Layout).
     """
     buf = call_buffer(buffer, group, x)
@@ -501,9 +502,10 @@ def _placed_routes(buf, op: int, placement, num_experts: int, tp: int):
     if not isinstance(placement, Placement):
         buf.fail_call(op, f"{name}: placement must be a comet.plan.Placement, got "
                           f"{type(placement).__name__}")
-    if placement.world != buf.world:
-        buf.fail_call(op, f"{name}: the placement is for world={placement.world} but the group "
-                          f"has {buf.world} ranks")
+    try:  # a placement built without world= completes to the group (Placement.for_world)
+        placement = placement.for_world(buf.world)
+    except ValueError as e:
+        buf.fail_call(op, f"{name}: {e}")
     if int(num_experts) != placement.num_experts:
         buf.fail_call(op, f"{name}: num_experts={int(num_experts)} but the placement places "
                           f"{placement.num_experts} experts")

@@ -42,8 +42,16 @@ def migrate(old: Placement, new: Placement, w0: torch.Tensor, w1: torch.Tensor, 
     tensors with the same leading slot dimension) -> its weights under ``new`` (``[E_r', ...]``
     each, new tensors), with one ``all_to_all_single`` over ``group`` (every rank of the group
     calls it, with the same placements). A world of one (or no torch.distributed) copies locally.
+    With torch.distributed, a placement built without ``world=`` is completed to the group
+    (:meth:`Placement.for_world`); one whose world was given must be the group's.
     """
     tensors = (w0, w1) + tuple(extra)
+    if dist.is_available() and dist.is_initialized():
+        G = dist.get_world_size(group)
+        try:
+            old, new = old.for_world(G), new.for_world(G)
+        except ValueError as e:
+            raise ValueError(f"migrate: {e}") from None
     W = old.world
     rank = dist.get_rank(group) if W > 1 else 0
     if W > 1 and dist.get_world_size(group) != W:

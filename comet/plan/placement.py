@@ -6,6 +6,12 @@ expert has at least one replica and a rank holds at most one replica of an exper
 the weights ``w0 [E_r, N0, H]`` / ``w1 [E_r, H, N1]`` hold its slots in ascending logical expert
 id (:meth:`Placement.local_experts`).
 
+Group size: a placement built with ``world=`` is for that many ranks only.  Without it, it is for
+``max(rank) + 1`` ranks and completes itself to the group it is used with
+(:meth:`Placement.for_world`: the ranks past the largest it names hold no expert), so a rank that
+holds no expert may be the group's last.  The ops, ``Buffer`` and ``comet.nn.MoE`` complete it
+before they compile or compare it.
+
 Replica choice (:func:`choose_replica`, vectorised as :func:`route_table`): the rows that source
 rank ``s`` routes to expert ``e`` all go to one replica, chosen deterministically:
 
@@ -37,12 +43,14 @@ class Placement:
     """Per logical expert, the group ranks holding a replica (see the module doc).
 
     ``Placement(expert_ranks, world=None)``: ``expert_ranks[e]`` is an iterable of ranks (any
-    order, no duplicates).  ``world`` is the group size; default ``max(rank) + 1``.  Raises
-    ``ValueError`` naming the offending expert and value for an expert with no replica, a rank
-    out of ``[0, world)``, or a rank listed twice for one expert.
+    order, no duplicates).  ``world`` is the group size.  Without it the placement's world is
+    ``max(rank) + 1`` and it completes itself to the group it is used with (:meth:`for_world`:
+    the ranks past the largest it names hold no expert); with it, it is for that group size
+    only.  Raises ``ValueError`` naming the offending expert and value for an expert with no
+    replica, a rank out of ``[0, world)``, or a rank listed twice for one expert.
     """
 
-    __slots__ = ("_ranks", "_world", "_local")
+    __slots__ = ("_ranks", "_world", "_local", "_explicit")
 
     def __init__(self, expert_ranks: Sequence[Sequence[int]], world: Optional[int] = None):
         if isinstance(expert_ranks, (str, bytes)) or not hasattr(expert_ranks, "__len__"):
@@ -66,6 +74,7 @@ class Placement:
                                  f"one replica of an expert)")
             ranks.append(tuple(sorted(rl)))
         top = max(r[-1] for r in ranks)
+        self._explicit = world is not None
         if world is None:
             world = top + 1
         world = _as_int(world, "world")
@@ -98,6 +107,33 @@ class Placement:
     @property
     def world(self) -> int:
         return self._world
+
+    @property
+    def explicit_world(self) -> bool:
+        """True when built with ``world=`` (as :meth:`contiguous`, the planners and a completion
+        by :meth:`for_world` build theirs): the placement is for that group size only.  False
+        when the world was inferred from the largest rank: :meth:`for_world` completes it to a
+        larger group."""
+        return self._explicit
+
+    def for_world(self, world: int) -> "Placement":
+        """This placement on a group of ``world`` ranks, what the ops, ``Buffer`` and
+        ``comet.nn.MoE`` run: ``self`` when its world is ``world``; for a placement built without
+        ``world=`` and a larger group, the same expert map with ``world=world`` (the ranks past
+        the largest it names hold no expert).  Raises ``ValueError`` when the world was given
+        and differs from ``world``, or when the placement names a rank ``>= world``."""
+        W = _as_int(world, "world")
+        if W == self._world:
+            return self
+        if self._explicit:
+            raise ValueError(f"the placement is for world={self._world} but the group has {W} "
+                             f"ranks")
+        if W < self._world:
+            top = self._world - 1
+            e = next(i for i, r in enumerate(self._ranks) if r[-1] == top)
+            raise ValueError(f"the placement is for world={self._world} (expert {e} is on rank "
+                             f"{top}) but the group has {W} ranks")
+        return Placement(self._ranks, world=W)
 
     @property
     def expert_ranks(self) -> Tuple[Tuple[int, ...], ...]:
@@ -133,6 +169,8 @@ class Placement:
             raise ValueError(f"rank {r} is out of range for world={self.world}")
         return r
 
+    # Equality and the hash are the map and the world; whether the world was given is not part
+    # of them (Placement(m) == Placement(m, world=Placement(m).world)).
     def __eq__(self, other) -> bool:
         return (isinstance(other, Placement) and self._world == other._world
                 and self._ranks == other._ranks)
@@ -141,7 +179,9 @@ class Placement:
         return hash((self._world, self._ranks))
 
     def __repr__(self) -> str:
-        return f"Placement({[list(r) for r in self._ranks]}, world={self._world})"
+        ranks = [list(r) for r in self._ranks]
+        return f"Placement({ranks}, world={self._world})" if self._explicit else \
+            f"Placement({ranks})"
 
 
 def _check_rpn(placement: Placement, ranks_per_node: Optional[int]) -> int:

@@ -126,7 +126,10 @@ def rank_rows(placement: Placement, loads: Sequence[float], tokens: int, k: int,
 def rank_shapes(shape: pm.MoEShape, layer: int, placement: Placement,
                 loads: Sequence[float]) -> List[pm.MoEShape]:
     """Per rank, ``shape`` (the uniform one: W, E, k, H, N, T, dtype, nodes) with the rows of
-    :func:`rank_rows` for ``layer`` measured in (``E`` padded to ``W * max slots``)."""
+    :func:`rank_rows` for ``layer`` measured in (``E`` padded to ``W * max slots``). A placement
+    built without ``world=`` is completed to ``shape.W`` ranks (:meth:`Placement.for_world`)."""
+    if not placement.explicit_world and placement.world < shape.W:
+        placement = placement.for_world(shape.W)
     if placement.world != shape.W or placement.num_experts != shape.E:
         raise ValueError(f"placement is for W={placement.world}, E={placement.num_experts}; "
                          f"the shape has W={shape.W}, E={shape.E}")
