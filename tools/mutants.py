@@ -77,6 +77,13 @@ MUTANTS = [
     Mutant("mixed devices accepted", "comet/layers/ops.py",
            "        if dev != first:\n", "        if False:\n",
            ("tests/test_input_checks.py -k mixed_devices",)),
+    Mutant("placement completed one rank past the group", "comet/plan/placement.py",
+           "        return Placement(self._ranks, world=W)\n",
+           "        return Placement(self._ranks, world=W + 1)\n",
+           ("tests/test_placement.py -k trailing_empty_ranks_complete",)),
+    Mutant("placement's given world completed like an inferred one", "comet/plan/placement.py",
+           "        if self._explicit:\n", "        if False:\n",
+           ("tests/test_placement.py -k explicit_world_that_is_not",)),
 ]
 
 
