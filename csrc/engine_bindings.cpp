@@ -131,20 +131,23 @@ std::vector<std::tuple<int64_t, int32_t, int32_t>> mtiles(const I64& expert_off,
   return out;
 }
 
-// Visit order of GEMM tiles as [(mtile, ntile)]; layer 0 needs seg_off and world.
+// Visit order of GEMM tiles as [(mtile, ntile)] for gemm_blocks GEMM blocks (group 0: the raster
+// group those blocks get, tile_order.h); layer 0 needs seg_off and world.
 std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& expert_off,
                                                     const I64& seg_off, int32_t world,
                                                     int32_t tile_m, int32_t num_ntiles,
                                                     int32_t blocks, int32_t threads,
-                                                    int32_t band_n, int32_t resident) {
+                                                    int32_t band_n, int32_t resident,
+                                                    int32_t group, int32_t gemm_blocks) {
   I64 order;
   auto mt = mtiles_of(expert_off, &seg_off, world, tile_m, &order, {blocks, threads, resident});
-  const int64_t n = int64_t(mt.size());
-  const int32_t band = comet::layer1_band(band_n, num_ntiles);
+  comet::GemmScheduleArgs a{0, mt.data(), int64_t(mt.size()), num_ntiles, order.data(), nullptr,
+                            nullptr, nullptr};
+  a.band_n = band_n;
+  a.group = group;
   std::vector<std::pair<int64_t, int32_t>> out;
-  for (int64_t i = 0; i < n * num_ntiles; ++i) {
-    auto tc = layer == 0 ? comet::layer0_tile(i, order.data(), num_ntiles)
-                         : comet::layer1_tile(i, n, num_ntiles, band);
+  for (int64_t i = 0; i < a.num_mtiles * num_ntiles; ++i) {
+    const comet::TileCoord tc = comet::schedule_tile(layer, i, a, gemm_blocks);
     out.emplace_back(tc.mtile, tc.ntile);
   }
   return out;
@@ -154,13 +157,14 @@ std::vector<std::pair<int64_t, int32_t>> tile_order(int32_t layer, const I64& ex
 // for every tile computed, (m-tile, n-tile, how many of its band's flags were already published
 // when it started), then the flags and the arrival counters after the call (epoch 1).
 py::tuple layer1_schedule(int64_t num_mtiles, int32_t num_ntiles, int32_t band_n,
-                          int32_t gemm_blocks, int32_t threads) {
+                          int32_t gemm_blocks, int32_t threads, int32_t group) {
   std::vector<comet::MTile> mt(size_t(num_mtiles), comet::MTile{0, 1, 0});
   std::vector<uint64_t> flags(size_t(num_ntiles), 0);
   std::vector<uint32_t> counts(size_t(num_ntiles), 0);
   comet::GemmScheduleArgs a{1, mt.data(), num_mtiles, num_ntiles, nullptr, nullptr, counts.data(),
                             flags.data()};
   a.band_n = band_n;
+  a.group = group;
   const int32_t band = comet::layer1_band(band_n, num_ntiles);
   std::mutex mu;
   std::vector<std::tuple<int64_t, int32_t, int32_t>> seen;
@@ -218,9 +222,12 @@ void bind_engine(py::module_& m) {
         py::arg("threads") = 1, py::arg("resident_blocks") = 0);
   e.def("tile_order", &tile_order, py::arg("layer"), py::arg("expert_off"), py::arg("seg_off"),
         py::arg("world"), py::arg("tile_m"), py::arg("num_ntiles"), py::arg("blocks") = 1,
-        py::arg("threads") = 1, py::arg("band_n") = 1, py::arg("resident_blocks") = 0);
+        py::arg("threads") = 1, py::arg("band_n") = 1, py::arg("resident_blocks") = 0,
+        py::arg("group") = 1, py::arg("gemm_blocks") = 1);
   e.def("layer1_schedule", &layer1_schedule, py::arg("num_mtiles"), py::arg("num_ntiles"),
-        py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1);
+        py::arg("band_n"), py::arg("gemm_blocks") = 1, py::arg("threads") = 1,
+        py::arg("group") = 1);
+  e.def("raster_group", &comet::raster_group, py::arg("n_gemm"));
   e.def("mtile_ring_distance", &mtile_ring_distance);
   e.def("partial_slot", &partial_slot, py::arg("token_ids"), py::arg("el"), py::arg("rank"),
         py::arg("reduce_rpn") = 0, py::arg("home") = 0, py::arg("tp") = 1);

@@ -14,6 +14,14 @@ bool cpu_cuda_rules() {
   return v && *v && std::strcmp(v, "0") != 0;
 }
 
+int64_t raster_group_setting() {
+  const char* v = std::getenv("COMET_RASTER_GROUP");
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  const long long g = std::strtoll(v, &end, 10);
+  return *end == '\0' && g >= 0 && g <= INT32_MAX ? int64_t(g) : -1;
+}
+
 std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
 
 std::string shape_str(const at::Tensor& t) {
@@ -219,7 +227,12 @@ bool Checker::routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts
 
 bool Checker::launch(const LaunchShape& l) {
   if (failed()) return false;
-  return value(l.n_comm >= 1, "n_comm must be >= 1, got " + std::to_string(l.n_comm)) &&
+  const char* group = std::getenv("COMET_RASTER_GROUP");
+  return value(l.n_comm >= 0, "n_comm must be >= 0 (0: no comm blocks beside the GEMM, the layer "
+                              "runs staged), got " + std::to_string(l.n_comm)) &&
+         value(raster_group_setting() >= 0,
+               std::string("$COMET_RASTER_GROUP must be an integer >= 0 (m-tiles per raster "
+                           "group; 0 or unset: automatic), got '") + (group ? group : "") + "'") &&
          value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
          value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " +
                                                    std::to_string(l.tile_m) + "x" +

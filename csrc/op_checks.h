@@ -79,6 +79,12 @@ inline int64_t w1_in(const at::Tensor& w1, bool t) { return w1.size(t ? 1 : 2); 
 // wrappers) is proven on the CPU never to hand the CUDA kernels a dtype they refuse.
 bool cpu_cuda_rules();
 
+// $COMET_RASTER_GROUP: m-tiles per raster group of the GEMM tile orders (comet/tile_order.h) for
+// every call instead of the automatic raster_group(n_gemm) (0 or unset). A knob for measuring the
+// order's effect (1: plain m-major order); results never depend on it. -1 when it is not an
+// integer >= 0 (Checker::launch refuses the call then).
+int64_t raster_group_setting();
+
 struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
   int64_t band_n = 1;  // layer1: n-tiles per column band (tile_order.h), 0 = all

@@ -134,7 +134,8 @@ CHECKS = [
     ("topk_ids below -1", 0, _with(_ids(-2)), r"topk_ids\[2, 1\] = -2 is not an expert id"),
     ("max_rows", 0, _set(max_rows=-3),
      r"max_rows must be >= 0 \(an upper bound on the dispatched rows\) or -1 \(no bound\), got -3"),
-    ("n_comm", 0, _set(n_comm=0, tile=(4, 4)), r"n_comm must be >= 1, got 0"),
+    ("n_comm", 0, _set(n_comm=-1, tile=(4, 4)), r"n_comm must be >= 0 \(0: no comm blocks beside "
+     r"the GEMM, the layer runs staged\), got -1"),
     ("tile", 0, _set(n_comm=1, tile=(0, 4)), r"tile shape must be positive, got 0x4"),
     # layer1: h, w1, b1, topk_weights, layout, rows
     ("h dtype", 1, _with(lambda a: {**a, "h": a["h"].to(torch.int64)}),

@@ -1,6 +1,6 @@
 """torch.ops.comet.moe_layer0/1 (CPU engine) against the reference, ranks simulated as threads.
 
-Covers the awkward cases for n_comm in {1, 2, 3} and several tile shapes, fp32 and bf16, bitwise
+Covers the awkward cases for n_comm in {0 (staged), 1, 2, 3} and several tile shapes, fp32 and bf16, bitwise
 determinism across runs and n_comm, back-to-back calls with changing routing, and a stress mode
 with random delays in every comm and GEMM block."""
 import os
@@ -63,11 +63,12 @@ def test_split_cases_cover_worlds_three_and_four():
 
 
 @pytest.mark.parametrize("n_comm,n_gemm,tile", [(1, 1, (4, 4)), (2, 3, (8, 16)), (3, 2, (5, 7)),
-                                                (3, 1, (64, 64))])
+                                                (3, 1, (64, 64)), (0, 3, (8, 4)), (0, 1, (3, 5))])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_block_counts_and_tiles_bitwise_equal(case, n_comm, n_gemm, tile, dtype):
-    """Any split and tile shape gives the same bits as the baseline (fixed reduction order)."""
+    """Any split and tile shape gives the same bits as the baseline (fixed reduction order), the
+    staged layer (n_comm = 0: comm and GEMM as two launches of the whole grid) included."""
     base, inputs = run_layers(case, dtype, 1, 1, (8, 8))
     other, _ = run_layers(case, dtype, n_comm, n_gemm, tile, inputs=inputs)
     check_against_reference(case, dtype, other, inputs)
@@ -120,7 +121,7 @@ def test_stress_randomized(monkeypatch):
     buffers = {w: comet.Buffer.simulated_world(w, timeout=20) for w in (1, 2, 3, 4)}
     for i in range(runs):
         case = random_case(i, g)
-        split = (int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g)))
+        split = (int(torch.randint(0, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g)))
         tile = (int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)))
         results, inputs = run_layers(case, torch.float32, *split, tile, buffers=buffers[case.world])
         check_against_reference(case, torch.float32, results, inputs)

@@ -70,6 +70,15 @@ def test_more_comm_than_gemm_blocks_with_teams_and_delays(monkeypatch):
                   threads_per_block=2)
 
 
+@pytest.mark.parametrize("case", [cases_for(1)[0], cases_for(3)[5]], ids=str)
+def test_staged_layers_under_residency_limits(monkeypatch, case):
+    """n_comm 0 (staged: all comm blocks, then all GEMM blocks, or the reverse, as two launches
+    of the 5-block grid) with one block live at a time and random delays: each launch waits only
+    on what an earlier launch or a peer published, so it finishes, with the unlimited run's bits."""
+    monkeypatch.setenv("COMET_STRESS", "5")
+    _check_limits(monkeypatch, case, torch.float32, (1, 2), grid=5, n_comm=0)
+
+
 @pytest.mark.parametrize("node_reduce,limits", [(False, (1, 3)), (True, (1, 2))],
                          ids=["per-rank", "node-reduced"])
 def test_two_nodes_under_residency_limits(monkeypatch, node_reduce, limits):

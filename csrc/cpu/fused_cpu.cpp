@@ -33,6 +33,17 @@ void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch
            [&](CpuContext& ctx) { body(ctx, ps); }, nullptr, l.resident);
 }
 
+// A fused layer's launches (comet/block_roles.h: one, or a staged layer's two steps).
+template <class Comm, class Gemm>
+void run_fused(const SymmHeap& heap, int32_t layer, const CpuLaunch& l, Comm&& comm, Gemm&& gemm) {
+  const int32_t blocks = l.n_comm + l.n_gemm;
+  for (int32_t s = 0; s < fused_steps(l.n_comm); ++s) {
+    const FusedStep step = fused_step(layer, s, blocks, l.n_comm);
+    run_blocks(heap, layer, step.n_comm, step.n_gemm, l.threads, l.resident, l.stress_seed, comm,
+               gemm);
+  }
+}
+
 // The call's regions, with room for the mirrors of remote sources when the group spans nodes.
 DataRegions regions_of(const SymmHeap& heap, OpKind op, int64_t tmax, int64_t hidden, int32_t k,
                        int32_t experts, int64_t elem, int32_t acc_bytes = 4, int32_t tp = 1) {
@@ -227,19 +238,20 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   ca.rows_ready = rows_ready_.data();
   ca.tp = p_.tp;
   const int32_t NT = int32_t(ceil_div(N0, l_.tile_n));
-  const GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(),
-                            nullptr, nullptr};
+  GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(), nullptr,
+                      nullptr};
+  ga.group = l_.raster_group;
   const int64_t tile_n = l_.tile_n;
   const TileGemmArgs base =
       expert_gemm_args(a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
                        p_.output_kind(), N0, p_.w0_transposed, p_.b0, p_.output_kind());
-  run_blocks(
-      heap_, 0, l_.n_comm, l_.n_gemm, l_.threads, l_.resident, l_.stress_seed,
+  run_fused(
+      heap_, 0, l_,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<float> tmp32;
         std::vector<double> tmp64;
-        layer0_gemm(ctx, g, l_.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
+        layer0_gemm(ctx, g, ctx.blocks(), ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t = of_expert(base, mt.expert);
           const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
           if (p_.kind == ScalarKind::F64)
@@ -324,7 +336,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   if (int64_t(flags.size()) < NT) flags.resize(size_t(NT), 0);
   if (int64_t(counts.size()) < NT) counts.resize(size_t(NT), 0);
 
-  const int64_t per_item = std::max<int64_t>(1, ceil_div(entries, 4 * int64_t(l.n_comm)));
+  const int64_t per_item = std::max<int64_t>(
+      1, ceil_div(entries, 4 * int64_t(comm_program_blocks(l.n_comm + l.n_gemm, l.n_comm))));
   Layer1CommArgs<Acc> la{d, W, El, k, int32_t(H), l.tile_n, NT, tmax, epoch, reg, c,
                          flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out,
                          p.output_kind()};
@@ -343,18 +356,19 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   }
   GemmScheduleArgs ga{epoch, mtiles.data(), MT, NT, nullptr, nullptr, counts.data(), flags.data()};
   ga.band_n = l.band_n;
+  ga.group = l.raster_group;
   const ScalarKind c_kind = sizeof(Acc) == 8 ? ScalarKind::F64 : ScalarKind::F32;
   // b1 once per (token, expert): on tp rank 0, the other tp ranks' partials carry none.
   const void* b1 = adds_layer1_bias(d, p.tp) ? p.b1 : nullptr;
   const TileGemmArgs base =
       expert_gemm_args(p.h, p.kind, p.h_scale, N1, p.w1, p.weight_kind(), p.w1_scale, c, c_kind,
                        H, p.w1_transposed, b1, p.output_kind());
-  run_blocks(
-      heap, 1, l.n_comm, l.n_gemm, l.threads, l.resident, l.stress_seed,
+  run_fused(
+      heap, 1, l,
       [&](CpuContext& ctx) { layer1_reduce_send(ctx, la); },
       [&](CpuContext& ctx, int32_t g) {
         std::vector<Acc> tmp;
-        layer1_gemm(ctx, g, l.n_gemm, ga, [&](const MTile& mt, int32_t nt) {
+        layer1_gemm(ctx, g, ctx.blocks(), ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t = of_expert(base, mt.expert);
           const int64_t col0 = int64_t(nt) * l.tile_n;
           block_tile_gemm(ctx, t, mt, col0, std::min<int64_t>(l.tile_n, H - col0), tmp);

@@ -17,12 +17,14 @@
 namespace comet::cpu {
 
 struct CpuLaunch {
-  int32_t n_comm, n_gemm;   // comm / GEMM blocks (n_gemm >= 1)
+  int32_t n_comm, n_gemm;   // comm / GEMM blocks (n_gemm >= 1; n_comm = 0: a staged layer of
+                            // n_gemm blocks, comet/block_roles.h)
   int32_t tile_m, tile_n;
   int32_t threads;          // OS threads per block
   uint64_t stress_seed;     // nonzero: random delays in every thread (cpu_context.h)
   int32_t band_n = 1;       // layer1: n-tiles per column band (tile_order.h), 0 = all
   int32_t resident = 0;     // blocks live at once, as on a GPU (block_runner.h); 0: all
+  int32_t raster_group = 0; // m-tiles per raster group of the tile orders (tile_order.h); 0: auto
 };
 
 struct Layer0Problem {

@@ -86,9 +86,11 @@ int32_t block_threads(const SymmHeap& heap) {
 
 CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64_t n_gemm,
                      int64_t tile_m, int64_t tile_n, int64_t band_n = 1) {
-  return CpuLaunch{int32_t(n_comm), int32_t(n_gemm), int32_t(tile_m), int32_t(tile_n),
-                   block_threads(heap), stress_seed(epoch, heap.rank()), int32_t(band_n),
-                   resident_blocks(heap)};
+  return CpuLaunch{int32_t(n_comm),       int32_t(n_gemm),
+                   int32_t(tile_m),       int32_t(tile_n),
+                   block_threads(heap),   stress_seed(epoch, heap.rank()),
+                   int32_t(band_n),       resident_blocks(heap),
+                   int32_t(std::max<int64_t>(raster_group_setting(), 0))};
 }
 
 // A bad $COMET_CPU_BLOCK_THREADS or $COMET_CPU_RESIDENT_BLOCKS fails here, before the call starts.

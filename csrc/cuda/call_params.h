@@ -98,6 +98,7 @@ struct CallParams {
   int32_t mode;           // BenchMode
   int32_t num_ntiles;     // ceil(N_out / tile_n): N_out = N0 (layer0) / H (layer1)
   int32_t band_n;         // layer1: n-tiles per column band (comet/tile_order.h), 0 = all
+  int32_t raster_group;   // m-tiles per raster group of the tile orders (tile_order.h), 0 = auto
   int64_t rows_cap;       // rows the row-indexed outputs hold (M, or max_rows)
   int64_t max_rows;       // -1: rows known exactly (eager call)
   int64_t mtiles_cap;     // m-tile workspace bound
@@ -123,7 +124,8 @@ struct CallParams {
   // Across nodes (topology.h; set by the publish kernel, unused on one node):
   const char** sources;   // [W] where each source's published region is read (segment / mirror)
   uint64_t** rows_ready;  // [W] layer0: a remote source's MirrorRows flag on the relay, or null
-  uint32_t* chunk_done;   // [4 * n_comm] layer1: n-tiles reduced per chunk (zeroed per call)
+  uint32_t* chunk_done;   // [4 * comm blocks] layer1: n-tiles reduced per chunk (zeroed per call;
+                          //   comm blocks: comet/block_roles.h comm_program_blocks)
   ReducePlan<float> plan; // layer1: arrays of plan_cap (entries set on the device)
 
   // multi-block prologue kernels (prologue.h): grid sizes and their scratch
@@ -172,8 +174,10 @@ struct CallParams {
 // layer0's GEMM schedule (comet/gemm_schedule.h): the m-tiles in the comm blocks' order, each after
 // its readiness flag; every sm path walks the same.
 COMET_HD GemmScheduleArgs layer0_schedule_args(const CallParams& p, uint64_t epoch) {
-  return GemmScheduleArgs{epoch,         p.mtiles,      p.state->num_mtiles, p.num_ntiles,
-                          p.mtile_order, p.mtile_ready, nullptr,             nullptr};
+  GemmScheduleArgs a{epoch,         p.mtiles,      p.state->num_mtiles, p.num_ntiles,
+                     p.mtile_order, p.mtile_ready, nullptr,             nullptr};
+  a.group = p.raster_group;
+  return a;
 }
 
 // layer1's GEMM schedule (comet/gemm_schedule.h): every sm path and bench mode walks the same.
@@ -181,6 +185,7 @@ COMET_HD GemmScheduleArgs layer1_schedule_args(const CallParams& p, uint64_t epo
   GemmScheduleArgs a{epoch,   p.mtiles, p.state->num_mtiles, p.num_ntiles,
                      nullptr, nullptr,  p.ntile_count,       p.ntile_ready};
   a.band_n = p.band_n;
+  a.group = p.raster_group;
   return a;
 }
 

@@ -56,7 +56,10 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
                                                                          uint64_t epoch) {
   ReducePlan<float> plan = p.plan;
   plan.entries = p.state->plan_entries;
-  const int64_t per_item = ceil_div(plan.entries, int64_t(4) * p.n_comm);
+  // The reduce-and-send's chunks: 4 per comm block of the launch that runs it (the combine
+  // kernel, which reads only the other fields, has the fused grid's size).
+  const int64_t per_item =
+      ceil_div(plan.entries, int64_t(4) * comm_program_blocks(int32_t(gridDim.x), p.n_comm));
   Layer1CommArgs<float> a{p.rank,       p.world,         p.experts_local,
                                p.topk,       int32_t(p.hidden), p.tile_n,
                                p.num_ntiles, p.tcap,          epoch,

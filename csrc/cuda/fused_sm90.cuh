@@ -272,10 +272,9 @@ __device__ __forceinline__ void producer_walk(const CallParams& p, const WaitCon
     ProducerContext ctx(wc);
     layer0_gemm(ctx, g, ng, ga, fn);
   } else {
-    const int64_t tiles = ga.num_mtiles * p.num_ntiles;
-    const int32_t band = layer1_band(ga.band_n, p.num_ntiles);
+    const int64_t tiles = ga.num_mtiles * ga.num_ntiles;
     for (int64_t i = g; i < tiles; i += ng) {
-      const TileCoord tc = layer1_tile(i, ga.num_mtiles, p.num_ntiles, band);
+      const TileCoord tc = schedule_tile(1, i, ga, ng);
       fn(p.mtiles[tc.mtile], tc.ntile);
     }
   }

@@ -31,6 +31,7 @@
 #include <sstream>
 
 #include "call_verdict.h"
+#include "comet/block_roles.h"
 #include "comet/exec_context.h"
 #include "comet/layout.h"
 #include "comet/symm_layout.h"
@@ -414,6 +415,7 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.tile_m = kTileM;
   p.tile_n = kTileN;
   p.mode = b.bench_mode();
+  p.raster_group = int32_t(std::max<int64_t>(raster_group_setting(), 0));
   p.num_ntiles = num_ntiles;
   p.max_rows = max_rows;
   return p;
@@ -556,6 +558,19 @@ void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchP
       launch_fused_sm80_layer1(kind, p, lp.b_mn, lp.vec, lp.grid, stream);
   }
   check_cuda(cudaGetLastError(), "launching the fused kernel");
+}
+
+// A fused layer's launches (comet/block_roles.h): the fused kernel once, or, staged (n_comm = 0),
+// twice on the whole grid, each time with one role only.
+void launch_layer(int layer, ScalarKind kind, CallParams p, const LaunchPlan& lp,
+                  cudaStream_t stream) {
+  const int32_t n_comm = p.n_comm;
+  for (int32_t s = 0; s < fused_steps(n_comm); ++s) {
+    const FusedStep step = fused_step(layer, s, lp.grid, n_comm);
+    p.n_comm = step.n_comm;
+    p.n_gemm = step.n_gemm;
+    launch_fused(layer, kind, p, lp, stream);
+  }
 }
 
 using Layer0Result =
@@ -732,7 +747,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   if (!run.sm90 && lp.sm90) {
     run.info = fused_sm80_layer0_info(kind, lp.b_mn);
   }
-  launch_fused(0, kind, p, run, stream);
+  launch_layer(0, kind, p, run, stream);
   proxy.end();
   raise_pending(pending);
   return {y0, fp8 ? a.narrow(0, 0, rows_cap) : a, recv_counts, send_pos, row_source, row_token,
@@ -815,7 +830,9 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.plan_sources, W);
   ws.take(p.sources, W);  // across nodes (publish kernel)
   ws.take(p.rows_ready, W);
-  const size_t chunks_at = ws.take(p.chunk_done, 4 * std::max<int64_t>(n_comm, 1));
+  // layer1_comm_args splits the entries into at most 4 chunks per comm block (comm_blocks.cuh).
+  const int64_t chunks = 4 * std::max<int64_t>(comm_program_blocks(lp.grid, int32_t(n_comm)), 1);
+  const size_t chunks_at = ws.take(p.chunk_done, chunks);
   ws.take(p.pair_off, int64_t(W) + 1);
   ws.take(p.pair_slot, T * k);
   ws.take(p.item_keys, T * k);
@@ -839,9 +856,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + flags_at, 0,
                              flags_end - flags_at, stream),
              "clearing column flags");
-  // layer1_comm_args splits the entries into at most 4 * n_comm chunks (comm_blocks.cuh).
   check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + chunks_at, 0,
-                             size_t(4 * std::max<int64_t>(n_comm, 1)) * sizeof(uint32_t), stream),
+                             size_t(chunks) * sizeof(uint32_t), stream),
              "clearing chunk counters");
 
   // Allocated before the proxy starts (as in layer0): their sizes are known now.
@@ -893,7 +909,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   // begin kernel rejects M > h_rows = 0): it never reads the weights, whatever their layout.
   LaunchPlan run = lp;
   if (run.sm90 && h_rows < 1) run.sm90 = false;
-  launch_fused(1, kind, p, run, stream);
+  launch_layer(1, kind, p, run, stream);
   launch_combine(p, run.grid, stream);
   check_cuda(cudaGetLastError(), "launching the combine kernel");
   proxy.end();

@@ -135,12 +135,18 @@ int main() {
       const std::vector<Result> base = run_world(heaps, p, cpu::CpuLaunch{1, 1, 4, 4, 1, 0});
       check_oracle(p, base);
       check_exact_order(p, base, 0);
-      // the last field: layer1's band (n-tiles per band; 0 = all)
-      const cpu::CpuLaunch others[] = {{2, 2, 5, 3, 2, 0, 2}, {1, 3, 3, 8, 4, 0, 0},
-                                       {2, 1, 2, 2, 4, 17 + uint64_t(iter), 3}};
+      // fields: n_comm, n_gemm, tile, threads, stress seed, layer1's band (n-tiles per band;
+      // 0 = all), residency (0 = all), raster group (0 = automatic); n_comm 0 = staged
+      const cpu::CpuLaunch others[] = {{2, 2, 5, 3, 2, 0, 2},
+                                       {1, 3, 3, 8, 4, 0, 0},
+                                       {2, 1, 2, 2, 4, 17 + uint64_t(iter), 3},
+                                       {0, 3, 2, 3, 2, 23 + uint64_t(iter), 0, 1, 2},
+                                       {0, 1, 4, 4, 1, 0, 1, 0, 3},
+                                       {1, 4, 1, 2, 2, 5 + uint64_t(iter), 2, 2, 3}};
       for (const cpu::CpuLaunch& l : others) {
         const std::vector<Result> got = run_world(heaps, p, l);
-        for (int32_t r = 0; r < W; ++r) {  // bitwise: team size, split, tiles, bands, delays
+        for (int32_t r = 0; r < W; ++r) {  // bitwise: team size, split, tiles, bands, delays,
+                                           // residency, raster groups, staged
           CHECK(got[size_t(r)].y0 == base[size_t(r)].y0);
           CHECK(got[size_t(r)].out == base[size_t(r)].out);
           CHECK(got[size_t(r)].row_token == base[size_t(r)].row_token);

@@ -74,12 +74,12 @@ int main() {
       int32_t last = 0;
       std::vector<int> visits(size_t(mt * nt), 0);
       for (int64_t i = 0; i < mt * nt; ++i) {
-        TileCoord tc = layer0_tile(i, order.data(), nt);
+        TileCoord tc = layer0_tile(i, order.data(), mt, nt, 1);  // raster group 1
         const int32_t dist = mtile_ring_distance(tiles[size_t(tc.mtile)], so.data(), W);
         CHECK(dist >= last);  // local-only tiles first, then ring distance 1, 2, ...
         last = dist;
         ++visits[size_t(tc.mtile * nt + tc.ntile)];
-        TileCoord c1 = layer1_tile(i, mt, nt, layer1_band(1, nt));
+        TileCoord c1 = layer1_tile(i, mt, nt, layer1_band(1, nt), 1);
         CHECK(c1.ntile == i / mt && c1.mtile == i % mt);  // band 1: column-major
       }
       CHECK(std::all_of(visits.begin(), visits.end(), [](int v) { return v == 1; }));
@@ -96,7 +96,7 @@ int main() {
           CHECK(layer1_band_of(first, b, nt).width == width);
           for (int64_t m = 0; m < mt; ++m)
             for (int32_t n = first; n < first + width; ++n, ++i) {
-              const TileCoord c = layer1_tile(i, mt, nt, b);
+              const TileCoord c = layer1_tile(i, mt, nt, b, 1);
               CHECK(c.mtile == m && c.ntile == n);
               if (c.mtile >= 0 && c.mtile < mt && c.ntile >= 0 && c.ntile < nt)
                 ++seen1[size_t(c.mtile * nt + c.ntile)];

@@ -1,7 +1,8 @@
 """What the CUDA kernels promise beyond "close to the reference" (docs/design.md: fixed reduction order),
 checked so that a plausible bug fails (written, never run: no GPU here; skips without one):
 
-- bitwise determinism run to run and across n_comm 1 / 4 / 16 (the comm/GEMM split);
+- bitwise determinism run to run and across n_comm 0 (staged) / 1 / 4 / 16 (the comm/GEMM split)
+  and across the tile order's raster groups;
 - a tight bound instead of bf16's 2e-2: the CUDA kernels take bf16 / fp16 only, so the "fp32
   run" is the reference computed in fp64 from the same inputs and h, and the error must stay
   within the roundings the op performs (each partial and the output rounded once to the dtype);
@@ -32,11 +33,25 @@ def test_bitwise_across_runs_and_n_comm(world, case, dtype):
     rank, _w = world
     inputs = make_inputs(case, dtype)
     base = run_layers(case, dtype, rank, n_comm=1, inputs=inputs)
-    for n_comm in (1, 4, 16):
+    for n_comm in (0, 1, 4, 16):  # 0: staged (comm and GEMM as two launches)
         for _ in range(2):
             got = run_layers(case, dtype, rank, n_comm=n_comm, inputs=inputs)
             assert torch.equal(got[0], base[0]), f"y0 differs with n_comm={n_comm}"
             assert torch.equal(got[3], base[3]), f"out differs with n_comm={n_comm}"
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=str)
+def test_bitwise_across_raster_groups(world, case, monkeypatch):
+    """The GEMM tile order's raster groups ($COMET_RASTER_GROUP; comet/tile_order.h) change which
+    tiles run together, never a sum: 1 (plain m-major), 2, 11 and automatic, fused and staged."""
+    rank, _w = world
+    inputs = make_inputs(case, torch.bfloat16)
+    base = run_layers(case, torch.bfloat16, rank, n_comm=4, inputs=inputs)
+    for group in ("1", "2", "11", "0"):
+        monkeypatch.setenv("COMET_RASTER_GROUP", group)
+        for n_comm in (0, 4):
+            got = run_layers(case, torch.bfloat16, rank, n_comm=n_comm, inputs=inputs)
+            assert torch.equal(got[0], base[0]) and torch.equal(got[3], base[3]), (group, n_comm)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

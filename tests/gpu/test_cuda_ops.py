@@ -59,7 +59,7 @@ def check_against_reference(case, dtype, rank, world, y0, layout, h, out, inputs
     torch.testing.assert_close(out.cpu(), out_ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("n_comm", [1, 4, 16])
+@pytest.mark.parametrize("n_comm", [0, 1, 4, 16])  # 0: staged
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_layers_match_reference(world, case, dtype, n_comm):

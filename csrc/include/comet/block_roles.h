@@ -53,4 +53,29 @@ COMET_HD BlockRole fused_block_role(int32_t layer, int32_t block, int32_t blocks
   return BlockRole{false, block - first_gemm_block(layer, n_comm), blocks - n_comm};
 }
 
+// n_comm = 0: no comm blocks beside the GEMM blocks ("staged"). Comm blocks pay off only while
+// rows cross a link, whose transfers they overlap with the GEMM; where none does (a world of one)
+// they would only copy or reduce rows in this GPU's memory while holding SMs the GEMM could use.
+// A staged layer runs as two launches of the whole grid, in dependency order: layer0 all comm
+// blocks (the rows into A), then all GEMM blocks; layer1 all GEMM blocks, then all comm blocks
+// (reduce and send). Each launch is the fused kernel with one role only, so the comm programs and
+// the GEMM schedule are the same code as in a fused launch; the second launch finds every flag it
+// waits on already published by the first (the same stream), so nothing waits across the two.
+// The result is bitwise that of any fused split (every sum keeps its order).
+struct FusedStep {
+  int32_t n_comm, n_gemm;  // the step's blocks of each role (their sum: the step's grid)
+};
+COMET_HD int32_t fused_steps(int32_t n_comm) { return n_comm == 0 ? 2 : 1; }
+// Step `step` (0 .. fused_steps - 1) of a layer of `blocks` blocks, n_comm of them comm blocks.
+COMET_HD FusedStep fused_step(int32_t layer, int32_t step, int32_t blocks, int32_t n_comm) {
+  if (n_comm > 0) return FusedStep{n_comm, blocks - n_comm};
+  const bool comm_step = (step == 0) == (layer == 0);
+  return comm_step ? FusedStep{blocks, 0} : FusedStep{0, blocks};
+}
+// The comm blocks that run a layer's comm program (what its work is split for): n_comm, or the
+// whole grid in a staged layer.
+COMET_HD int32_t comm_program_blocks(int32_t blocks, int32_t n_comm) {
+  return n_comm > 0 ? n_comm : blocks;
+}
+
 }  // namespace comet

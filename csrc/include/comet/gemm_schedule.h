@@ -19,7 +19,23 @@ struct GemmScheduleArgs {
   uint32_t* ntile_count;       // layer1: arrivals per band, at its first n-tile (self-resetting)
   uint64_t* ntile_ready;       // layer1: flags to the comm blocks, one per n-tile
   int32_t band_n = 1;          // layer1: n-tiles per band (tile_order.h: layer1_band; 0 = all)
+  int32_t group = 0;           // m-tiles per raster group (tile_order.h); 0 = raster_group(n_gemm)
 };
+
+// The raster group a schedule of gemm_blocks GEMM blocks runs with.
+COMET_HD int32_t schedule_group(const GemmScheduleArgs& a, int32_t gemm_blocks) {
+  return a.group > 0 ? a.group : raster_group(gemm_blocks);
+}
+
+// i-th tile of layer `layer`'s schedule for gemm_blocks GEMM blocks: the one tile order every
+// warp role and backend walks (the sm_90a producer warps too).
+COMET_HD TileCoord schedule_tile(int32_t layer, int64_t i, const GemmScheduleArgs& a,
+                                 int32_t gemm_blocks) {
+  const int32_t group = schedule_group(a, gemm_blocks);
+  return layer == 0 ? layer0_tile(i, a.mtile_order, a.num_mtiles, a.num_ntiles, group)
+                    : layer1_tile(i, a.num_mtiles, a.num_ntiles,
+                                  layer1_band(a.band_n, a.num_ntiles), group);
+}
 
 // layer0: acquire an m-tile's readiness before touching its rows.
 template <class Ctx, class Compute>
@@ -27,7 +43,7 @@ COMET_HD void layer0_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
                           const GemmScheduleArgs& a, Compute&& compute) {
   const int64_t tiles = a.num_mtiles * a.num_ntiles;
   for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
-    const TileCoord tc = layer0_tile(i, a.mtile_order, a.num_ntiles);
+    const TileCoord tc = schedule_tile(0, i, a, gemm_blocks);
     ctx.wait(&a.mtile_ready[tc.mtile], a.epoch, WaitSite::RowTile, tc.mtile);
     compute(a.mtiles[tc.mtile], tc.ntile);
     ctx.delay();
@@ -53,7 +69,7 @@ COMET_HD void layer1_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
   const int64_t tiles = a.num_mtiles * a.num_ntiles;
   const int32_t band = layer1_band(a.band_n, a.num_ntiles);
   for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
-    const TileCoord tc = layer1_tile(i, a.num_mtiles, a.num_ntiles, band);
+    const TileCoord tc = schedule_tile(1, i, a, gemm_blocks);
     compute(a.mtiles[tc.mtile], tc.ntile);
     ctx.delay();
     ctx.sync();
