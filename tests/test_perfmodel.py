@@ -101,7 +101,7 @@ def test_cpu_spec_configurable(monkeypatch):
     assert s.peak_flops(2) == pytest.approx(6e9) and s.hbm_gbs == 7.0
     shape = preset_shape("mixtral", 0, T=64)
     n = pm.choose_n_comm(shape, pm.cpu_spec(threads=8), 0)
-    assert 1 <= n <= 7
+    assert 0 <= n <= 7
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_shape_validation():
     with pytest.raises(ValueError):
         pm.MoEShape(W=2, E=8, k=2, H=8, N=8, T=1, expert_rows=(1, 2, 3))
     with pytest.raises(ValueError):
-        pm.predict(preset_shape("mixtral", 0), pm.GPUS["h100"], 0, 0)
+        pm.predict(preset_shape("mixtral", 0), pm.GPUS["h100"], -1, 0)
     with pytest.raises(ValueError):
         pm.predict(preset_shape("mixtral", 0), pm.GPUS["h100"], 132, 0)
     with pytest.raises(ValueError):
@@ -280,11 +280,11 @@ def test_choose_n_comm_is_the_model_argmin(model, layer, gpu, max_blocks):
     shape = preset_shape(model, layer)
     total = spec.sm_count if max_blocks is None else min(spec.sm_count, max_blocks)
     n = pm.choose_n_comm(shape, spec, layer, max_blocks=max_blocks)
-    assert 1 <= n <= total - 1
-    fused = [pm.predict(shape, spec, m, layer, n_blocks=total)["fused"] for m in range(1, total)]
+    assert 0 <= n <= total - 1  # 0: staged
+    fused = [pm.predict(shape, spec, m, layer, n_blocks=total)["fused"] for m in range(0, total)]
     best = min(fused)
-    assert fused[n - 1] <= best * (1 + 1e-9)  # the minimum (up to float rounding)
-    assert all(f > fused[n - 1] for f in fused[: n - 1])  # ties: the smallest n_comm
+    assert fused[n] <= best * (1 + 1e-9)  # the minimum (up to float rounding)
+    assert all(f > fused[n] for f in fused[:n])  # ties: the smallest n_comm
 
 
 def test_choose_n_comm_needs_two_blocks():
@@ -393,7 +393,8 @@ def test_one_node_is_the_single_node_model_bit_for_bit():
                 assert {k: p[k] for k in e["predict"]} == e["predict"], e  # exact floats
                 assert p["inter"] == 0.0 and p["inter_rows"] == 0.0
             else:
-                assert pm.choose_n_comm(shape, spec, e["layer"]) == e["choose"]
+                # that model had no staged layer (n_comm = 0): its choice among the fused splits
+                assert pm.choose_n_comm(shape, spec, e["layer"], staged=False) == e["choose"]
                 assert pm.comm_saturation_blocks(shape, spec, e["layer"]) == e["saturation"]
 
 
@@ -700,7 +701,7 @@ def test_choose_band_fewest_sweeps_within_the_slack(model, gpu):
     fastest allowed band, and no band that close reads h fewer times."""
     spec = pm.GPUS[gpu]
     shape = preset_shape(model, 1)
-    n = pm.choose_n_comm(shape, spec, 1)
+    n = pm.choose_n_comm(shape, spec, 1, staged=False)  # (staged runs one band: choose_band 0)
     b = pm.choose_band(shape, spec, n)
     allowed = range(1, pm.max_band(shape, spec) + 1)
     assert b in allowed
@@ -741,7 +742,7 @@ def test_tp_size_1_is_the_model_without_tp_bit_for_bit():
             assert {k: p[k] for k in e["predict"]} == e["predict"], e
             assert p["tp_path"] == "direct"
         else:
-            assert pm.choose_n_comm(shape, spec, e["layer"]) == e["choose"]
+            assert pm.choose_n_comm(shape, spec, e["layer"], staged=False) == e["choose"]
 
 
 def _tp(W=8, E=32, k=4, t=4, T=1024, H=1024, N=256, P=None, **kw):

@@ -90,8 +90,9 @@ def test_key_normalisation_and_round_trip():
     c = tn.Config(8, 64, 256)
     assert tn.Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     assert tn.Config.from_dict({"n_comm": 3}) == tn.Config(3, 128, 128)
+    assert tn.Config(0).n_comm == 0  # staged: no comm blocks beside the GEMM
     with pytest.raises(ValueError):
-        tn.Config(0)
+        tn.Config(-1)
 
 
 def test_key_has_ranks_per_node(tmp_path):
@@ -179,7 +180,9 @@ def test_nearest_bucket_lookup(cache_env):
     assert t.lookup(mkkey(2048)) == tn.Config(10)
     assert t.lookup(mkkey(512)) == tn.Config(10)
     assert t.lookup(mkkey(8192)) == tn.Config(30)
-    assert t.lookup(mkkey(1 << 20)) == tn.Config(30)
+    assert t.lookup(mkkey(65536)) == tn.Config(30)  # two buckets away: still a neighbour
+    assert t.lookup(mkkey(1 << 17)) is None  # three: too far, the cost model decides
+    assert t.lookup(mkkey(128)) is None
     assert t.lookup(mkkey(4096)) == tn.Config(30)  # equidistant (log2): the larger bucket
     assert t.lookup(mkkey(2048), nearest=False) is None
     assert t.choose(mkkey(2048), explain=True) == (tn.Config(10), "cache-nearest")
@@ -233,15 +236,15 @@ def test_choose_falls_back_to_the_model_then_a_default(cache_env):
     assert cfg == tn.Config(pm.choose_n_comm(key.shape(), pm.GPUS["h800"], 0), 128, 128)
     # a bound on co-resident blocks is honoured
     cfg = t.choose(key, max_blocks=8)
-    assert 1 <= cfg.n_comm <= 7
+    assert 0 <= cfg.n_comm <= 7
     # explicit shape (measured rows) and spec are used
     heavy = pm.MoEShape(**{**key.shape().__dict__, "remote_rows": 50000})
     assert t.choose(key, shape=heavy).n_comm == pm.choose_n_comm(heavy, pm.GPUS["h800"], 0)
     # a different SM count scales the spec
-    assert 1 <= t.choose(mkkey(arch="h100", sm=114)).n_comm <= 113
+    assert 0 <= t.choose(mkkey(arch="h100", sm=114)).n_comm <= 113
     # CPU backend: the CPU pseudo-spec
     cfg, src = t.choose(mkkey(64, arch="cpu", sm=4), explain=True)
-    assert src == "model" and 1 <= cfg.n_comm <= 3
+    assert src == "model" and 0 <= cfg.n_comm <= 3
     # unknown GPU: a generic default within bounds
     cfg, src = t.choose(mkkey(arch="mystery-gpu", sm=100), explain=True)
     assert src == "default" and cfg == tn.default_config(100)
@@ -255,9 +258,9 @@ def test_choose_falls_back_to_the_model_then_a_default(cache_env):
 def test_candidate_configs():
     c = tn.candidate_configs(132, tiles=[(128, 128), (128, 256)], around=37)
     ns = sorted({x.n_comm for x in c})
-    assert ns[0] == 1 and ns[-1] <= 131 and {35, 36, 37, 38, 39} <= set(ns)
+    assert ns[0] == 0 and ns[-1] <= 131 and {35, 36, 37, 38, 39} <= set(ns)  # 0: staged
     assert len(c) == 2 * len(ns) and c == sorted(c, key=tn.Config.sort_key)
-    assert {x.n_comm for x in tn.candidate_configs(132, max_blocks=10)} <= set(range(1, 10))
+    assert {x.n_comm for x in tn.candidate_configs(132, max_blocks=10)} <= set(range(0, 10))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,7 +609,9 @@ def test_model_choice_carries_the_models_band(tmp_path):
     assert tn.Tuner(tmp_path).choose(key0).band_n == 1  # layer0 has no bands
     # measured candidates of layer1: column order and the model's band
     c = tn.candidate_configs(132, around=10, bands=(1, 6))
-    assert {x.band_n for x in c} == {1, 6} and c == sorted(c, key=tn.Config.sort_key)
+    assert {x.band_n for x in c if x.n_comm > 0} == {1, 6}
+    assert [x.band_n for x in c if x.n_comm == 0] == [0]  # staged: one band, measured once
+    assert c == sorted(c, key=tn.Config.sort_key)
 
 
 def test_cli_prints_a_sweeps_and_the_band(tmp_path):

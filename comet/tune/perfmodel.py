@@ -245,6 +245,8 @@ __all__ = [
     "choose_band",
     "max_band",
     "a_sweeps",
+    "weight_reads",
+    "raster_group",
     "band_width",
     "DEFAULT_TILE",
 ]
@@ -1435,10 +1437,46 @@ def a_sweeps(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TILE,
     return float(math.ceil(cols / band_width(band, cols)))
 
 
-def _gemm_unique_bytes(shape: MoEShape, layer: int, sweeps: float = 1.0) -> float:
+def raster_group(n_gemm: int) -> int:
+    """m-tiles per raster group of the kernels' tile orders for ``n_gemm`` GEMM blocks: the largest
+    ``g`` with ``g * g <= n_gemm`` (csrc/include/comet/tile_order.h: raster_group, which
+    tests/test_perfmodel.py checks this against)."""
+    return max(1, math.isqrt(max(1, int(n_gemm))))
+
+
+def weight_reads(shape: MoEShape, spec: GpuSpec, layer: int, n_gemm: int, tile=DEFAULT_TILE,
+                 band: Optional[int] = None) -> float:
+    """How many experts' weights the kernel's GEMM reads from HBM, counting re-reads (the number of
+    experts with rows = each read once).
+
+    The kernels walk m-tiles in raster groups of ``g = raster_group(n_gemm)``, n-major inside a
+    group (tile_order.h): a group loads each of its expert's weight slabs once and its ``g``
+    m-tiles share it from L2, so an expert of ``mt`` m-tiles has its weights read ``ceil(mt / g)``
+    times (they are gone from L2 before the next group needs them), unless all of them fit
+    ``L2_REUSE_FRACTION`` of the L2 (then once).  layer1 with one n-tile per band walks the band's
+    m-tiles of each expert consecutively and reuses the expert's one slab: once.  ``band`` None
+    (and layer0's ``band`` None): the unfused baseline's L2-friendly raster, once per expert.
+    The plain m-major order (g = 1, before raster groups) read Mixtral's w0 once per m-tile:
+    8 times at 4096 tokens on one GPU."""
+    _check_layer(layer)
+    tm, _ = _tile(tile)
+    n_out, k_red = gemm_dims(shape, layer)
+    rows = [r for r in expert_rows(shape) if r > 0]
+    if band is None or (layer == 1 and band_width(band, gemm_tiles(shape, 1, tile)[1]) == 1):
+        return float(len(rows))
+    if n_out * k_red * shape.dtype_bytes <= _l2_budget(spec):
+        return float(len(rows))
+    g = raster_group(n_gemm)
+    return float(sum(math.ceil(math.ceil(r / tm - 1e-9) / g) for r in rows))
+
+
+def _gemm_unique_bytes(shape: MoEShape, layer: int, sweeps: float = 1.0,
+                       weights: Optional[float] = None) -> float:
+    """HBM bytes of ``layer``'s grouped GEMM: A ``sweeps`` times, ``weights`` experts' weights
+    (default: each expert with rows once, :func:`weight_reads`), the output once."""
     n_out, k_red = gemm_dims(shape, layer)
     m = sum(expert_rows(shape))
-    experts = sum(1 for r in expert_rows(shape) if r > 0)
+    experts = sum(1 for r in expert_rows(shape) if r > 0) if weights is None else weights
     if shape.is_fp8:
         return _fp8_gemm_bytes(shape, m, experts, n_out, k_red, sweeps)
     return shape.dtype_bytes * (sweeps * m * k_red + experts * n_out * k_red + m * n_out)
@@ -1447,8 +1485,9 @@ def _gemm_unique_bytes(shape: MoEShape, layer: int, sweeps: float = 1.0) -> floa
 def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFAULT_TILE,
               band: Optional[int] = None) -> float:
     """Seconds of ``layer``'s grouped GEMM on ``n_gemm`` SMs (roofline + wave quantisation), its
-    HBM bytes counting A :func:`a_sweeps` times (layer1 with ``band`` n-tiles per band; None: an
-    L2-friendly raster, A read once)."""
+    HBM bytes counting A :func:`a_sweeps` times and the weights :func:`weight_reads` times
+    (comet's kernels: ``band`` set, layer1's n-tiles per band, any value for layer0; None: the
+    unfused baseline's L2-friendly raster, every operand read once)."""
     if n_gemm < 1:
         raise ValueError(f"n_gemm must be >= 1, got {n_gemm}")
     per_col, cols = gemm_tiles(shape, layer, tile)
@@ -1458,7 +1497,8 @@ def gemm_time(shape: MoEShape, spec: GpuSpec, n_gemm: int, layer: int, tile=DEFA
     waves = math.ceil(tiles / n_gemm)
     compute = waves * _tile_seconds(shape, spec, layer, tile)
     sweeps = a_sweeps(shape, spec, layer, tile, band)
-    memory = _gemm_unique_bytes(shape, layer, sweeps) / (
+    weights = weight_reads(shape, spec, layer, n_gemm, tile, band)
+    memory = _gemm_unique_bytes(shape, layer, sweeps, weights) / (
         spec.hbm_bw * min(n_gemm, spec.sm_count) / spec.sm_count)
     return max(compute, memory)
 
@@ -1607,15 +1647,24 @@ def predict(
     total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
     if total < 2:
         raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
-    if not 1 <= n_comm <= total - 1:
-        raise ValueError(f"n_comm={n_comm} outside [1, {total - 1}]")
+    if not 0 <= n_comm <= total - 1:
+        raise ValueError(f"n_comm={n_comm} outside [0, {total - 1}]")
     n_gemm = total - n_comm
-    comm = comm_time(shape, spec, n_comm, layer)
+    # n_comm = 0: staged (comet/block_roles.h), the comm program on the whole grid before
+    # (layer0) or after (layer1) the GEMM on the whole grid, one more launch.
+    staged = n_comm == 0
+    comm = comm_time(shape, spec, total if staged else n_comm, layer)
     comm_full = comm_time(shape, spec, spec.max_blocks, layer)
     gemm_full = gemm_time(shape, spec, spec.sm_count, layer, tile)
-    if layer == 0:
+    if staged:
+        # layer1's band only times the comm blocks' start: staged, one band (h read once)
+        band = 1 if layer == 0 else band_width(0 if band is None else band,
+                                               gemm_tiles(shape, 1, tile)[1])
+        gemm = gemm_time(shape, spec, n_gemm, layer, tile, band)
+        fused = comm + gemm + KERNEL_GAP_S
+    elif layer == 0:
         band = 1
-        gemm = gemm_time(shape, spec, n_gemm, layer, tile)
+        gemm = gemm_time(shape, spec, n_gemm, layer, tile, band)
         fused = _fused_layer0(shape, spec, n_comm, n_gemm, tile, comm, gemm)
         # guard the exact bounds against float rounding: max(comm, gemm) <= fused <= comm + gemm
         fused = min(max(fused, comm, gemm), comm + gemm)
@@ -1632,7 +1681,8 @@ def predict(
         "gemm": gemm,
         "prologue": prologue,
         # layer1's tail after the fused kernel: the combine (and, node-reduced, the relays' step)
-        "combine": _comm_parts(shape, spec, n_comm, 1).tail if layer == 1 else 0.0,
+        "combine": _comm_parts(shape, spec, total if staged else n_comm, 1).tail
+        if layer == 1 else 0.0,
         "kernel": fused,
         "fused": fused + prologue,
         "sequential": comm + gemm,
@@ -1645,7 +1695,7 @@ def predict(
         "band": band,
         "a_sweeps": a_sweeps(shape, spec, layer, tile, band),
         "tp_path": shape.tp_path or "direct",
-        **comm_split(shape, spec, n_comm, layer),
+        **comm_split(shape, spec, total if staged else n_comm, layer),
     }
 
 
@@ -1669,6 +1719,8 @@ def choose_band(shape: MoEShape, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE,
     whatever b): 1, the earliest publish."""
     shape = resolve_tp_path(shape, spec, 1)
     _, cols = gemm_tiles(shape, 1, tile)
+    if n_comm == 0:
+        return 0  # staged: the comm blocks start after the GEMM anyway; one band reads h once
     if cols <= 1 or a_sweeps(shape, spec, 1, tile, 1) <= 1.0:
         return 1
     total = spec.max_blocks if n_blocks is None else min(spec.max_blocks, int(n_blocks))
@@ -1690,18 +1742,28 @@ def choose_n_comm(
     layer: int,
     max_blocks: Optional[int] = None,
     tile=DEFAULT_TILE,
+    staged: bool = True,
 ) -> int:
-    """The ``n_comm`` in ``[1, blocks - 1]`` with the least predicted fused time (ties: smallest).
+    """The ``n_comm`` in ``[0, blocks - 1]`` with the least predicted fused time (ties: smallest);
+    0 is the staged layer (no comm blocks beside the GEMM: the comm work on the whole grid before
+    or after it): always where no row crosses a link (a world of one), else where the model
+    predicts it faster (little crosses, or the GEMM dominates so much that every SM it loses to
+    comm blocks costs more than the overlap saves).
 
     ``blocks = min(spec.max_blocks, max_blocks)``: the persistent kernel needs every block
     co-resident, so ``max_blocks`` (if given) bounds the whole grid, comm and GEMM blocks together.
+    ``staged=False``: the fused splits only (``[1, blocks - 1]``).
     """
     total = spec.max_blocks if max_blocks is None else min(spec.max_blocks, int(max_blocks))
     if total < 2:
         raise ValueError(f"need at least 2 co-resident blocks (1 comm + 1 GEMM), have {total}")
     shape = resolve_tp_path(shape, spec, layer)
-    best_n, best_t = 1, math.inf
-    for n in range(1, total):
+    if staged:
+        split = comm_split(shape, spec, total, layer)
+        if split["intra_rows"] + split["inter_rows"] <= 0:
+            return 0  # no row crosses a link: comm blocks would only hold SMs from the GEMM
+    best_n, best_t = 0, math.inf
+    for n in range(0 if staged else 1, total):
         t = predict(shape, spec, n, layer, tile, n_blocks=total)["fused"]
         if t < best_t * (1 - 1e-12):
             best_n, best_t = n, t

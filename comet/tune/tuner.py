@@ -94,8 +94,9 @@ class ProfilerUnavailable(RuntimeError):
 
 @dataclass
 class Config:
-    """One launch configuration of a fused op: comm blocks, the GEMM tile shape and layer1's band
-    width (n-tiles per column band; 0 = all; layer0 ignores it)."""
+    """One launch configuration of a fused op: comm blocks (0: staged, no comm blocks beside the
+    GEMM, see comet.tune.perfmodel.choose_n_comm), the GEMM tile shape and layer1's band width
+    (n-tiles per column band; 0 = all; layer0 ignores it)."""
 
     n_comm: int
     tile_m: int = pm.DEFAULT_TILE[0]
@@ -105,8 +106,8 @@ class Config:
     def __post_init__(self):
         self.n_comm, self.tile_m, self.tile_n = int(self.n_comm), int(self.tile_m), int(self.tile_n)
         self.band_n = int(self.band_n)
-        if self.n_comm < 1 or self.tile_m < 1 or self.tile_n < 1:
-            raise ValueError(f"invalid Config {self}: n_comm and the tile must be >= 1")
+        if self.n_comm < 0 or self.tile_m < 1 or self.tile_n < 1:
+            raise ValueError(f"invalid Config {self}: n_comm must be >= 0 and the tile >= 1")
         if self.band_n < 0:
             raise ValueError(f"invalid Config {self}: band_n must be >= 0 (0 = all n-tiles)")
 
@@ -124,6 +125,10 @@ class Config:
 
     def sort_key(self) -> Tuple[int, int, int, int]:
         return (self.n_comm, self.tile_m, self.tile_n, self.band_n)
+
+
+# How far (in power-of-two token buckets) a cached measurement may stand in for another bucket.
+NEAREST_BUCKETS = 2
 
 
 def token_bucket(tokens: int) -> int:
@@ -323,7 +328,9 @@ class TuneCache:
         """The cached config for ``key`` and the key it was stored under, or None.
 
         Exact bucket first; else, if ``nearest``, the entry of an otherwise identical key whose
-        bucket is closest in log2 distance (ties: the larger bucket).
+        bucket is closest in log2 distance (ties: the larger bucket), if it is at most
+        ``NEAREST_BUCKETS`` buckets away: a split measured at 4096 tokens says nothing about 32
+        (there the layer streams weights, a different regime), so the cost model decides there.
         """
         entries = self.load(key.arch)
         ent = entries.get(key.id())
@@ -339,6 +346,8 @@ class TuneCache:
             if k2.family() != fam:
                 continue
             rank = (abs(math.log2(k2.tokens) - target), -k2.tokens)
+            if rank[0] > NEAREST_BUCKETS:
+                continue
             if best is None or rank < best[0]:
                 best = (rank, k2, ent)
         if best is None:
@@ -403,7 +412,7 @@ def default_config(sm_count: int, max_blocks: Optional[int] = None, tile=pm.DEFA
     return Config(n, *pm._tile(tile))
 
 
-_GRID = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+_GRID = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
 
 def candidate_configs(
@@ -414,16 +423,19 @@ def candidate_configs(
     max_blocks: Optional[int] = None,
     bands: Sequence[int] = (1,),
 ) -> List[Config]:
-    """Candidates for :func:`tune`: ``n_comm_values`` (default: a coarse grid) plus the
-    neighbourhood ``around +- 2`` (e.g. the model's choice), within ``[1, blocks - 1]``, times
-    ``tiles``, times ``bands`` (layer1's band widths); sorted by (n_comm, tile, band)."""
+    """Candidates for :func:`tune`: ``n_comm_values`` (default: a coarse grid, with 0, the staged
+    layer) plus the neighbourhood ``around +- 2`` (e.g. the model's choice), within
+    ``[0, blocks - 1]``, times ``tiles``, times ``bands`` (layer1's band widths; a staged
+    candidate runs one band, 0, whatever ``bands`` says: its comm starts after the GEMM, so bands
+    only re-read h); sorted by (n_comm, tile, band)."""
     total = _blocks(sm_count, max_blocks)
     vals = set(_GRID if n_comm_values is None else (int(v) for v in n_comm_values))
     if around is not None:
         vals.update(range(int(around) - 2, int(around) + 3))
-    vals = sorted(v for v in vals if 1 <= v <= total - 1)
-    out = [Config(v, int(tm), int(tn), int(b)) for v in vals for tm, tn in tiles
-           for b in sorted(set(bands))]
+    vals = sorted(v for v in vals if 0 <= v <= total - 1)
+    out = sorted({Config(v, int(tm), int(tn), int(b) if v > 0 else 0).sort_key()
+                  for v in vals for tm, tn in tiles for b in set(bands)})
+    out = [Config(*k) for k in out]
     return sorted(out, key=Config.sort_key)
 
 
@@ -637,12 +649,12 @@ class Tuner:
     def _choose(self, key, shape, spec, max_blocks, tile) -> Tuple[Config, str]:
         total = _blocks(key.sm_count, max_blocks)
         mine = self._measured.get(key)
-        if mine is not None and 1 <= mine.n_comm <= total - 1:
+        if mine is not None and 0 <= mine.n_comm <= total - 1:
             return Config(**mine.to_dict()), "measured"
         cached = self.cache.get(key, nearest=True)
         if cached is not None:
             cfg, k2 = cached
-            if 1 <= cfg.n_comm <= total - 1:
+            if 0 <= cfg.n_comm <= total - 1:
                 return cfg, ("cache" if k2 == key else "cache-nearest")
         tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
         if spec is None:
