@@ -16,6 +16,14 @@ if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
 from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)  # the build's helpers sit beside this file (not on sys.path under pip)
+
+import build_cxx  # noqa: E402
+
+# A C++ compiler that links libstdc++ only statically gives comet._C a private copy of the C++
+# runtime beside torch's, which crashes at the first op call: use one that links the shared one
+# (build_cxx.py), and check the linked extension too.
+build_cxx.choose_compiler()
 
 
 def rel(pattern):
@@ -39,7 +47,6 @@ include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc"
 sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
 
 if want_cuda():
-    sys.path.insert(0, ROOT)  # comet_build.py sits beside this file (not on sys.path under pip)
     # build logic for the CUDA part lives beside this file
     from comet_build import build_ext_class, cuda_extension
 
@@ -50,6 +57,7 @@ else:
         "comet._C", sources, include_dirs=include_dirs, extra_compile_args=cxx_flags,
         libraries=["rt"])
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+build_ext = build_cxx.guarded(build_ext)
 
 # Optional parts, pinned as in the Makefile's DEPS: `pip install -e .[hf]` etc. (comet.hf and
 # examples/hf_moe.py need hf, comet.megatron needs megatron, the bench plots need bench).
