@@ -1,8 +1,9 @@
-"""The six CPU benchmarks, one after the other, from one command (what `make bench` runs):
+"""The seven CPU benchmarks, one after the other, from one command (what `make bench` runs):
 moe_layer (one MoE layer: sequential vs Tutel-style vs Comet), sweep_ncomm (latency vs the
 comm/GEMM split), prologue (the per-call planning programs), comm_copy (one comm block's row copy),
-multinode (1 node vs 2 nodes of the CPU analog) and placement (skewed routing: the contiguous map
-vs the planners).
+multinode (1 node vs 2 nodes of the CPU analog), placement (skewed routing: the contiguous map
+vs the planners) and kernels (a world of one: comet's layers beside torch._grouped_mm, the
+unfused torch layer and a dense matmul; on a GPU the table the kernels are judged by).
 
     .venv/bin/python -m bench            # full CPU run: about 5 minutes on 2 idle cores
     .venv/bin/python -m bench --smoke    # CI-sized: well under a minute per script
@@ -19,7 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-SCRIPTS = ("moe_layer", "sweep_ncomm", "prologue", "comm_copy", "multinode", "placement")
+SCRIPTS = ("moe_layer", "sweep_ncomm", "prologue", "comm_copy", "multinode", "placement",
+           "kernels")
 
 
 def main(argv=None) -> int:

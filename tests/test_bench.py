@@ -323,6 +323,31 @@ def test_multinode_bench_smoke(tmp_path, capsys):
     assert all(r["layer0_s"] > 0 and r["layer1_s"] > 0 for r in rows)
 
 
+def test_kernels_bench_smoke(tmp_path):
+    """bench/kernels.py --smoke (CPU backend, a world of one): every row timed, comet checked
+    against the unfused torch layer first, every comet row naming the config it ran; a world of
+    one runs staged (n_comm 0: no row crosses a link) unless a split is forced."""
+    proc, elapsed = _run("kernels.py", tmp_path, "--variants")
+    data = json.loads((tmp_path / "kernels_smoke.json").read_text())
+    rows = data["records"]
+    assert "not GPU figures" in proc.stdout
+    methods = {r["method"] for r in rows}
+    assert {"comet layer0", "torch layer0", "dense layer0", "comet layer", "unfused layer",
+            "comet layer0 [raster 1]"} <= methods
+    assert {r["tokens"] for r in rows} == {64, 8}
+    assert all(r["ms"] > 0 and r["err_layer"] < 1e-4 and r["err_layer0"] < 1e-4 for r in rows)
+    for r in rows:
+        if r["method"].startswith("comet"):
+            assert r["config"].startswith("n_comm=") and "group=" in r["config"], r
+            assert r["config"] in proc.stdout
+    default = [r for r in rows if r["method"] == "comet layer0"]
+    assert all(r["config"].startswith("n_comm=0 (staged)") for r in default)
+    forced = [r for r in rows if r["method"].startswith("comet layer0 [n_comm")]
+    assert forced and all("[explicit" in r["config"] and "staged" not in r["config"]
+                          for r in forced)
+    print(f"kernels.py --smoke --variants: {elapsed:.1f} s")
+
+
 # ------------------------------------------------------------------------------------------------
 # The command lines: every option explained, the whole description shown
 # ------------------------------------------------------------------------------------------------
@@ -343,7 +368,7 @@ def _parser_of(main, monkeypatch) -> argparse.ArgumentParser:
 
 
 @pytest.mark.parametrize("name", ["__main__", "moe_layer", "sweep_ncomm", "prologue", "comm_copy",
-                                  "multinode"])
+                                  "multinode", "kernels"])
 def test_every_bench_option_has_help_and_the_description_is_whole(name, monkeypatch):
     module = importlib.import_module(f"bench.{name}")
     parser = _parser_of(module.main, monkeypatch)
