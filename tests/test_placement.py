@@ -76,6 +76,21 @@ def local(w, placement, r):
     return w[list(placement.local_experts(r))].contiguous()
 
 
+def _layers(r, buf, leaves, ids_r, num_experts, grad, **layer0_kw):
+    """Rank r's layer0 -> tanh -> layer1 on leaves (x, w0, w1, b0, b1, topk_weights) and, with
+    grad, the leaves' gradients of a seeded random projection of out: (y0, layout, out, grads)."""
+    x, w0r, w1r, b0r, b1r, wt = leaves
+    y0, layout = comet.moe_layer0(x, w0r, ids_r, num_experts=num_experts, b0=b0r, buffer=buf,
+                                  n_comm=1, tile=(8, 8), **layer0_kw)
+    out = comet.moe_layer1(act(y0), w1r, wt, layout, b1=b1r, buffer=buf, n_comm=1, tile=(8, 8))
+    grads = None
+    if grad:
+        seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
+        (out * seed.to(out.dtype)).sum().backward()
+        grads = [leaf.grad for leaf in leaves]
+    return y0.detach(), layout, out.detach(), grads
+
+
 def run(placement, inputs, *, ranks_per_node=W, grad=False, bufs=None, max_rows=None):
     xs, w0, w1, b0, b1, ids, wts = inputs
     bufs = bufs or comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=ranks_per_node)
@@ -92,17 +107,8 @@ def run(placement, inputs, *, ranks_per_node=W, grad=False, bufs=None, max_rows=
         if grad:
             for leaf in leaves:
                 leaf.requires_grad_(True)
-        y0, layout = comet.moe_layer0(x, w0r, ids[r], num_experts=w0.shape[0], b0=b0r,
-                                      buffer=buf, n_comm=1, tile=(8, 8), placement=placement,
-                                      max_rows=max_rows)
-        out = comet.moe_layer1(act(y0), w1r, wt, layout, b1=b1r, buffer=buf, n_comm=1,
-                               tile=(8, 8))
-        grads = None
-        if grad:
-            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
-            (out * seed.to(out.dtype)).sum().backward()
-            grads = [leaf.grad for leaf in leaves]
-        return y0.detach(), layout, out.detach(), grads
+        return _layers(r, buf, leaves, ids[r], w0.shape[0], grad, placement=placement,
+                       max_rows=max_rows)
 
     return run_threads(W, rank, buffers=bufs)
 
@@ -516,18 +522,8 @@ def _run_group(placement, expert_ranks, inputs, world, *, bufs=None, grad=True):
             [wts[r].clone()]
         for leaf in leaves:
             leaf.requires_grad_(grad)
-        x, w0r, w1r, b0r, b1r, wt = leaves
         kw = {} if placement is None else dict(placement=placement)
-        y0, layout = comet.moe_layer0(x, w0r, ids[r], num_experts=w0.shape[0], b0=b0r,
-                                      buffer=buf, n_comm=1, tile=(8, 8), **kw)
-        out = comet.moe_layer1(act(y0), w1r, wt, layout, b1=b1r, buffer=buf, n_comm=1,
-                               tile=(8, 8))
-        grads = None
-        if grad:
-            seed = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + r))
-            (out * seed.to(out.dtype)).sum().backward()
-            grads = [leaf.grad for leaf in leaves]
-        return layout, out.detach(), grads
+        return _layers(r, buf, leaves, ids[r], w0.shape[0], grad, **kw)[1:]
 
     return run_threads(world, rank, buffers=bufs, timeout=60)
 
