@@ -598,6 +598,37 @@ def test_config_band_round_trips_and_old_entries_read_as_column_order(tmp_path):
     assert cfg == tn.Config(9, 128, 128, 1)
 
 
+def test_old_cache_entries_and_explicit_splits_run_the_models_band(tmp_path, monkeypatch):
+    """A config without a measured band runs the cost model's band for its split, not column
+    order: a cache entry from before bands, and n_comm / tile given explicitly to the ops."""
+    spec = pm.GPUS["h800"]
+    key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)
+    cache = tn.TuneCache(tmp_path)
+    cache.put(key, tn.Config(9), seconds=1e-3)
+    data = json.loads(cache.path("h800").read_text())
+    for entry in data["entries"].values():
+        del entry["config"]["band_n"]
+    cache.path("h800").write_text(json.dumps(data))
+    want = pm.choose_band(key.shape(), spec, 9)
+    assert want > 1  # Mixtral's h does not fit the L2: the model bands it
+    cfg, src = tn.Tuner(tmp_path).choose(key, explain=True)
+    assert src == "cache" and cfg == tn.Config(9, 128, 128, want)
+    t = tn.Tuner(tmp_path)
+    t.store(key, tn.Config(9, 128, 128, 3))  # a recorded band is kept
+    assert t.choose(key).band_n == 3
+    # explicit n_comm and tile (the ops' launch_choice, CUDA keys: every call passes the tile)
+    from comet.layers import ops
+
+    monkeypatch.setenv(tn.CACHE_ENV, str(tmp_path / "empty"))
+    tn.default_tuner().clear()
+    monkeypatch.setitem(ops._cuda_arch, 0, ("h800", 132))
+    got = ops.launch_choice("cuda", 0, 1, 8, 8, 2, 4096, 14336, 4096, "bf16", 9, (128, 128))
+    assert got[4] == "explicit" and got[5] == pm.choose_band(key.shape(), spec, 9, (128, 128))
+    got = ops.launch_choice("cuda", 0, 1, 8, 8, 2, 4096, 14336, 4096, "bf16", 9, None)
+    assert got[4] == "explicit" and got[5] > 1  # CUDA: the one tile, so both are explicit
+    tn.default_tuner().clear()
+
+
 def test_model_choice_carries_the_models_band(tmp_path):
     spec = pm.GPUS["h800"]
     key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)

@@ -208,30 +208,39 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
 
     if not cpu and tile is None:
         tile = CUDA_TILE  # the one tile shape the CUDA kernels are compiled for
-    if n_comm is not None and tile is not None:
-        return done(n_comm, tile, "explicit")
     default_tile = CPU_TILE if cpu else CUDA_TILE
     tuner = tn.default_tuner()
     raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
            tile, ranks_per_node, node_reduce, tp_size)
     hit = _launch_memo.get(raw)
-    # Valid while the tuner still memoises the same answer (tune/store/clear drop its memo).
-    if hit is not None and hit[1] is tuner and hit[2] in getattr(tuner, "_memo", ()):
+    # Valid while the tuner still memoises the same answer (tune/store/clear drop its memo); an
+    # explicit config's answer (None: the model's band only) stays valid.
+    if hit is not None and hit[1] is tuner and (hit[2] is None or
+                                                hit[2] in getattr(tuner, "_memo", ())):
         return hit[0]
     try:
         key = tn.TuneKey(arch, blocks, dtype, world, num_experts, topk, hidden, n, token_bucket,
                          layer, ranks_per_node=ranks_per_node, node_reduce=node_reduce,
                          tp_size=tp_size)
-        cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
+        if n_comm is not None and tile is not None:
+            # Both given: layer1 still runs the model's band for them (not column order).
+            cfg, source = tn.Config(int(n_comm), *tile), "explicit"
+            cfg.band_n = tuner.model_band(key, cfg.n_comm, cfg.tile)
+        else:
+            cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
     except Exception:  # noqa: BLE001 - never fail here: bad inputs are reported by the op itself
         nc = 1 if cpu else max(1, round(0.2 * blocks))
-        return done(nc if n_comm is None else n_comm, tile or default_tile, "fallback")
-    if n_comm is not None:
+        return done(nc if n_comm is None else n_comm, tile or default_tile,
+                    "explicit" if n_comm is not None and tile is not None else "fallback")
+    if n_comm is not None and source != "explicit":
         source = "explicit n_comm"
-    elif tile is not None:
+        if int(n_comm) != cfg.n_comm:  # the tuner's band was for its own split
+            cfg.band_n = tuner.model_band(key, int(n_comm), tile or cfg.tile)
+    elif tile is not None and source != "explicit":
         source += ", explicit tile"
     result = done(cfg.n_comm if n_comm is None else n_comm, tile or cfg.tile, source, cfg.band_n)
-    _launch_memo[raw] = (result, tuner, (key, None, None, None, tuple(tile or default_tile)))
+    _launch_memo[raw] = (result, tuner, None if source == "explicit" else
+                         (key, None, None, None, tuple(tile or default_tile)))
     return result
 
 
@@ -250,9 +259,6 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
     float8_e4m3fn whatever x's dtype).
     """
     pick = (lambda c: (*c[:4], c[5])) if with_band else (lambda c: c[:4])
-    if n_comm is not None and tile is not None:
-        return pick(launch_choice(device.type, device.index, layer, world, 0, 0, 0, 0, 0, "",
-                                  int(n_comm), (int(tile[0]), int(tile[1]))))
     shaped = topk_ids.dim() == 2 and x.dim() == 2 and w.dim() == 3
     tokens = topk_ids.shape[0] if shaped else 0
     if _tuning_tokens is not None:

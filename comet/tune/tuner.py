@@ -354,6 +354,12 @@ class TuneCache:
             return None
         return Config.from_dict(best[2]["config"]), best[1]
 
+    def has_band(self, key: TuneKey) -> bool:
+        """Whether the entry stored under ``key`` records layer1's band (entries written before
+        bands existed do not; :meth:`get` reads them as column order, band 1)."""
+        ent = self.load(key.arch).get(key.id())
+        return ent is not None and "band_n" in ent["config"]
+
     # -- writing ---------------------------------------------------------------------------
     def put(self, key: TuneKey, config: Config, seconds: Optional[float] = None,
             source: str = "measured", extra: Optional[Dict[str, Any]] = None) -> Path:
@@ -646,6 +652,23 @@ class Tuner:
         cfg = Config(**hit[0].to_dict())  # a fresh copy: Config is mutable
         return (cfg, hit[1]) if explain else cfg
 
+    def model_band(self, key: TuneKey, n_comm: int, tile=None, shape: Optional[pm.MoEShape] = None,
+                   spec: Optional[pm.GpuSpec] = None, max_blocks: Optional[int] = None) -> int:
+        """layer1's band width for ``n_comm`` comm blocks as the cost model picks it
+        (:func:`comet.tune.perfmodel.choose_band`); 1 (column order) for layer0, an unknown GPU
+        or no tokens.  What a config without a measured band runs with: one given explicitly
+        (``n_comm=`` / ``tile=``), or a cache entry written before bands existed."""
+        if key.layer != 1:
+            return 1
+        total = _blocks(key.sm_count, max_blocks)
+        spec = spec if spec is not None else pm.get_spec(key.arch, key.sm_count)
+        shp = shape if shape is not None else key.shape()
+        if spec is None or min(total, spec.max_blocks) < 2 or shp.T <= 0 or \
+                not 0 <= n_comm <= total - 1:
+            return 1
+        tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
+        return pm.choose_band(shp, spec, n_comm, tile, n_blocks=total)
+
     def _choose(self, key, shape, spec, max_blocks, tile) -> Tuple[Config, str]:
         total = _blocks(key.sm_count, max_blocks)
         mine = self._measured.get(key)
@@ -655,6 +678,9 @@ class Tuner:
         if cached is not None:
             cfg, k2 = cached
             if 0 <= cfg.n_comm <= total - 1:
+                if not self.cache.has_band(k2):  # an entry from before bands: the model's
+                    cfg.band_n = self.model_band(key, cfg.n_comm, cfg.tile, shape, spec,
+                                                 max_blocks)
                 return cfg, ("cache" if k2 == key else "cache-nearest")
         tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
         if spec is None:
@@ -663,8 +689,8 @@ class Tuner:
             shp = shape if shape is not None else key.shape()
             if shp.T > 0:
                 n = pm.choose_n_comm(shp, spec, key.layer, max_blocks=total, tile=tile)
-                band = pm.choose_band(shp, spec, n, tile, n_blocks=total) if key.layer == 1 else 1
-                return Config(n, *tile, band), "model"
+                return Config(n, *tile, self.model_band(key, n, tile, shp, spec, max_blocks)), \
+                    "model"
         return default_config(key.sm_count, max_blocks, tile), "default"
 
     def tune(
