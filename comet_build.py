@@ -93,8 +93,21 @@ def archs() -> list[str]:
     return out
 
 
-def gencode_flags(arch_list: list[str]) -> list[str]:
-    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in arch_list]
+def ptx_arch(arch_list: list[str]) -> str | None:
+    """The architecture whose PTX the objects embed beside their SASS: the lowest portable one
+    (not an arch-specific "a" target, whose PTX runs only on that architecture). The driver
+    compiles it on first use for a GPU no SASS was built for (Blackwell: the mma.sync kernels
+    from compute_80, the FP8 ones from compute_89); None when there is none (e.g. "90a" alone)."""
+    portable = sorted(a for a in arch_list if not a.endswith("a"))
+    return portable[0] if portable else None
+
+
+def gencode_flags(arch_list: list[str], ptx: bool = True) -> list[str]:
+    """SASS for every architecture, plus ptx_arch's PTX unless ptx is false (the -rdc proxy: a
+    device link takes SASS only)."""
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in arch_list]
+    p = ptx_arch(arch_list) if ptx else None
+    return flags + ([f"-gencode=arch=compute_{p},code=compute_{p}"] if p else [])
 
 
 # nvcc flags of every CUDA translation unit (torch adds its -D__CUDA_NO_HALF* family, undone here
@@ -159,7 +172,7 @@ def nvcc_command(root: str, source: str, arch_list: list[str],
     """The nvcc command line compiling one CUDA source of the build for the given architectures."""
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                                 "bin", "nvcc")
-    cmd = [nvcc] + NVCC_FLAGS + gencode_flags(list(arch_list))
+    cmd = [nvcc] + NVCC_FLAGS + gencode_flags(list(arch_list), ptx=not is_rdc(source))
     cmd += [f"-I{d}" for d in include_dirs(root)] + source_flags(source)
     return cmd + (extra or []) + ["-c", source]
 
@@ -223,7 +236,7 @@ def build_rdc_objects(root: str, build_dir: str, verbose: bool = False) -> list[
     nvcc = nvcc_command(root, RDC_SOURCES[0], archs())[0]
     dlink = os.path.join(build_dir, "rdc_dlink.o")
     if _newer(dlink, objs):
-        cmd = [nvcc, "-dlink", "-Xcompiler=-fPIC"] + gencode_flags(archs()) + objs + \
+        cmd = [nvcc, "-dlink", "-Xcompiler=-fPIC"] + gencode_flags(archs(), ptx=False) + objs + \
             [f"-L{nv_lib}", "-lnvshmem_device", "-o", dlink]
         if verbose:
             print(" ".join(cmd))

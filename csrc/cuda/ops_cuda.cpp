@@ -101,6 +101,11 @@ std::string describe_error(const ErrorRecord& e) {
 // across nodes that would wait for the proxy kernel, which spins until the call's end kernel,
 // launched later by this same thread: a hang. A per-kernel attribute query forces the load
 // without changing the process's loading mode.
+// GPUs newer than every architecture comet compiles SASS for (sm_100, sm_120, ...) run the
+// sm_80 path and the sm_89 FP8 kernels from their embedded PTX (comet_build.ptx_arch), compiled
+// by the driver on first load; the sm_90a kernels and the -rdc inter-node proxy have no PTX.
+bool newer_gpu(const cudaDeviceProp& prop) { return prop.major >= 10; }
+
 void preload_kernels(int device) {
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);
   std::vector<const void*> fused;
@@ -113,24 +118,29 @@ void preload_kernels(int device) {
         fused.push_back(fused_sm90_layer1_info(kind, b_mn).func);
       }
     }
-  // FP8 (one kernel per layer and FP8 architecture; the sm_89 ones have only an sm_89 image).
+  // FP8 (one kernel per layer and FP8 architecture; the sm_89 ones have only an sm_89 image and
+  // compute_89 PTX).
   if (prop.major == 9) {
     fused.push_back(fused_sm90_fp8_layer0_info().func);
     fused.push_back(fused_sm90_fp8_layer1_info().func);
-  } else if (prop.major == 8 && prop.minor == 9) {
+  } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
     fused.push_back(fused_sm89_fp8_layer0_info().func);
     fused.push_back(fused_sm89_fp8_layer1_info().func);
   }
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
   if (e == cudaSuccess) e = preload_fp8_pack_kernel();
-  if (e == cudaSuccess) e = preload_proxy_kernels();
+  // The proxy runs only across nodes, which a newer GPU refuses (plan_launch): not loaded there.
+  if (e == cudaSuccess && !newer_gpu(prop)) e = preload_proxy_kernels();
   for (const void* f : fused) {
     cudaFuncAttributes a;
     if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, f);
   }
-  TORCH_CHECK(e == cudaSuccess, "comet: loading comet's CUDA kernels failed: ",
-              cudaGetErrorString(e));
+  TORCH_CHECK(e == cudaSuccess, "comet: loading comet's CUDA kernels failed on this sm_",
+              prop.major * 10 + prop.minor, " GPU: ", cudaGetErrorString(e),
+              " (this build has no kernel image or PTX for it: rebuild comet with "
+              "COMET_CUDA_ARCHS naming its architecture, or including 80, whose PTX newer GPUs "
+              "compile on first use)");
 }
 
 namespace {
@@ -202,10 +212,11 @@ bool sm90_path(int device, int64_t k, int64_t n_out, const void* a, const void* 
 // and 16-byte aligned operands), sm_89 the mma.sync one (any K); no FP8 tensor cores: refused.
 bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer, int64_t k,
               const void* a, const void* b) {
-  const int sm = prop.major * 10 + prop.minor;
+  const int sm = newer_gpu(prop) ? 89 : prop.major * 10 + prop.minor;  // newer: sm_89's PTX
   if (!c.value(sm == 90 || sm == 89,
-               "FP8 layers need FP8 tensor cores (sm_89 Ada, sm_90 Hopper); this GPU is sm_" +
-                   std::to_string(sm) + ": pass bfloat16 operands (comet.fp8.dequantize_rows / "
+               "FP8 layers need FP8 tensor cores (sm_89 Ada, sm_90 Hopper, or newer); this GPU "
+               "is sm_" + std::to_string(prop.major * 10 + prop.minor) +
+                   ": pass bfloat16 operands (comet.fp8.dequantize_rows / "
                    "dequantize_blocks) or run FP8 on the CPU backend"))
     return false;
   if (sm == 90 &&
@@ -227,9 +238,14 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
   LaunchPlan lp;
   if (c.failed()) return lp;
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
-  if (!c.value(prop.major == 8 || prop.major == 9,
-               "the CUDA kernels are built for sm_80 (Ampere/Ada) and sm_90a (Hopper); this GPU "
-               "is sm_" + std::to_string(prop.major * 10 + prop.minor)))
+  const std::string sm = "sm_" + std::to_string(prop.major * 10 + prop.minor);
+  if (!c.value(prop.major >= 8, "the CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper; "
+                                "newer GPUs through the sm_80 path's PTX); this GPU is " + sm))
+    return lp;
+  if (!c.value(!(newer_gpu(prop) && proxy_sm),
+               "a group across nodes needs the inter-node proxy kernel, which is compiled for "
+               "the build's architectures only (it has no PTX); this GPU is " + sm +
+               ": rebuild comet with COMET_CUDA_ARCHS naming its architecture"))
     return lp;
   if (kind == ScalarKind::F8E4M3) {
     if (!plan_fp8(c, lp, prop, layer, k, a, b)) return lp;
