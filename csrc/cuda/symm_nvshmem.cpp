@@ -377,23 +377,23 @@ void CudaBuffer::recover() {
   const auto start = std::chrono::steady_clock::now();
   for (int32_t s = 0; s < world_; ++s) {
     if (s == rank_) continue;
-    uint64_t line[kFlagStride];
-    for (;;) {
-      copy(line, header_flag(mine, world_, PeerFlag::Rearm, s), sizeof(line),
-           cudaMemcpyDeviceToHost);
-      if (line[0] >= target) break;
-      const double waited =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (waited > timeout_s_) {
-        std::ostringstream why;
-        why << "rank " << s << " did not join the re-arm within " << timeout_s_
-            << " s (gone or stuck; every rank must call Buffer.recover())";
-        mark_dead(why.str());
-        throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
-      }
+    const uint64_t* peer_line = header_flag(mine, world_, PeerFlag::Rearm, s);
+    auto read = [&](uint64_t* line) {
+      copy(line, peer_line, kFlagStride * sizeof(uint64_t), cudaMemcpyDeviceToHost);
+    };
+    auto expired = [&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+             timeout_s_;
+    };
+    RearmState peer;  // read after the peer's flag was seen (symm_layout.h: poll_rearm_line)
+    if (!poll_rearm_line(read, target, expired, &peer)) {
+      std::ostringstream why;
+      why << "rank " << s << " did not join the re-arm within " << timeout_s_
+          << " s (gone or stuck; every rank must call Buffer.recover())";
+      mark_dead(why.str());
+      throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
     }
-    const RearmState peer = *reinterpret_cast<const RearmState*>(line + 1);
     if (peer.capacity != capacity_) {
       mark_dead("the ranks hold data segments of different sizes after a failed grow");
       throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);

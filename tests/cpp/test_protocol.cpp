@@ -2,11 +2,13 @@
 // heap's per-call handshake (metadata agreement, verdict on disagreement, data segment growth)
 // across ranks run as threads.
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "check.h"
+#include "comet/symm_layout.h"
 #include "comet/flags.h"
 #include "cpu/symm_heap.h"
 
@@ -67,7 +69,33 @@ static void heap_handshake() {
   for (int r = 0; r < W; ++r) CHECK(verdicts[r].find("disagree on the hidden size") != std::string::npos);
 }
 
+// The CUDA buffer's re-arm reads a peer's line (flag, then state) with copies whose word order is
+// unspecified: the state it returns must come from a copy made after the flag was seen, never
+// from the copy that first saw it (which may hold words from before the peer's state put).
+static void rearm_state_read_after_the_flag() {
+  const uint64_t target = 5;
+  const RearmState stale{1, 1, 1}, fresh{4, 2, 1 << 20};
+  int reads = 0;
+  auto read = [&](uint64_t* line) {  // flag seen on the 3rd copy, whose state words are stale
+    ++reads;
+    line[0] = reads < 3 ? target - 1 : target;
+    const RearmState& st = reads <= 3 ? stale : fresh;
+    memcpy(line + 1, &st, sizeof(st));
+  };
+  int polls = 0;
+  RearmState got{};
+  CHECK(poll_rearm_line(read, target, [&] { return ++polls > 100; }, &got));
+  CHECK(got.epoch == fresh.epoch && got.gen == fresh.gen && got.capacity == fresh.capacity);
+  CHECK(reads == 4);
+  // a peer that never raises its flag: the poll gives up when told to
+  reads = -1000;
+  polls = 0;
+  CHECK(!poll_rearm_line(read, target, [&] { return ++polls > 5; }, &got));
+  CHECK(polls == 6);
+}
+
 int main() {
+  rearm_state_read_after_the_flag();
   arrivals();
   heap_handshake();
   TEST_MAIN_END

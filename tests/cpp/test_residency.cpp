@@ -41,6 +41,22 @@ void check_roles() {
         // layer0: GEMM waits on comm; layer1: comm waits on GEMM. The waited-on role is below.
         CHECK(layer == 0 ? last_comm < first_gemm : last_gemm < first_comm);
       }
+  // Staged (n_comm = 0): two launches of the whole grid, the waited-on role's first (layer0 comm
+  // then GEMM, layer1 GEMM then comm), so no launch waits on a later one; a fused layer is one.
+  for (int32_t layer = 0; layer < 2; ++layer)
+    for (int32_t blocks = 1; blocks <= 9; ++blocks) {
+      CHECK(fused_steps(0) == 2 && fused_steps(1) == 1);
+      const FusedStep first = fused_step(layer, 0, blocks, 0), second = fused_step(layer, 1, blocks, 0);
+      CHECK(first.n_comm + first.n_gemm == blocks && second.n_comm + second.n_gemm == blocks);
+      CHECK(layer == 0 ? (first.n_comm == blocks && second.n_gemm == blocks)
+                       : (first.n_gemm == blocks && second.n_comm == blocks));
+      CHECK(comm_program_blocks(blocks, 0) == blocks);
+      for (int32_t n_comm = 1; n_comm < blocks; ++n_comm) {
+        const FusedStep one = fused_step(layer, 0, blocks, n_comm);
+        CHECK(one.n_comm == n_comm && one.n_gemm == blocks - n_comm);
+        CHECK(comm_program_blocks(blocks, n_comm) == n_comm);
+      }
+    }
 }
 
 // At most S blocks live, started in index order: block b starts only once b - S + 1 blocks have

@@ -5,6 +5,8 @@
 //     agrees on after the metadata exchange (largest token count, hidden size, topk, experts).
 #pragma once
 
+#include <cstring>
+
 #include "comet/config.h"
 #include "comet/topology.h"
 
@@ -76,6 +78,25 @@ struct RearmState {
 };
 static_assert(sizeof(RearmState) <= (kFlagStride - 1) * sizeof(uint64_t),
               "RearmState must fit in a flag's line after the flag word");
+
+// A peer's re-arm line as a host reads it through a copy engine (the CUDA buffer's recover):
+// `read(line)` copies the whole line (flag word, then the RearmState) into `line`, polled until
+// the flag reaches `target` or `expired()` says to stop (false then). The peer puts its state
+// before its flag (ordered by a fence), so a copy issued after the flag was seen returns that
+// state; the copy that saw the flag moved the line in one transfer whose order over the words is
+// unspecified, so its state words may predate the put: the state is read once more.
+template <class Read, class Expired>
+bool poll_rearm_line(Read&& read, uint64_t target, Expired&& expired, RearmState* state) {
+  uint64_t line[kFlagStride];
+  for (;;) {
+    read(line);
+    if (line[0] >= target) break;
+    if (expired()) return false;
+  }
+  read(line);
+  memcpy(state, line + 1, sizeof(RearmState));
+  return true;
+}
 
 COMET_HD size_t header_bytes(int32_t world) {
   return sizeof(RankHeader) + size_t(kPeerFlagKinds) * world * kFlagStride * sizeof(uint64_t) +
