@@ -299,8 +299,10 @@ KILLED_PEER_NOTICE = 15.0   # how soon a survivor must notice the death
 
 def check_last_rank_killed(world: int, *, experts: int, tokens: int, stress: int,
                            timeout: float, **buffer_kwargs) -> None:
-    """The last of `world` ranks is SIGKILLed mid-call: every survivor must raise ("has exited"
-    or "gave up") within 30 s, and no shared-memory segment may be left behind."""
+    """The last of `world` ranks is SIGKILLed mid-call: every survivor must raise within
+    KILLED_PEER_NOTICE seconds naming the dead rank ("rank W-1 (pid ...) has exited"), whichever
+    rank noticed the death first (a survivor waiting on another survivor learns it from that
+    one's fault), and no shared-memory segment may be left behind."""
     import signal
 
     ctx = mp.get_context("spawn")
@@ -319,9 +321,10 @@ def check_last_rank_killed(world: int, *, experts: int, tokens: int, stress: int
             if p.is_alive():
                 p.kill()
     assert procs[-1].exitcode == -signal.SIGKILL
+    dead = f"rank {world - 1} (pid {procs[-1].pid}) has exited"
     for rank, msg, took in got:
         assert rank != world - 1
-        assert "has exited" in msg or "gave up" in msg, msg
+        assert dead in msg, f"rank {rank}'s error does not name the dead rank ({dead}): {msg}"
         # A dead pid is seen at once; the buffer's timeout is 4x longer, so a survivor that only
         # gave up after the timeout cannot pass for one that noticed the death.
         assert took < KILLED_PEER_NOTICE, f"rank {rank} needed {took:.1f} s to notice"

@@ -3,7 +3,7 @@ dispatcher, SequentialMLP experts, TopKRouter with aux loss) on CPU: same weight
 state dict loads unchanged), same input -> same output, input gradient and every parameter
 gradient; with token dropping (capacity factor); deferred expert weight gradients (backward_dw);
 1 rank and expert parallelism over 2 ranks; expert tensor parallelism (EP 1 x ETP 2 on 2 ranks,
-EP 2 x ETP 2 on 4: fp32, bf16, capacity, attention TP 2 with and without sequence parallelism;
+EP 2 x ETP 2 on 4: float64, bf16, capacity, attention TP 2 with and without sequence parallelism;
 the group order and buffer checks); shared experts (plain, gated, Megatron's overlap flag),
 computed by comet between dispatch and combine; the layer-spec helper in a GPT model.
 
@@ -12,7 +12,12 @@ reference; comet.megatron needs none: test_comet_layer_runs_without_upstream_pat
 runs CometMoELayer on 1 and 2 CPU ranks (and 2 with ETP 2) in processes that never import the
 patches, and test_readme_megatron_example_runs_as_written runs README's Megatron code block as written.
 Also: the stacked SequentialMLP weights (once per forward; kept between forwards
-by default until an in-place update or an optimizer step). Skipped when megatron-core is not installed."""
+by default until an in-place update or an optimizer step). Skipped when megatron-core is not installed.
+
+The exact comparisons run both layers in float64, with tolerances derived from the computation (see
+"what the same means" below), so that they hold on any CPU; test_comparison_catches_wrong_gradients
+shows that they still refuse a slightly scaled, swapped or float32-rounded gradient. bf16 runs
+compare to bf16 tolerances."""
 import pytest
 import torch
 
@@ -42,7 +47,7 @@ def _config(**over):
               add_bias_linear=False, moe_token_dispatcher_type="alltoall",
               use_cpu_initialization=True, bias_activation_fusion=False,
               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.05,
-              gradient_accumulation_fusion=False, params_dtype=torch.float32,
+              gradient_accumulation_fusion=False, params_dtype=torch.float64,
               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.4,
               expert_model_parallel_size=torch.distributed.get_world_size())
     kw.update(over)
@@ -71,37 +76,91 @@ def _layers(cfg, comet_cfg=None, grouped=False, **comet_kw):
 
 
 def _run(layer, x, v):
+    """{"out", "dx", "d<parameter name>"}: the layer's output, input gradient and every parameter
+    gradient for the loss (out * v).sum()."""
     x = x.clone().requires_grad_()
     out, bias = layer(x)
     assert bias is None
     (out * v).sum().backward()
-    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+    return {"out": out.detach(), "dx": x.grad,
+            **{f"d{n}": p.grad for n, p in layer.named_parameters()}}
 
 
-def _compare(upstream, ours, x, v, tag, atol=2e-6, rtol=1e-5, deferred=False):
-    out_u, dx_u, grads_u = _run(upstream, x, v)
-    out_c, dx_c, grads_c = _run(ours, x, v)
+# -- what "the same" means ------------------------------------------------------------------------
+# The exact checks run both layers in float64 (_config's params_dtype, float64 inputs), so that
+# what they compare does not depend on the CPU: in float32 the two sides' BLAS kernels round
+# differently on different x86-64 CPUs (other vector widths and blockings), by more than a fixed
+# tolerance that still means something. Each element must agree to a fraction `tol` of the compared
+# tensor's largest element (its scale):
+#
+# F64_TOL (float64 end to end: the output, the expert and shared-expert weight gradients). Both
+#   sides do the same float64 arithmetic, summed in different orders (BLAS on one side, comet's
+#   tile GEMM on the other); a sum of n rounded terms in two orders differs by at most
+#   2 * gamma_n * (its sum of |terms|), gamma_n = n u / (1 - n u), u = 2^-53. n along the longest
+#   chain: H = 16 (fc1) + FFN = 12 (fc2) + K = 2 (the top-k sum) in the forward, as many in the
+#   backward, the weight gradients' sums over at most T * K = 36 rows (T = 18 tokens) and 2
+#   accumulated backward passes (cache 2): n <= 100, 2 * gamma_100 = 2.2e-14. 1e-12 leaves room
+#   for sums of |terms| up to 45 times the tensor's largest element; every comparison of this file
+#   differs by at most 7e-16 of it.
+# ROUTER_TOL (what passes through Megatron's router backward: dx and the router's weight gradient;
+#   everything after an optimizer step or in a GPT model, where a router's input already differs
+#   by float64 rounding). Megatron computes the router's softmax or sigmoid in float32 (its code,
+#   on both sides): the same input bits give the same float32 values, but two float64 values a
+#   rounding apart round to float32 numbers one float32 ulp (2^-23 relative) apart when a float32
+#   rounding point lies between them (rare: ~1e-9 per element). So these tensors are float32
+#   results: 2^-17 = 64 float32 ulps of the scale, room for one such ulp entering the sums over
+#   T = 18 tokens and E = 4 experts that follow (every comparison here: at most 2e-15 of it).
+#
+# Both are far below what a wrong result changes: test_comparison_catches_wrong_gradients shows that
+# a gradient scaled by 1 + 1e-6 (1 + 1e-4 where ROUTER_TOL applies), two experts' gradients swapped,
+# or one rounded to float32, fails the check.
+F64_TOL = 1e-12
+ROUTER_TOL = 2.0 ** -17
+
+
+def _tolerance(key, router_tol=False):
+    """F64_TOL or ROUTER_TOL (see above) for _run's `key`; router_tol: ROUTER_TOL for every key."""
+    return ROUTER_TOL if router_tol or key == "dx" or "router" in key else F64_TOL
+
+
+def _assert_same(tag, got, want, atol=None, rtol=None, router_tol=False):
+    """got and want (dicts of tensors, as _run returns) agree: in float64 each element to
+    _tolerance(key) of the tensor's scale; otherwise (bf16) to the given atol and rtol."""
+    assert got.keys() == want.keys(), (tag, sorted(got), sorted(want))
+    for key, w in want.items():
+        g = got[key]
+        if atol is None:
+            assert w.dtype == torch.float64, f"{tag} {key}: the exact checks run in float64"
+            scale = float(w.abs().max()) if w.numel() else 0.0
+            tol = _tolerance(key, router_tol)
+            torch.testing.assert_close(g, w, atol=tol * scale, rtol=0,
+                                       msg=lambda m, key=key, tol=tol: f"{tag} {key} (tolerance "
+                                                                       f"{tol:.1e} of its scale): {m}")
+        else:
+            torch.testing.assert_close(g, w, atol=atol, rtol=rtol,
+                                       msg=lambda m, key=key: f"{tag} {key}: {m}")
+
+
+def _compare(upstream, ours, x, v, tag, atol=None, rtol=None, deferred=False, router_tol=False):
+    want = _run(upstream, x, v)
+    got = _run(ours, x, v)
     assert ours.token_dispatcher is None, "Megatron's token dispatcher was built"
-    assert out_u.abs().max() > 0.1, "weights too small for a meaningful comparison"
-    torch.testing.assert_close(out_c, out_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} out: {m}")
-    torch.testing.assert_close(dx_c, dx_u, atol=atol, rtol=rtol, msg=lambda m: f"{tag} dx: {m}")
+    assert want["out"].abs().max() > 0.1, "weights too small for a meaningful comparison"
     if deferred:  # expert weight gradients wait for backward_dw
-        assert all(g is None for n, g in grads_c.items() if "experts" in n), tag
-        assert grads_c["router.weight"] is not None
+        assert all(g is None for n, g in got.items() if "experts" in n), tag
+        assert got["drouter.weight"] is not None
         ours.backward_dw()
-        grads_c = {n: p.grad for n, p in ours.named_parameters()}
-    assert grads_c.keys() == grads_u.keys()
-    for name, g in grads_u.items():
-        torch.testing.assert_close(grads_c[name], g, atol=atol, rtol=rtol,
-                                   msg=lambda m, name=name: f"{tag} d{name}: {m}")
-    return float((out_c.float() - out_u.float()).abs().max() / out_u.float().abs().max())
+        got.update({f"d{n}": p.grad for n, p in ours.named_parameters()})
+    _assert_same(tag, got, want, atol, rtol, router_tol)
+    out_c, out_u = got["out"].double(), want["out"].double()
+    return float((out_c - out_u).abs().max() / out_u.abs().max())
 
 
 def _one_rank_checks(rank, world):
     _setup(1)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(6, 3, H, generator=g)  # [seq, batch, hidden]
-    v = torch.randn(6, 3, H, generator=g)
+    x = torch.randn(6, 3, H, generator=g).double()  # [seq, batch, hidden]
+    v = torch.randn(6, 3, H, generator=g).double()
     diffs = {}
 
     upstream, ours = _layers(_config())
@@ -195,9 +254,9 @@ def _stacked_weight_checks(x, v):
         _compare(upstream, ours, x, v, "cache 2")  # the gradients accumulate on both sides
         assert len(calls) == 1, calls  # the second forward reused the stack
         before = ours(x)[0].detach()
-        for layer in (upstream, ours):  # a small step: lr 0.5 gives |dx| ~ 6e4 (fp32 ulps > atol)
+        for layer in (upstream, ours):  # a small step; the routers' weights now differ by rounding
             torch.optim.SGD(layer.parameters(), lr=0.02).step()
-        _compare(upstream, ours, x, v, "cache after step")
+        _compare(upstream, ours, x, v, "cache after step", router_tol=True)
         assert len(calls) == 2, calls  # the step invalidated it
         assert not torch.allclose(ours(x)[0], before), "the step should change the output"
         # Megatron's way: the model parameters written through .data (no version bump), right
@@ -209,7 +268,7 @@ def _stacked_weight_checks(x, v):
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0).step()
         for layer in (upstream, ours):  # fresh gradients: accumulated ones only add rounding
             layer.zero_grad(set_to_none=True)
-        _compare(upstream, ours, x, v, "cache after a .data write and a step")
+        _compare(upstream, ours, x, v, "cache after a .data write and a step", router_tol=True)
         assert len(calls) == 3, calls
     finally:
         cm.expert_weights = real
@@ -231,7 +290,7 @@ def _gpt_model_check():
     for s in (spec, comet_moe_spec(spec)):
         torch.manual_seed(3)
         models.append(GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32,
-                               max_sequence_length=8, position_embedding_type="rope"))
+                               max_sequence_length=8, position_embedding_type="rope").double())
     upstream, ours = models
     assert sum(type(m) is MoELayer for m in upstream.modules()) == 2
     assert sum(type(m) is CometMoELayer for m in ours.modules()) == 2
@@ -243,13 +302,14 @@ def _gpt_model_check():
     outs = []
     for m in models:
         logits = m(tokens, position_ids, mask)
-        logits.float().square().mean().backward()
-        outs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
-    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
-    for name, grad in outs[0][1].items():
-        torch.testing.assert_close(outs[1][1][name], grad, atol=1e-5, rtol=1e-4,
-                                   msg=lambda msg, name=name: f"gpt d{name}: {msg}")
-    return float((outs[1][0] - outs[0][0]).abs().max() / outs[0][0].abs().max())
+        assert logits.dtype == torch.float64
+        logits.square().mean().backward()
+        outs.append({"logits": logits.detach(),
+                     **{f"d{n}": p.grad for n, p in m.named_parameters()}})
+    # the second layer's router sees the first layer's output, equal up to float64 rounding
+    _assert_same("gpt", outs[1], outs[0], router_tol=True)
+    return float((outs[1]["logits"] - outs[0]["logits"]).abs().max()
+                 / outs[0]["logits"].abs().max())
 
 
 def test_matches_megatron_moe_layer_one_rank():
@@ -259,11 +319,67 @@ def test_matches_megatron_moe_layer_one_rank():
     print(diffs)
 
 
+def _fc(i, e):
+    return f"dexperts.local_experts.{e}.linear_fc{i}.weight"
+
+
+def _swap(key_a, key_b):
+    return lambda r: {key_a: r[key_b], key_b: r[key_a]}
+
+
+def _scale(key, factor):
+    return lambda r: {key: r[key] * factor}
+
+
+# Wrong results the float64 check must refuse: {what: (router_tol, the changed entries)}.
+WRONG = {
+    "an expert's weight gradient scaled by 1 + 1e-6": (False, _scale(_fc(2, 1), 1 + 1e-6)),
+    "two experts' weight gradients swapped": (False, _swap(_fc(1, 0), _fc(1, 1))),
+    "an expert's weight gradient rounded to float32": (
+        False, lambda r: {_fc(1, 2): r[_fc(1, 2)].float().double()}),
+    "the output scaled by 1 + 1e-6": (False, _scale("out", 1 + 1e-6)),
+    "the input gradient scaled by 1 + 1e-4": (False, _scale("dx", 1 + 1e-4)),
+    "the router's weight gradient scaled by 1 + 1e-4": (False, _scale("drouter.weight", 1 + 1e-4)),
+    "an accumulated gradient scaled by 1 + 1e-4 (ROUTER_TOL)": (True, _scale(_fc(2, 3), 1 + 1e-4)),
+}
+
+
+def _wrong_gradient_checks(rank, world):
+    """{what: refused by _assert_same} for each of WRONG applied to comet's results (the real
+    results pass first)."""
+    _setup(1)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 3, H, generator=g).double()
+    v = torch.randn(6, 3, H, generator=g).double()
+    upstream, ours = _layers(_config())
+    for layer in (upstream, ours):  # as in "cache 2": the gradients accumulate over two backwards
+        _run(layer, x, v)
+    want, got = _run(upstream, x, v), _run(ours, x, v)
+    _assert_same("real", got, want)
+    refused = {}
+    for what, (router_tol, change) in WRONG.items():
+        try:
+            _assert_same(what, {**got, **change(got)}, want, router_tol=router_tol)
+            refused[what] = False
+        except AssertionError:
+            refused[what] = True
+    return refused
+
+
+def test_comparison_catches_wrong_gradients():
+    """The check the comparisons above make (_assert_same, float64) refuses a gradient that is
+    slightly wrong (scaled by 1 + 1e-6, or 1 + 1e-4 where ROUTER_TOL applies), two experts'
+    gradients swapped, or a gradient computed to float32 precision only, while the two layers' real
+    results (gradients accumulated over two backward passes) pass it."""
+    refused = run_ranks(_wrong_gradient_checks, 1, timeout=150)[0]
+    assert refused == {what: True for what in WRONG}, refused
+
+
 def _two_rank_checks(rank, world):
     _setup(world)
     g = torch.Generator().manual_seed(11 + rank)  # each rank its own tokens
-    x = torch.randn(5 + 2 * rank, 2, H, generator=g)
-    v = torch.randn(5 + 2 * rank, 2, H, generator=g)
+    x = torch.randn(5 + 2 * rank, 2, H, generator=g).double()
+    v = torch.randn(5 + 2 * rank, 2, H, generator=g).double()
     upstream, ours = _layers(_config())
     assert ours.num_local_experts == E // world
     diffs = [_compare(upstream, ours, x, v, f"ep2 rank {rank}")]
@@ -348,8 +464,8 @@ def _capacity_bound_checks(rank, world):
 
     _setup(world)
     g = torch.Generator().manual_seed(21 + rank)  # each rank its own tokens, as many
-    x = torch.randn(5, 2, H, generator=g)
-    v = torch.randn(5, 2, H, generator=g)
+    x = torch.randn(5, 2, H, generator=g).double()
+    v = torch.randn(5, 2, H, generator=g).double()
     cfg = _config(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
     with spy_layer0() as seen:
         upstream, ours = _layers(cfg)
@@ -361,10 +477,9 @@ def _capacity_bound_checks(rank, world):
     bound = comet_nn.worst_case_rows(T, K, E, world, get_capacity(T * K, E, 0.5))
     assert bound < comet_nn.worst_case_rows(T, K, E, world)  # the capacity tightens it
     assert seen[:2] == [(bound, bound)] * 2 and seen[2][0] is None, seen
-    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
-    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
-    for name, gr in want[2].items():
-        torch.testing.assert_close(got[2][name], gr, atol=0, rtol=0)
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        torch.testing.assert_close(got[key], w, atol=0, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
     return diff
 
 
@@ -397,13 +512,16 @@ def _unpatched_checks(rank, world, etp=1):
     v = torch.randn(5, 2, H, generator=g)
     for over in ({}, dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True),
                  dict(moe_expert_capacity_factor=0.5)):
-        layer = build_module(comet_moe_spec(spec).submodules.mlp,
-                             config=_config(**over, **parallel))
+        layer = build_module(comet_moe_spec(spec).submodules.mlp,  # float32, as a user runs it
+                             config=_config(params_dtype=torch.float32, **over, **parallel))
         assert layer.comet_tp_size == etp
         assert type(layer) is CometMoELayer and layer.token_dispatcher is None
-        out, grads = _run(layer, x, v)[::2]
+        res = _run(layer, x, v)
+        out = res.pop("out")
+        res.pop("dx")
+        assert out.dtype == torch.float32
         assert torch.isfinite(out).all() and out.abs().max() > 0.1, over
-        assert all(g is not None and g.abs().max() > 0 for g in grads.values()), over
+        assert all(g is not None and g.abs().max() > 0 for g in res.values()), over
     assert SharedExpertMLP.stream is None  # upstream's overlap stream was never created
     try:
         build_module(spec.submodules.mlp, config=_config(**parallel))  # upstream's own
@@ -464,7 +582,7 @@ def _etp_checks(rank, world):
     rank's experts (SequentialMLP: linear_fc1 column-parallel with its gate and up shards together,
     linear_fc2 row-parallel; GroupedMLP the same shards in its flat storage); comet's layer on Megatron's expert tensor-and-model-parallel group
     equals upstream's layer (alltoall dispatcher: EP all-to-all, then all-gather / reduce-scatter
-    over the expert TP group), forward and backward, fp32 and bf16, dropless and with a capacity;
+    over the expert TP group), forward and backward, float64 and bf16, dropless and with a capacity;
     then with attention TP = ETP, with sequence parallelism and shared experts, and without it in
     eval mode."""
     from tests import megatron_cpu_patches
@@ -472,15 +590,15 @@ def _etp_checks(rank, world):
     ep = _setup_etp(world)
     etp = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=ETP)
     g = torch.Generator().manual_seed(41 + rank)  # each rank its own tokens, and as many
-    x = torch.randn(4 + rank, 2, H, generator=g)
-    v = torch.randn(4 + rank, 2, H, generator=g)
+    x = torch.randn(4 + rank, 2, H, generator=g).double()
+    v = torch.randn(4 + rank, 2, H, generator=g).double()
     upstream, ours = _layers(_config(**etp))
     assert ours.comet_tp_size == ETP and ours.num_local_experts == E // ep
     assert torch.distributed.get_process_group_ranks(ours.comet_group) == list(range(world))
     fc1 = ours.experts.local_experts[0].linear_fc1.weight
     fc2 = ours.experts.local_experts[0].linear_fc2.weight
     assert fc1.shape == (2 * FFN // ETP, H) and fc2.shape == (H, FFN // ETP)  # the tp shards
-    diffs = {"fp32": _compare(upstream, ours, x, v, f"etp rank {rank}")}
+    diffs = {"fp64": _compare(upstream, ours, x, v, f"etp rank {rank}")}
     upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
                                      moe_router_dtype="fp32", **etp))
     diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), f"etp bf16 rank {rank}",
@@ -528,7 +646,7 @@ def _etp_checks(rank, world):
     # without sequence parallelism (inference: upstream refuses it in training) the ranks of an
     # attention TP group hold the same tokens; each gets its full result
     g = torch.Generator().manual_seed(51 + rank // ETP)
-    x, v = torch.randn(4, 2, H, generator=g), torch.randn(4, 2, H, generator=g)
+    x, v = (torch.randn(4, 2, H, generator=g).double() for _ in range(2))
     upstream, ours = _layers(_config(tensor_model_parallel_size=ETP, **etp))
     upstream.eval(), ours.eval()
     diffs["attn_tp_eval"] = _compare(upstream, ours, x, v, f"attn tp eval rank {rank}")
@@ -538,7 +656,7 @@ def _etp_checks(rank, world):
 @pytest.mark.parametrize("world", [2, 4])  # (EP, ETP) = (1, 2) and (2, 2)
 def test_matches_megatron_expert_tensor_parallel(world):
     diffs = run_ranks(_etp_checks, world, timeout=150)
-    assert all(set(d) == {"fp32", "bf16", "grouped_bf16", "capacity", "attn_tp_sp",
+    assert all(set(d) == {"fp64", "bf16", "grouped_bf16", "capacity", "attn_tp_sp",
                                 "attn_tp_eval"} for d in diffs)
     print(diffs)
 

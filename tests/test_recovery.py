@@ -10,7 +10,9 @@ good, with a message saying so.
   recover()             the explicit, collective re-arm
   recover during call   a rank's recover() stops its peer's pending call at once (PeerFlag::Fault)
                         and pairs with that peer's next call, which re-arms
-  killed rank           SIGKILL: the survivor's call fails at once, recover() raises for good
+  killed rank           SIGKILL: the survivor's call fails at once, recover() raises for good;
+                        survivors that never waited for the dead rank (a peer noticed the
+                        death) name the dead rank too
 """
 import os
 import time
@@ -185,6 +187,47 @@ def test_killed_rank_ends_the_buffer_for_good_with_a_clear_message():
     for kind, msg, _ in (again, later):
         assert kind == "RuntimeError", msg
         assert "cannot be used again: rank 1" in msg and "has exited" in msg, msg
+
+
+def _killed_seen_through_a_peer(rank, world):
+    """Rank 3 of 4 is killed between calls. Ranks 0 and 2 then call and wait for rank 1's
+    metadata (before they would wait for rank 3's); rank 1 does not call but recover()s, notices
+    the death and stops their calls. Returns what each survivor raised; the survivors stay alive
+    until all three have it (else rank 1's exit could be what the others notice)."""
+    import signal
+
+    import torch.distributed as dist
+
+    import comet
+
+    survivors = dist.new_group([0, 1, 2])  # collective: before rank 3 goes
+    _good_calls(rank, world, 2)
+    dist.barrier()
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank != 1:
+        x, w0, _, ids, _ = _inputs(rank, world, 7)
+        seen = _raises(lambda: comet.moe_layer0(x, w0, ids, num_experts=E))
+    else:
+        time.sleep(0.5)  # rank 3 is gone, ranks 0 and 2 wait in their calls
+        seen = _raises(comet.buffer_for().recover)
+    dist.barrier(group=survivors)
+    return seen
+
+
+def test_rank_that_noticed_a_death_stops_its_peers_naming_the_dead_rank():
+    """Whichever rank notices a peer's exit first, every survivor's error names the dead rank:
+    the calls of ranks 0 and 2 stop at once (not after their timeout) on rank 1's fault, with rank
+    3's exit as the reason, not "rank 1 stopped this call"."""
+    res = run_ranks(_killed_seen_through_a_peer, 4, env=ENV, timeout=60, may_die={3})
+    assert res[3] == -9, res[3]
+    kind, msg, _ = res[1]
+    assert kind == "RuntimeError" and "cannot be used again: rank 3 (pid" in msg, msg
+    for r in (0, 2):
+        kind, msg, took = res[r]
+        assert kind == "RuntimeError" and "rank 3 (pid" in msg and "has exited" in msg, (r, msg)
+        assert "rank 1 noticed it and stopped this call" in msg, (r, msg)
+        assert took < TIMEOUT_S, f"rank {r} needed {took:.1f} s (its timeout is {TIMEOUT_S})"
 
 
 def test_recover_stops_a_peer_waiting_in_a_call_at_once_and_pairs_with_its_next_call(scenarios):

@@ -122,27 +122,52 @@ void SymmHeap::wait(uint64_t* flag, uint64_t epoch, WaitSite site, int64_t index
     if (spin % 256 != 0) continue;
     const double waited = std::chrono::duration<double>(clock::now() - start).count();
     std::ostringstream msg;
-    if (peer_site && index >= 0 && index < world_ && !peer_alive(int32_t(index))) {
+    // A peer that stopped this call (PeerFlag::Fault), preferably one that names a rank whose
+    // exit it noticed: that exit is the root cause, whichever rank noticed it first, and every
+    // rank's error names it (even when the noticing peer has exited since, after its error).
+    int32_t f = -1, named = -1;
+    if (site != WaitSite::PeerRearm) {
+      for (int32_t s = 0; s < world_ && named < 0; ++s) {
+        if (s == rank_ ||
+            flag_acquire(header_flag(header(rank_), world_, PeerFlag::Fault, s)) <= round_)
+          continue;
+        const int32_t d = fault_named(s);
+        if (f < 0 || d >= 0) f = s, named = d;
+      }
+    }
+    if (named < 0 && peer_site && index >= 0 && index < world_ && !peer_alive(int32_t(index))) {
+      note_exit(int32_t(index));
       msg << "comet: rank " << rank_ << " waiting for " << wait_site_name(site) << " (call "
           << epoch << "): rank " << index << " (pid " << peer_pid(int32_t(index))
           << ") has exited";
       throw std::runtime_error(msg.str());
     }
-    if (site != WaitSite::PeerRearm) {
-      const int32_t f = faulted_peer();
-      if (f >= 0) {
-        msg << "comet: rank " << rank_ << " stopped waiting for " << wait_site_name(site)
-            << " (index " << index << ", call " << epoch << "): rank " << f
+    if (f >= 0) {
+      if (named < 0) named = dead_peer();  // f failed for its own reasons: a dead peer first
+      msg << "comet: rank " << rank_ << " stopped waiting for " << wait_site_name(site)
+          << " (index " << index << ", call " << epoch << "): ";
+      if (named >= 0) {
+        note_exit(named);
+        msg << "rank " << named << " (pid " << peer_pid(named) << ") has exited";
+        if (named != f) msg << " (rank " << f << " noticed it and stopped this call)";
+      } else {
+        msg << "rank " << f
             << " stopped this call (it failed, its error says why, or called "
                "Buffer.recover()); the next call re-arms the buffer";
-        throw std::runtime_error(msg.str());
       }
+      throw std::runtime_error(msg.str());
     }
     if (waited > timeout_s_) {
       msg << "comet: rank " << rank_ << " gave up after " << waited << " s waiting for "
-          << wait_site_name(site) << " (index " << index << ", call " << epoch
-          << "); a peer may have died, stalled, or called a different op "
-             "(timeout set by COMET_TIMEOUT or Buffer(timeout=...))";
+          << wait_site_name(site) << " (index " << index << ", call " << epoch << "); ";
+      const int32_t d = exit_cause();
+      if (d >= 0) {
+        note_exit(d);
+        msg << "rank " << d << " (pid " << peer_pid(d) << ") has exited";
+      } else {
+        msg << "a peer may have died, stalled, or called a different op "
+               "(timeout set by COMET_TIMEOUT or Buffer(timeout=...))";
+      }
       throw std::runtime_error(msg.str());
     }
   }
@@ -238,12 +263,62 @@ void SymmHeap::mark_broken(const std::string& why) {
   if (!broken_.empty()) return;
   broken_ = why;
   // Peers still waiting on this call give up at once instead of after the timeout; peers not in
-  // a call re-arm at their next one. Best effort: a link that fails here fails the re-arm later.
+  // a call re-arm at their next one. If a peer's process is gone (what this call most likely
+  // failed on), the fault names it, so every peer's error names the root cause, not this rank.
+  // Best effort: a link that fails here fails the re-arm later.
   try {
-    for (int32_t r = 0; r < world_; ++r)
-      if (r != rank_) send_flag(r, PeerFlag::Fault, round_ + 1);
+    send_fault(round_ + 1, exit_cause());
   } catch (const std::exception&) {
   }
+}
+
+void SymmHeap::send_fault(uint64_t round, int32_t dead) {
+  // Word 1 of the Fault line (symm_layout.h), written before the flag: by stores on this node,
+  // in the same put as the signal across nodes (the link delivers the bytes before the signal;
+  // it reads them from this rank's own line then, so that line changes only when the rank does).
+  uint64_t* own_line = header_flag(header(rank_), world_, PeerFlag::Fault, rank_);
+  const uint64_t named = uint64_t(dead + 1);
+  if (flag_relaxed(own_line + 1) != named) flag_release(own_line + 1, named);
+  for (int32_t r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    if (reachable(r)) {
+      uint64_t* line = header_flag(header(r), world_, PeerFlag::Fault, rank_);
+      flag_release(line + 1, named);
+      flag_release(line, round);
+    } else {
+      proxy_->put_signal(r, own_line + 1, own_line + 1, sizeof(uint64_t), own_line, round);
+    }
+  }
+}
+
+int32_t SymmHeap::dead_peer() const {
+  for (int32_t s = 0; s < world_; ++s)
+    if (s != rank_ && !peer_alive(s)) return s;
+  return -1;
+}
+
+int32_t SymmHeap::fault_named(int32_t s) const {
+  uint64_t* line = header_flag(header(rank_), world_, PeerFlag::Fault, s);
+  if (flag_acquire(line) <= round_) return -1;  // no fault of this round (acquire: word 1 next)
+  const uint64_t named = flag_relaxed(line + 1);
+  if (named >= 1 && named <= uint64_t(world_) && int32_t(named - 1) != rank_)
+    return int32_t(named - 1);
+  return -1;
+}
+
+int32_t SymmHeap::exit_cause() const {
+  const int32_t seen = exit_seen_.load(std::memory_order_acquire);
+  if (seen >= 0) return seen;
+  for (int32_t s = 0; s < world_; ++s) {
+    const int32_t d = s == rank_ ? -1 : fault_named(s);
+    if (d >= 0) return d;
+  }
+  return dead_peer();
+}
+
+void SymmHeap::note_exit(int32_t r) const {
+  int32_t none = -1;
+  exit_seen_.compare_exchange_strong(none, r, std::memory_order_acq_rel);
 }
 
 int32_t SymmHeap::faulted_peer() const {
@@ -286,15 +361,18 @@ void SymmHeap::drop_data_segments() {
 // A peer process that is gone makes the heap dead for good (its segments and flags will never
 // answer again).
 void SymmHeap::check_peers_alive() {
-  for (int32_t s = 0; s < world_; ++s) {
-    if (s != rank_ && !peer_alive(s)) {
-      std::ostringstream why;
-      why << "rank " << s << " (pid " << peer_pid(s) << ") has exited";
-      if (!broken_.empty()) why << " (the failed call: " << broken_ << ")";
-      dead_ = why.str();
-      check_usable();
-    }
+  if (dead_peer() < 0) return;
+  const int32_t s = exit_cause();  // the root cause if a wait or a peer's fault named one
+  std::ostringstream why;
+  why << "rank " << s << " (pid " << peer_pid(s) << ") has exited";
+  if (!broken_.empty()) why << " (the failed call: " << broken_ << ")";
+  dead_ = why.str();
+  // Peers still waiting in a call (for this rank, which will not come) stop now, naming rank s.
+  try {
+    send_fault(round_ + 1, s);
+  } catch (const std::exception&) {
   }
+  check_usable();
 }
 
 void SymmHeap::rearm() {
@@ -306,8 +384,7 @@ void SymmHeap::rearm() {
     // signal (the link is FIFO), and its blocks have all returned: after the waits below, no write
     // from before the re-arm is still on its way to this rank.
     if (proxy_) proxy_->quiet();
-    for (int32_t r = 0; r < world_; ++r)
-      if (r != rank_) send_flag(r, PeerFlag::Fault, target);
+    send_fault(target, -1);
     uint64_t* own_line = header_flag(mine, world_, PeerFlag::Rearm, rank_);
     *reinterpret_cast<RearmState*>(own_line + 1) = RearmState{epoch_, gen_, uint64_t(capacity_)};
     for (int32_t r = 0; r < world_; ++r) {

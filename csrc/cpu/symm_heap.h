@@ -104,7 +104,8 @@ class SymmHeap {
             const std::atomic<bool>* abort = nullptr) const;
 
   // Recovery (docs/reliability.md). A failed call leaves peers in an unknown state: mark_broken
-  // records why and tells every peer (PeerFlag::Fault), whose waits then give up at once. The next
+  // records why and tells every peer (PeerFlag::Fault; naming a peer whose process is gone, so
+  // that every rank's error names the dead rank), whose waits then give up at once. The next
   // call (begin_call) or recover() re-arms the heap: a collective in which every rank drains its
   // link, publishes its last epoch and data generation (PeerFlag::Rearm), and continues from the
   // group's largest epoch, so no flag written before can satisfy a wait after. Segments are kept
@@ -155,6 +156,17 @@ class SymmHeap {
   std::string dead_;     // why the heap cannot be re-armed (a peer is gone); empty: it can
   uint64_t round_ = 0;   // completed re-arms, equal on every rank after each
   int32_t faulted_peer() const;  // a peer that asked for re-arm round_+1, or -1
+  // Asks every peer for re-arm `round` (PeerFlag::Fault), naming `dead` (-1: none), a peer whose
+  // process is gone, in word 1 of the flag's line.
+  void send_fault(uint64_t round, int32_t dead);
+  int32_t dead_peer() const;           // a peer whose process is gone, or -1
+  // The rank peer s's fault of this round names (word 1 of its Fault line), or -1.
+  int32_t fault_named(int32_t s) const;
+  // The rank whose exit explains a failure here: the one a wait of this rank reported, else one
+  // a peer's fault names, else a dead peer seen from here; -1 if no peer is gone.
+  int32_t exit_cause() const;
+  void note_exit(int32_t r) const;     // a wait reports rank r's exit (the first one is kept)
+  mutable std::atomic<int32_t> exit_seen_{-1};
   void rearm();
   void check_peers_alive();  // marks the heap dead and throws if a peer is gone
   void drop_data_segments();

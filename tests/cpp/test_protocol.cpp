@@ -1,8 +1,13 @@
-// The readiness protocol: self-resetting arrival counters under real concurrency, and the symmetric
+// The readiness protocol: self-resetting arrival counters under real concurrency, the symmetric
 // heap's per-call handshake (metadata agreement, verdict on disagreement, data segment growth)
-// across ranks run as threads.
+// across ranks run as threads, and the error a rank's exit leaves on ranks that never waited for
+// it.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,9 +99,54 @@ static void rearm_state_read_after_the_flag() {
   CHECK(polls == 6);
 }
 
+// Rank 2 of 3 has exited (its header holds the pid of a reaped child process). Rank 1 notices it
+// (waiting for rank 2) and fails its call; rank 0, waiting only for rank 1, stops at once on rank
+// 1's fault, and its error names rank 2, the root cause, not rank 1: the fault carries the dead
+// rank (word 1 of rank 1's Fault line in rank 0's header).
+static void dead_rank_named_by_every_rank() {
+  constexpr int W = 3;
+  const std::string job = "ctest-dead" + std::to_string(::getpid());
+  std::vector<std::unique_ptr<cpu::SymmHeap>> heaps;
+  for (int r = 0; r < W; ++r) heaps.push_back(std::make_unique<cpu::SymmHeap>(r, W, job, 7, 10.0));
+  for (auto& h : heaps) h->connect();
+  for (auto& h : heaps) h->unlink_own();
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  CHECK(child > 0);
+  ::waitpid(child, nullptr, 0);  // gone: kill(pid, 0) fails with ESRCH
+  flag_release(heaps[2]->header(2)->pid, uint64_t(child));
+  const std::string dead = "rank 2 (pid " + std::to_string(child) + ") has exited";
+
+  std::string survivor;
+  std::thread rank0([&] {
+    try {  // rank 1's metadata, which never comes
+      heaps[0]->wait(header_flag(heaps[0]->header(0), W, PeerFlag::Meta, 1), 1,
+                     WaitSite::PeerMeta, 1);
+    } catch (const std::exception& e) {
+      survivor = e.what();
+    }
+  });
+  std::string noticer;
+  try {
+    heaps[1]->wait(header_flag(heaps[1]->header(1), W, PeerFlag::Meta, 2), 1, WaitSite::PeerMeta,
+                   2);
+  } catch (const std::exception& e) {
+    noticer = e.what();
+    heaps[1]->mark_broken(noticer);  // as a failed call does (ops_cpu.cpp: guarded_call)
+  }
+  rank0.join();
+  CHECK(noticer.find(dead) != std::string::npos);
+  CHECK(survivor.find(dead) != std::string::npos);
+  CHECK(survivor.find("rank 1 noticed it and stopped this call") != std::string::npos);
+  CHECK(header_flag(heaps[0]->header(0), W, PeerFlag::Fault, 1)[1] == 3);  // 1 + the dead rank
+  if (survivor.find(dead) == std::string::npos)
+    std::fprintf(stderr, "rank 0: %s\n", survivor.c_str());
+}
+
 int main() {
   rearm_state_read_after_the_flag();
   arrivals();
   heap_handshake();
+  dead_rank_named_by_every_rank();
   TEST_MAIN_END
 }

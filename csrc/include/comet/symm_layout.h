@@ -63,7 +63,8 @@ enum class PeerFlag : int32_t {
   Gen = 6,         // s's data generation `gen` exists
   Data = 7,        // s's source data of call `epoch` is readable (s on this node)
   // Recovery after a failed call (docs/reliability.md). Both carry a re-arm round, not an epoch:
-  Fault = 8,       // s failed a call of round value-1 and asks for re-arm `value`
+  Fault = 8,       // s failed a call of round value-1 and asks for re-arm `value`; word 1 of
+                   // the flag's line: 1 + the rank whose exit s noticed (0: none)
   Rearm = 9,       // s entered re-arm `value`; words 1.. of the flag's line hold its RearmState
 };
 constexpr int32_t kPeerFlagKinds = 10;
