@@ -217,8 +217,10 @@ def _killed_seen_through_a_peer(rank, world):
 
 def test_rank_that_noticed_a_death_stops_its_peers_naming_the_dead_rank():
     """Whichever rank notices a peer's exit first, every survivor's error names the dead rank:
-    the calls of ranks 0 and 2 stop at once (not after their timeout) on rank 1's fault, with rank
-    3's exit as the reason, not "rank 1 stopped this call"."""
+    the calls of ranks 0 and 2 stop at once (not after their timeout) with rank 3's exit as the
+    reason, never as "rank 1 stopped this call". Usually rank 1's re-arm notices first and stops
+    them; on a loaded machine rank 0's own wait may notice first and stop rank 2 (which rank
+    noticed is timing; tests/cpp/test_protocol.cpp pins the propagation through a peer)."""
     res = run_ranks(_killed_seen_through_a_peer, 4, env=ENV, timeout=60, may_die={3})
     assert res[3] == -9, res[3]
     kind, msg, _ = res[1]
@@ -226,7 +228,7 @@ def test_rank_that_noticed_a_death_stops_its_peers_naming_the_dead_rank():
     for r in (0, 2):
         kind, msg, took = res[r]
         assert kind == "RuntimeError" and "rank 3 (pid" in msg and "has exited" in msg, (r, msg)
-        assert "rank 1 noticed it and stopped this call" in msg, (r, msg)
+        assert "rank 1 stopped this call" not in msg, (r, msg)
         assert took < TIMEOUT_S, f"rank {r} needed {took:.1f} s (its timeout is {TIMEOUT_S})"
 
 
