@@ -164,6 +164,39 @@ def test_fp8_format_below_the_ops_and_master_weights_above():
         assert getattr(fp8, name) is getattr(fmt, name), name
 
 
+# The cost model's parts (comet/tune/model/), in the order they build on each other.
+MODEL_PARTS = ["hardware", "fp8", "shape", "tp", "gemm", "one_node", "nodes", "comm", "pipeline",
+               "backward"]
+
+
+def test_cost_model_parts_build_in_order():
+    """Each part of the cost model imports only the parts before it in MODEL_PARTS (and no other
+    part of comet), and every module of comet/tune/model/ is one of them."""
+    graph = import_graph()
+    here = {p.stem for p in (PKG / "tune" / "model").glob("*.py")} - {"__init__"}
+    assert here == set(MODEL_PARTS), here ^ set(MODEL_PARTS)
+    for i, part in enumerate(MODEL_PARTS):
+        allowed = {f"comet.tune.model.{p}" for p in MODEL_PARTS[:i]}
+        bad = graph[f"comet.tune.model.{part}"] - allowed
+        assert not bad, f"comet.tune.model.{part} imports {sorted(bad)}"
+
+
+def test_perfmodel_is_the_one_face_of_the_cost_model():
+    """comet/tune/perfmodel.py holds no code of its own: a docstring, imports from the parts and
+    its names; each public name is a part's object, and __all__ keeps its 57 names."""
+    tree = ast.parse((PKG / "tune" / "perfmodel.py").read_text())
+    for node in tree.body[1:]:
+        assert isinstance(node, (ast.ImportFrom, ast.Assign)), ast.dump(node)[:80]
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            assert node.level == 1 and node.module.startswith("model."), node.module
+    from comet.tune import perfmodel as pm
+    for name in pm.__all__:
+        obj = getattr(pm, name)
+        if callable(obj) and hasattr(obj, "__module__"):
+            assert obj.__module__.startswith("comet.tune.model."), (name, obj.__module__)
+    assert len(pm.__all__) == len(set(pm.__all__)) == 57
+
+
 def test_public_import_paths():
     import comet
     import comet.nn
