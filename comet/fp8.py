@@ -1,84 +1,31 @@
-"""FP8 tensors in the format comet's ops take (docs/api.md, "FP8").
+"""FP8 tensors in the format comet's ops take (docs/api.md, "FP8"), and training with bf16 master
+weights.
 
-A value is ``q.float() * scale`` of its block: ``q`` float8_e4m3fn, ``scale`` float32 =
-amax / 448 of the block (448: e4m3fn's largest finite value; an all-zero block gets scale 1).
+The format -- quantisers, their inverse, the packed rows FP8 tokens travel as -- is
+comet.formats.fp8, below the ops (they size and dequantise with it); its names are this module's:
 
 * activations, one scale per row and 128 columns: :func:`quantize_rows` ``x [T, H]`` ->
   ``(q [T, H], scale [T, ceil(H/128)])``;
 * weights, one scale per 128 x 128 block: :func:`quantize_blocks` ``w [E, N, K]`` ->
-  ``(q [E, N, K], scale [E, ceil(N/128), ceil(K/128)])``.
-
-The quantisers are the ops ``torch.ops.comet.fp8_quantize_rows / fp8_quantize_blocks`` (ATen, any
-device). moe_layer0's sending side for ``dispatch_fp8=True`` quantises and packs each row in one
-pass (the CPU backend's loop, one CUDA kernel on the GPU) with the arithmetic of
-csrc/include/comet/fp8_rows.h, which gives the same bits (tests/test_fp8.py holds its rounding to
-torch's conversion for every bfloat16 value and the one-pass rows to quantize_rows').
-
-Packed rows: with FP8 token rows on the wire, moe_layer0's ``a`` output (the dispatched rows) holds
-each row's values and scales together, uint8 ``[rows, row_bytes(H)]`` (csrc/include/comet/
-fp8_rows.h); :func:`unpack_rows` splits them.
+  ``(q [E, N, K], scale [E, ceil(N/128), ceil(K/128)])``;
+* :func:`dequantize_rows` / :func:`dequantize_blocks` give the values back (``q.float() * scale``);
+  :func:`row_bytes` / :func:`unpack_rows`: the packed rows of moe_layer0's ``a`` with FP8 rows.
 
 Training: :func:`moe_layer0` / :func:`moe_layer1` take bf16 master weights, quantise them per
-call and return bf16 gradients for them (see below).
+call and return bf16 gradients for them (see below). They sit above the ops (comet.layers.ops and
+its autograd), which do not import this module.
 """
 from __future__ import annotations
 
 import torch
 
-from comet._native import _C  # registers the ops; _C.engine: the packed rows' geometry
+from comet.formats.fp8 import (BLOCK, DTYPE, FP8_MAX, dequantize_blocks,  # noqa: F401
+                               dequantize_rows, quantize_blocks, quantize_rows, row_bytes,
+                               unpack_rows)
+from comet.layers import autograd, ops
 
 __all__ = ["BLOCK", "FP8_MAX", "dequantize_blocks", "dequantize_rows", "moe_layer0", "moe_layer1",
            "quantize_blocks", "quantize_rows", "row_bytes", "unpack_rows"]
-
-BLOCK = 128
-FP8_MAX = 448.0
-DTYPE = torch.float8_e4m3fn
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (float32/bfloat16/float16/float64) -> (q [T, H] float8_e4m3fn, scale [T, ceil(H/128)]
-    float32), one scale per row and 128 columns (the last block may be narrower)."""
-    return torch.ops.comet.fp8_quantize_rows(x)
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> (q [E, N, K] float8_e4m3fn, scale [E, ceil(N/128), ceil(K/128)] float32), one
-    scale per 128 x 128 block (edge blocks may be smaller)."""
-    return torch.ops.comet.fp8_quantize_blocks(w)
-
-
-def _expand(scale: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    return scale.repeat_interleave(BLOCK, dim=dim).narrow(dim, 0, n)
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of quantize_rows' output: q [T, H] * its 1 x 128 scales, in `dtype` (computed in
-    fp32, rounded once)."""
-    return (q.float() * _expand(scale, 1, q.shape[1])).to(dtype)
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of quantize_blocks' output: q [E, N, K] * its 128 x 128 scales, in `dtype`."""
-    s = _expand(_expand(scale, 1, q.shape[1]), 2, q.shape[2])
-    return (q.float() * s).to(dtype)
-
-
-def row_bytes(hidden: int) -> int:
-    """Bytes of one packed FP8 row of `hidden` values (comet/fp8_rows.h, the one definition): the
-    values, padded to 4 bytes, then their ceil(H/128) fp32 scales, padded to a multiple of 16
-    bytes."""
-    return int(_C.engine.fp8_row_bytes(hidden))
-
-
-def unpack_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed rows uint8 [R, row_bytes(H)] (moe_layer0's `a` with FP8 rows) -> (q [R, H]
-    float8_e4m3fn, scale [R, ceil(H/128)] float32), copies."""
-    nb, at = -(-hidden // BLOCK), int(_C.engine.fp8_row_scales_at(hidden))
-    scale = rows[:, at:at + 4 * nb].contiguous().view(torch.float32)
-    q = rows[:, :hidden].contiguous().view(DTYPE)
-    return q, scale
 
 
 # -- Training with bf16 master weights -------------------------------------------------------------
@@ -118,8 +65,6 @@ def _needs(args: tuple, grads: dict):
 
 
 def _undeferred(fn):
-    from comet.layers import autograd
-
     active, autograd._tls.active = autograd._tls.active, []
     try:
         return fn()
@@ -130,8 +75,6 @@ def _undeferred(fn):
 class _MasterLayer0(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w0, b0, topk_ids, static):
-        from comet.layers import autograd
-
         num_experts, handle, cfg, bound, out_dtype, dispatch, tp = static
         q, s = quantize_blocks(w0)
         args = _schema_args("moe_layer0", (x, q, topk_ids, num_experts, handle, *cfg, b0, False,
@@ -146,8 +89,6 @@ class _MasterLayer0(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy0, *_rest):
-        from comet.layers import autograd
-
         g = _undeferred(lambda: autograd._layer0_backward(ctx.inner, dy0, None))
         return g[0], g[1], g[9], None, None
 
@@ -155,8 +96,6 @@ class _MasterLayer0(torch.autograd.Function):
 class _MasterLayer1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w1, topk_weights, b1, layout_tensors, static):
-        from comet.layers import autograd
-
         num_experts, handle, cfg, bound, band, out_dtype, quantize_h, tp = static
         q, s = quantize_blocks(w1)
         hq, hs = quantize_rows(h) if quantize_h else (h, None)
@@ -172,8 +111,6 @@ class _MasterLayer1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from comet.layers import autograd
-
         g = _undeferred(lambda: autograd._layer1_backward(ctx.inner, dout))
         return g[0], g[1], g[2], g[12], None, None
 
@@ -186,8 +123,6 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, dispatch_fp8: bool
     Differentiable: x gets its gradient in its dtype, w0 (and b0) in bf16 (x's dtype).
     Not on a buffer with a placement (FP8 runs on the contiguous map): that raises on every rank.
     Returns (y0, Layout) as comet.moe_layer0."""
-    from comet.layers import ops
-
     # comet.moe_layer0's preamble (device check on every rank, tp_size, bound, launch config).
     buf = ops.call_buffer(buffer, group, x)
     if getattr(buf, "placement", None) is not None:  # FP8 runs on the contiguous map only
@@ -206,8 +141,6 @@ def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
     h quantised per row (quantize_rows) unless quantize_h=False. Differentiable: h, w1 (and b1) get
     bf16 gradients (h's dtype), topk_weights its own dtype. A layout made with a placement
     raises on every rank (FP8 runs on the contiguous map). Returns out [T, H]."""
-    from comet.layers import ops
-
     buf = ops.call_buffer(buffer, group, h, layout)
     if layout.routes is not None:
         ops._no_fp8_with_placement(buf, 1, h_scale=quantize_h or None, w1_scale=True)

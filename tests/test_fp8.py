@@ -15,6 +15,7 @@
 Gradients: tests/test_fp8_grad.py; bad input: tests/test_fp8_checks.py.
 """
 import dataclasses
+import pathlib
 import re
 
 import pytest
@@ -28,6 +29,7 @@ from comet import reference as ref
 from tests.cases import Case, make_inputs
 from tests.sim_world import run_threads
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 F8 = torch.float8_e4m3fn
 FP32_TIGHT = dict(atol=1e-4, rtol=1e-5)
 
@@ -155,6 +157,69 @@ def test_row_bytes_matches_the_packed_rows_of_layer0():
     for H in (1, 100, 128, 300, 512):
         assert fp8.row_bytes(H) % 16 == 0 and fp8.row_bytes(H) >= H + 4 * -(-H // 128)
     assert fp8.row_bytes(512) == 512 + 16 and fp8.row_bytes(7168) == 7168 + 4 * 56
+
+
+# docs/api.md's packed FP8 row, as written there; the test below reads rows by this text's offsets,
+# not by comet's (row_bytes, unpack_rows, fp8_row_scales_at).
+DOC_ROW = "`[H fp8 values][pad to 4 bytes][ceil(H/128) float32 scales][pad to 16 bytes]`"
+
+
+def _doc_row_layout(H):
+    """(offset of the scales, number of scales, row bytes) of DOC_ROW for H values."""
+    scales_at = -(-H // 4) * 4                    # H one-byte values, padded to 4 bytes
+    n_scales = -(-H // 128)                       # one float32 per 128 values
+    row = -(-(scales_at + 4 * n_scales) // 16) * 16  # padded to 16 bytes
+    return scales_at, n_scales, row
+
+
+def _check_doc_rows(rows, q, s, H):
+    """rows: uint8 [R, .] read by the documented offsets hold q's bytes, s's floats, zero padding
+    (the padding's content is comet/fp8_rows.h's: zeros)."""
+    at, nb, row = _doc_row_layout(H)
+    assert rows.dtype == torch.uint8 and rows.shape == (q.shape[0], row)
+    assert torch.equal(rows[:, :H], q.view(torch.uint8))
+    assert not rows[:, H:at].any()
+    assert torch.equal(rows[:, at:at + 4 * nb].contiguous().view(torch.float32).view(torch.int32),
+                       s.contiguous().view(torch.int32))
+    assert not rows[:, at + 4 * nb:].any()
+
+
+@pytest.mark.parametrize("H", [1, 2, 3, 5, 37, 127, 128, 129, 255, 300, 509, 512, 640, 1001])
+def test_packed_rows_follow_the_documented_layout(H):
+    """The sending side's packed rows (dispatch_fp8) against the format as docs/api.md writes it,
+    values and scales from the quantiser written out in this file (_oracle_rows)."""
+    from comet._native import _C
+
+    assert DOC_ROW in (ROOT / "docs" / "api.md").read_text()
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(6, H, generator=g) * torch.logspace(-3, 2, 6).unsqueeze(1)
+    x[1] = 0.0
+    q, s = _oracle_rows(x)
+    _check_doc_rows(_C.engine.fp8_quantize_pack_rows(x), q, s, H)
+    assert fp8.row_bytes(H) == _doc_row_layout(H)[2]
+
+
+@pytest.mark.parametrize("H", [37, 300])
+def test_dispatched_rows_follow_the_documented_layout(H):
+    """layer0's `a` with FP8 rows (an FP8 x with its scales, and dispatch_fp8 from bf16): each row
+    read by docs/api.md's offsets is its source token's values and scales."""
+    case = Case(f"layout-{H}", 2, 4, 2, (5, 4), hidden=H, n0=16, n1=8, seed=7)
+    xs, w0s, _w1s, ids, _wts = make_inputs(case, torch.bfloat16)
+    w0q = [fp8.quantize_blocks(w) for w in w0s]
+    xq = [_oracle_rows(x) for x in xs]
+    for dispatch in (False, True):
+        def rank(r, buf):
+            x, kw = (xs[r], dict(dispatch_fp8=True)) if dispatch else (xq[r][0],
+                                                                      dict(x_scale=xq[r][1]))
+            out = torch.ops.comet.moe_layer0(x, w0q[r][0], ids[r], case.experts, buf.handle,
+                                             1, 1, 8, 8, w0_scale=w0q[r][1], **kw)
+            return out[1]
+
+        for r, a in enumerate(run_threads(case.world, rank)):
+            rows = ref.dispatch_rows(ids, case.experts, r)
+            q = torch.stack([xq[row.source][0][row.token] for row in rows])
+            s = torch.stack([xq[row.source][1][row.token] for row in rows])
+            _check_doc_rows(a, q, s, H)
 
 
 # -- forward --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """comet.plan: Placement and its replica rule, ExpertLoad, the Lysi planners, balance, and the
 cost model's per-rank rows under skew (pure Python / torch on the CPU, fast)."""
+import itertools
 import math
 
 import pytest
@@ -125,6 +126,59 @@ def test_replica_rule_own_rank_then_node_then_spread(p, data):
         for (_, cands), chosen in tiers.items():
             counts = [chosen.count(c) for c in cands]
             assert max(counts) - min(counts) <= 1, (p, P, e, cands, chosen)
+
+
+def _replica_by_the_rule(expert_ranks, world, P, e, s):
+    """docs/placement.md's replica rule, restated from its text (not from comet.plan): the replica
+    of expert e that serves source rank s, with ranks_per_node P."""
+    reps = sorted(expert_ranks[e])
+    if s in reps:                                       # 1. the source itself
+        return s
+    near = [r for r in reps if r // P == s // P]
+    if near:                                            # 2. its node's replicas, dealt in turn to
+        tier = [x for x in range(world)                 #    the node's sources without one
+                if x // P == s // P and x not in reps]
+        cands = near
+    else:                                               # 3. every replica, dealt to the sources
+        tier = [x for x in range(world)                 #    whose node holds none
+                if x not in reps and not any(r // P == x // P for r in reps)]
+        cands = reps
+    i = tier.index(s)                                   # ascending rank order, from offset e
+    return cands[(i + e) % len(cands)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements(max_world=8), st.data())
+def test_replica_rule_per_source_and_expert(p, data):
+    """route_table and choose_replica give, for every source and expert, the replica the rule as
+    docs/placement.md states it names."""
+    P = data.draw(st.sampled_from([d for d in range(1, p.world + 1) if p.world % d == 0]))
+    table = route_table(p, P)
+    for e in range(p.num_experts):
+        for s in range(p.world):
+            want = _replica_by_the_rule(p.expert_ranks, p.world, P, e, s)
+            assert table[s][e] == want, (p, P, e, s)
+            assert choose_replica(p, e, s, P) == want
+
+
+def test_replica_rule_on_hand_made_placements():
+    """Tables worked out by hand from the rule."""
+    p = Placement([[0, 1], [2], [3], [1, 3]])
+    # one node: experts 1 and 2 have one replica; expert 0's sources 2, 3 take replicas 0, 1 from
+    # offset 0; expert 3's sources 0, 2 take replicas 1, 3 from offset 3 % 2 = 1
+    assert route_table(p) == [[0, 2, 3, 3], [1, 2, 3, 1], [0, 2, 3, 1], [1, 2, 3, 3]]
+    # two nodes of 2: expert 0 has no replica on node 1, so node 1's sources 2, 3 share both
+    # replicas; expert 3 has one on each node, so every source stays on its node
+    assert route_table(p, 2) == [[0, 2, 3, 1], [1, 2, 3, 1], [0, 2, 3, 3], [1, 2, 3, 3]]
+    # offset e: expert 1's three sources on replicas (0, 4) start at 1 % 2
+    q = Placement([[4], [0, 4], [1]], world=6)
+    assert [route_table(q)[s][1] for s in range(6)] == [0, 4, 0, 4, 4, 0]
+    # two nodes of 3: sources 1, 2 use node 0's replica 0, sources 3 and 5 node 1's replica 4
+    assert [route_table(q, 3)[s][1] for s in range(6)] == [0, 0, 0, 4, 4, 4]
+    # three nodes of 3, both replicas on node 0: nodes 1 and 2 hold none, so their six sources are
+    # one tier dealt across both nodes (source 6 is its 4th: replica 1), not a tier per node
+    r = Placement([[0, 1]], world=9)
+    assert [route_table(r, 3)[s][0] for s in range(9)] == [0, 1, 0, 0, 1, 0, 1, 0, 1]
 
 
 def test_replica_rule_checks_its_arguments():
@@ -325,6 +379,89 @@ def test_lysi_group_keeps_nodes_apart_when_links_are_slow():
     assert lysi_group(a, b, [1e12] * 4, [1e3] * 4, 1, d=1e6) == [[0, 1, 2, 3]]
 
 
+def _objective_by_hand(group, n_groups, alpha, beta, flops, loads, slots, d, d_ar=0.0):
+    """T(g) with eta = gamma = 1, as comet/plan/lysi.py's module doc writes it (the paper's
+    equations 3 and 4), restated here: inf without memory for every expert, else the group's
+    compute, its busiest worker's links, and the all-reduce across the groups."""
+    if sum(slots[j] for j in group) < len(loads):
+        return math.inf
+    pairs = [(i, j) for i in range(len(flops)) for j in range(len(flops)) if i != j]
+    a_star = max((alpha[i][j] for i, j in pairs), default=0.0)
+    b_star = max((beta[i][j] for i, j in pairs), default=0.0)
+    compute = sum(loads) / sum(flops[j] for j in group)
+    links = max(sum(alpha[i][j] + d / len(group) * beta[i][j] for j in group if j != i)
+                for i in group)
+    return compute + links + 2 * (n_groups - 1) * (a_star + d_ar * b_star / n_groups)
+
+
+def _merges_by_the_rule(alpha, beta, flops, loads, slots, d, d_ar=0.0):
+    """Two workers, one edge: LysiGroup merges them when the union (one group) beats each worker
+    alone (two groups), a worker without memory for every expert (T = inf) counting as beaten."""
+    t0, t1 = (_objective_by_hand([j], 2, alpha, beta, flops, loads, slots, d, d_ar)
+              for j in (0, 1))
+    t01 = _objective_by_hand([0, 1], 1, alpha, beta, flops, loads, slots, d, d_ar)
+    return (t0 == math.inf or t01 < t0) and (t1 == math.inf or t01 < t1)
+
+
+def _link(x):
+    return [[0.0, x], [x, 0.0]]
+
+
+# Two workers, latency 1 s on their link (so a worker alone pays 2 (|G| - 1) alpha* = 2 s of
+# all-reduce), one expert of cost 2 unless given: T(one worker) = 2 / F + 2, T(both) =
+# 2 / (F0 + F1) + 1 + d / 2 * beta, each worked out by hand.
+LYSI_MERGE_CASES = {
+    # T(0) = T(1) = 4 > T(both) = 2
+    "merge-union-halves-compute": (dict(flops=[1, 1], beta=0.0, d=0.0), True, (4.0, 2.0)),
+    # T(both) = 1 + 1 + 5 = 7 > 4: the bytes on the link cost more than the union saves
+    "apart-link-too-slow": (dict(flops=[1, 1], beta=1.0, d=10.0), False, (4.0, 7.0)),
+    # T(0) = 4 / 4 + 2 = 3, T(1) = 4 + 2 = 6, T(both) = 0.8 + 1 + 3 = 4.8: beats worker 1 only
+    "apart-union-beats-one-side-only": (dict(flops=[4, 1], loads=[4.0], beta=1.0, d=6.0), False,
+                                        (3.0, 4.8)),
+    # T(both) = 1 + 1 + 2 = 4 = T(0) = T(1): a tie is not a win
+    "apart-tie": (dict(flops=[1, 1], beta=1.0, d=4.0), False, (4.0, 4.0)),
+    # neither worker holds both experts (T = inf): they merge, whatever the union costs
+    "merge-both-sides-infeasible": (dict(flops=[1, 1], loads=[1.0, 1.0], slots=[1, 1], beta=1.0,
+                                         d=1e6), True, (math.inf, None)),
+    # worker 1 holds nothing (T = inf, beaten), worker 0 alone: T = 2 + 2 = 4 < T(both) = 7
+    "apart-feasible-side-beats-union": (dict(flops=[1, 1], slots=[1, 0], beta=1.0, d=10.0),
+                                        False, (4.0, 7.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(LYSI_MERGE_CASES))
+def test_lysi_group_merges_only_when_the_union_beats_both_sides(case):
+    kw, merges, (t_alone, t_union) = LYSI_MERGE_CASES[case]
+    flops, loads, slots = kw["flops"], kw.get("loads", [2.0]), kw.get("slots", [1, 1])
+    alpha, beta, d = _link(1.0), _link(kw["beta"]), kw["d"]
+    assert _merges_by_the_rule(alpha, beta, flops, loads, slots, d) == merges  # the worked case
+    assert _objective_by_hand([0], 2, alpha, beta, flops, loads, slots, d) == t_alone
+    assert group_objective([0], 2, alpha, beta, flops, loads, slots, d=d) == t_alone
+    if t_union is not None:
+        assert _objective_by_hand([0, 1], 1, alpha, beta, flops, loads, slots, d) == t_union
+        assert group_objective([0, 1], 1, alpha, beta, flops, loads, slots, d=d) == t_union
+    groups = lysi_group(alpha, beta, flops, loads, slots, d=d)
+    assert groups == ([[0, 1]] if merges else [[0], [1]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=2, max_size=2),
+       st.lists(st.integers(0, 50), min_size=1, max_size=4),
+       st.lists(st.integers(0, 4), min_size=2, max_size=2),
+       st.integers(0, 4), st.integers(0, 4), st.integers(0, 20), st.integers(0, 20))
+def test_lysi_group_decision_on_two_workers_is_the_objectives(flops, loads, slots, a, b, d, d_ar):
+    """Every two-worker instance (small integers: the objectives compare exactly or nearly so):
+    merged exactly when the union's T beats both workers' (as restated above)."""
+    alpha, beta = _link(float(a)), _link(b / 8)
+    groups = lysi_group(alpha, beta, flops, loads, slots, d=float(d), d_ar=float(d_ar))
+    merges = _merges_by_the_rule(alpha, beta, flops, loads, slots, float(d), float(d_ar))
+    assert groups == ([[0, 1]] if merges else [[0], [1]]), (flops, loads, slots, a, b, d, d_ar)
+    for g, n in (([0], 2), ([1], 2), ([0, 1], 1)):
+        want = _objective_by_hand(g, n, alpha, beta, flops, loads, slots, float(d), float(d_ar))
+        got = group_objective(g, n, alpha, beta, flops, loads, slots, d=float(d), d_ar=float(d_ar))
+        assert got == want or math.isclose(got, want, rel_tol=1e-12)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6), st.lists(st.integers(1, 100), min_size=1, max_size=8), st.data())
 def test_lysi_group_partitions_the_workers_deterministically(W, loads, data):
@@ -350,6 +487,38 @@ def test_balance_places_every_expert_within_slots(loads, W, data):
     assert all(len(r) >= 1 for r in p.expert_ranks)  # Placement checks it, too
     # spare slots become replicas, at most one per rank per expert
     assert sum(p.slots()) == min(W * S, E * W)
+
+
+def _fits_by_brute_force(demands, free):
+    """Whether every expert i can get demands[i] distinct ranks, rank r holding at most free[r] of
+    them: try every choice of ranks, expert by expert."""
+    if not demands:
+        return True
+    first, rest = demands[0], demands[1:]
+    for ranks in itertools.combinations(range(len(free)), first):
+        if all(free[r] > 0 for r in ranks):
+            left = [f - (r in ranks) for r, f in enumerate(free)]
+            if _fits_by_brute_force(rest, left):
+                return True
+    return False
+
+
+def test_balance_feasibility_check_is_the_brute_forces():
+    """balance's Gale-Ryser check (which keeps later experts room for all their replicas) against
+    an exhaustive search, on every instance of up to 4 ranks with 0-3 free slots each and up to 4
+    experts needing 1-4 ranks each (unsorted)."""
+    from comet.plan.balance import _fits
+
+    checked = 0
+    for W in range(1, 5):
+        for free in itertools.product(range(4), repeat=W):
+            for n in range(0, 5):
+                for demands in itertools.combinations_with_replacement(range(1, 5), n):
+                    demands = list(demands)[::-1] if n % 2 else list(demands)
+                    want = _fits_by_brute_force(demands, list(free))
+                    assert _fits(demands, list(free)) == want, (demands, free)
+                    checked += 1
+    assert checked > 20000
 
 
 def _max_over_mean(p, loads, k=2, T=1024):

@@ -62,7 +62,37 @@ def test_required_bytes_is_what_the_calls_ask_for(case, rpn, reduce, dtype):
         assert after >= need
 
 
-@pytest.mark.parametrize("case,rpn,reduce", SHAPES[:2], ids=[str(s[0]) for s in SHAPES[:2]])
+# Many tokens per rank: every region of the layout is then several of its 256-byte alignment units
+# (comet/symm_layout.h), so an element or accumulator size off by a factor shows in the total
+# instead of vanishing in a region's rounding up (a dozen tokens' 4-byte weights, 48 bytes, and
+# their 8-byte ones, 96, both take one unit).
+MANY = [
+    (Case("w2-many", 2, 4, 2, (70, 45), hidden=24, n0=16, n1=8), None, False),
+    (Case("w4-two-nodes-many", 4, 8, 3, (40, 66, 0, 51), hidden=40, n0=16, n1=8, seed=3), 2,
+     False),
+    (Case("w4-two-nodes-reduced-many", 4, 8, 3, (40, 66, 0, 51), hidden=40, n0=16, n1=8,
+          seed=3), 2, True),
+]
+ALIGN = 256
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["fp32", "bf16", "fp16", "fp64"])
+@pytest.mark.parametrize("case,rpn,reduce", MANY, ids=[str(s[0]) for s in MANY])
+def test_required_bytes_of_every_dtype_is_what_many_tokens_ask_for(case, rpn, reduce, dtype):
+    """Every activation dtype the ops take, with enough tokens that the routing weights alone
+    (tokens x topk, 4 bytes each, 8 for float64 inputs on the CPU backend) fill more than one
+    alignment unit."""
+    assert max(case.tokens) * case.topk * 4 > ALIGN
+    need = _need(case, dtype, rpn, reduce)
+    for before, after, requested in _run(case, dtype, rpn, reduce, reserve=False):
+        assert before == 0
+        assert requested == need
+        assert after >= need
+
+
+@pytest.mark.parametrize("case,rpn,reduce", SHAPES[:2] + MANY[:2],
+                         ids=[str(s[0]) for s in SHAPES[:2] + MANY[:2]])
 def test_required_bytes_of_fp8_rows_is_what_the_calls_ask_for(case, rpn, reduce):
     """dtype float8_e4m3fn: layer0's packed FP8 rows (values and scales) and layer1's bf16
     partials, as the FP8 calls size them."""

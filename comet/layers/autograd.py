@@ -90,6 +90,7 @@ import torch
 
 from comet.layers import ops as _ops  # noqa: F401  (the ops and their fake kernels)
 from comet.buffers import symm
+from comet.formats import fp8
 
 __all__ = [
     "DeferredWeightGrads",
@@ -617,8 +618,6 @@ def _backward_dtype(act: torch.Tensor) -> torch.dtype:
 
 
 def _dequantized_weight(w, scale, dtype):
-    from comet import fp8
-
     return fp8.dequantize_blocks(w, scale, dtype) if w.dtype == _FP8 else w
 
 
@@ -657,8 +656,6 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
     w0, topk_ids, a, recv_counts, send_pos, w0_scale = ctx.saved_tensors
     w0 = _dequantized_weight(w0, w0_scale, ctx.x_dtype)
     if ctx.fp8_rows:
-        from comet import fp8
-
         a = fp8.dequantize_rows(*fp8.unpack_rows(a, ctx.hidden), ctx.x_dtype)
         da = None  # the packed rows are not differentiable (a gradient there has no meaning)
     num_experts, buffer, cfg = ctx.cfg
@@ -719,8 +716,6 @@ def _layer1_setup_context(ctx, inputs, output):
 def _layer1_backward(ctx, dout):
     h, w1, topk_weights, topk_ids, send_pos, recv_counts, b1, h_scale, w1_scale = ctx.saved_tensors
     if h.dtype == _FP8:
-        from comet import fp8
-
         h = fp8.dequantize_rows(h, h_scale, torch.bfloat16)
     w1 = _dequantized_weight(w1, w1_scale, h.dtype)
     num_experts, buffer, cfg = ctx.cfg

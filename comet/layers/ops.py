@@ -11,6 +11,7 @@ import torch
 
 from comet.tune import perfmodel as pm
 from comet.buffers import symm
+from comet.formats.fp8 import row_bytes as fp8_row_bytes
 from comet.layers import placed
 from comet._native import _C  # noqa: F401  (registers the ops)
 
@@ -84,8 +85,6 @@ def result_dtype(act, w, fp8_wire: bool = False, out_dtype=None) -> torch.dtype:
 def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
                  w0_transposed=False, max_rows=-1, tp_size=1, x_scale=None, w0_scale=None,
                  out_dtype=None, dispatch_fp8=False):
-    from comet import fp8
-
     world = symm.world_of_handle(buffer)
     ep = max(1, world // max(1, tp_size))
     # With a bound the shapes are static; without one M is data-dependent.
@@ -95,7 +94,7 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
     return (
         x.new_empty(rows, w0.shape[2 if w0_transposed else 1],
                     dtype=result_dtype(x, w0, dispatch_fp8, out_dtype)),
-        x.new_empty(rows, fp8.row_bytes(x.shape[1]), dtype=torch.uint8) if fp8_rows else
+        x.new_empty(rows, fp8_row_bytes(x.shape[1]), dtype=torch.uint8) if fp8_rows else
         x.new_empty(rows, x.shape[1]),
         torch.empty(world, num_experts // ep, **i32),
         torch.empty(topk_ids.shape, **i32),

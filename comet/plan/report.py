@@ -13,6 +13,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from comet.tune import perfmodel as pm
+from comet.tune.presets import MODELS, text_table
 from .balance import balance
 from .load import zipf_loads
 from .lysi import lysi_assign
@@ -90,14 +91,12 @@ def skew_text(model: Dict[str, object], spec: pm.GpuSpec, world: int, tokens: in
               dtype_bytes: int, s: float, spare_slots: int = 1,
               ranks_per_node: Optional[int] = None) -> str:
     """``python -m comet.tune --skew zipf:<s>``'s section: each planner's slowest rank."""
-    from comet.tune.cli import _table  # the CLI's table style
-
     rows = skew_rows(model, spec, world, tokens, dtype_bytes, (s,), PLANNERS, spare_slots,
                      ranks_per_node)
     head = (f"Skewed routing, cost model (not measured): Zipf s={s:g} over the {model['E']} "
             f"experts (shuffled, seed 0); every rank runs the split that is best for the slowest "
             f"rank; planners get E/W + {spare_slots} slots per rank")
-    return "\n".join([head, _table(HEADERS[2:], [r[2:] for r in rows])])
+    return "\n".join([head, text_table(HEADERS[2:], [r[2:] for r in rows])])
 
 
 HEADERS = ["model", "Zipf s", "placement", "max/mean rows", "n_comm", "layer0 ms", "layer1 ms",
@@ -113,8 +112,6 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
 def docs_table() -> str:
     """The table of docs/placement.md: the paper's three shapes on 8 x H800, 4096 tokens per
     rank, bf16, Zipf 1.0 and 1.5, one spare slot per rank for the planners."""
-    from comet.tune.cli import MODELS  # the paper's shapes, one definition
-
     spec = pm.get_spec("h800")
     rows = []
     for name in ("mixtral", "qwen2", "phi3.5"):

@@ -24,26 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import perfmodel as pm
 from . import tuner as tn
-
-# Model shapes of the Comet paper's evaluation (docs/peers.md): hidden H, ffn per expert, experts E, topk k;
-# all three use a gated FFN, so layer0 produces N0 = 2 * ffn columns and layer1 reduces N1 = ffn.
-MODELS: Dict[str, Dict[str, object]] = {
-    "mixtral": dict(H=4096, ffn=14336, E=8, k=2, gated=True, title="Mixtral-8x7B"),
-    "qwen2": dict(H=2048, ffn=1408, E=64, k=4, gated=True, title="Qwen2-MoE"),
-    "phi3.5": dict(H=4096, ffn=6400, E=16, k=2, gated=True, title="Phi-3.5-MoE"),
-}
-_MODEL_ALIASES = {
-    "mixtral-8x7b": "mixtral", "mixtral8x7b": "mixtral",
-    "qwen2-moe": "qwen2", "qwen2moe": "qwen2", "qwen": "qwen2",
-    "phi3.5-moe": "phi3.5", "phi-3.5": "phi3.5", "phi-3.5-moe": "phi3.5", "phi35": "phi3.5",
-    "phi": "phi3.5",
-}
-
-
-def layer_dims(model: Dict[str, object]) -> Tuple[int, int]:
-    """(N0, N1) for a model preset: N0 = layer0 output columns, N1 = layer1 reduction size."""
-    ffn = int(model["ffn"])
-    return (2 * ffn if model.get("gated", True) else ffn), ffn
+from .presets import MODEL_ALIASES, MODELS, layer_dims, text_table
 
 
 def _parse_tile(s: str) -> Tuple[int, int]:
@@ -121,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(args) -> Dict[str, object]:
-    name = _MODEL_ALIASES.get(args.model.lower(), args.model.lower())
+    name = MODEL_ALIASES.get(args.model.lower(), args.model.lower())
     if name == "custom":
         model: Dict[str, object] = dict(H=None, ffn=None, E=None, k=None, gated=True, title="custom")
     elif name in MODELS:
@@ -186,14 +167,6 @@ def _cuda_available() -> bool:
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:.3f}"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    out = [line(headers), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in rows]
-    return "\n".join(out)
 
 
 def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
@@ -282,7 +255,7 @@ def model_table(model, spec: pm.GpuSpec, world: int, tokens: int, dtype: str,
         foot += (f", NIC {spec.block_nic_bw / 1e9:.1f} GB/s (the same bytes in flight / "
                  f"{2 * spec.nic_latency_us:g} us round trip)")
     foot += "."
-    return "\n".join([head, _table(headers, rows), foot, *notes])
+    return "\n".join([head, text_table(headers, rows), foot, *notes])
 
 
 def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from comet.buffers import symm
+from comet.formats.fp8 import quantize_blocks, quantize_rows
 from comet.tune import tuner as tn
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,11 +100,9 @@ def _setup(key: tn.TuneKey, shape, group):
 
 def _weights(s, shape, fan_in):
     """(w, scale or None): a synthetic expert weight, quantised for an FP8 key."""
-    from comet import fp8
-
     w = (torch.randn(*shape, generator=s["gen"]) / fan_in ** 0.5).to(device=s["device"],
                                                                       dtype=s["dtype"])
-    return fp8.quantize_blocks(w) if s["fp8"] else (w, None)
+    return quantize_blocks(w) if s["fp8"] else (w, None)
 
 
 def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
@@ -123,8 +122,6 @@ def layer0_profiler(key: tn.TuneKey, shape=None, group=None):
 def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
     """run_fn(config) -> seconds of one torch.ops.comet.moe_layer1 call (N = N1 reduction size);
     its input h and layout come from one layer0 call made here (on every rank)."""
-    from comet import fp8
-
     s = _setup(key, shape, group)
     w0 = (torch.randn(s["El"], key.N, s["H"], generator=s["gen"]) / s["H"] ** 0.5).to(
         device=s["device"], dtype=s["dtype"])
@@ -132,7 +129,7 @@ def layer1_profiler(key: tn.TuneKey, shape=None, group=None):
     first = s["launch"](tn.Config(1))
     h, _a, recv_counts, send_pos, *_ = torch.ops.comet.moe_layer0(
         s["x"], w0, s["ids"], s["E"], s["buf"].handle, *first)
-    h, h_scale = fp8.quantize_rows(h) if s["fp8"] else (h, None)
+    h, h_scale = quantize_rows(h) if s["fp8"] else (h, None)
     op = torch.ops.comet.moe_layer1
 
     def run(cfg: tn.Config) -> float:

@@ -6,7 +6,7 @@ Pieces
   token count rounded up to a power of two (:func:`token_bucket`), the ranks per node (default
   W: one node; keys of one node keep the id they had before nodes were modelled) and the expert
   tensor-parallel size ``tp_size`` (default 1; keys without TP keep their id too).  dtype "fp8"
-  is FP8 operands with their scales (comet.tune.perfmodel's FP8 section).
+  is FP8 operands with their scales (comet.tune.model.fp8).
 * :class:`Config` -- the choice: ``n_comm``, ``tile_m``, ``tile_n`` and (layer1) ``band_n``, the
   n-tiles per column band of its GEMM (csrc/include/comet/tile_order.h; 0 = all; cache entries
   written before bands existed read as 1, the column order they were measured with).

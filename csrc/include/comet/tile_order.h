@@ -15,7 +15,7 @@
 // weights of an expert are then read from HBM about ceil(m-tiles of the expert / group) times
 // instead of once per m-tile (Mixtral's w0 at 4096 tokens: 8 times, ~15 GB per call). The rows
 // of a group are reused from L2 across its n-tiles when the group's rows and a wave's weights fit
-// there (comet/tune/perfmodel.py charges what does not).
+// there (comet/tune/model/gemm.py charges what does not).
 //
 // layer0: m-tiles are visited by the ring distance of the farthest source among their rows
 // (0 = local only, then rows from the next rank, ...), ties in expert/row order; raster groups
