@@ -621,7 +621,7 @@ def get_spec(arch: str, sm_count: Optional[int] = None) -> Optional[GpuSpec]:
 # ----------------------------------------------------------------------------------------------
 
 # "fp8": float8_e4m3fn or float8_e5m2 operands with float32 scales, one per 1 x 128 values of a
-# row (x, h) and one per 128 x 128 block of a weight (issue 22's format; see the FP8 section).
+# row (x, h) and one per 128 x 128 block of a weight (comet.fp8's format; see the FP8 section).
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
                   "float": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "e4m3": "fp8",
@@ -909,7 +909,7 @@ def _check_layer(layer: int) -> None:
 # Expert tensor parallelism (tp_size > 1): the two ways rows reach a TP group
 # ----------------------------------------------------------------------------------------------
 #
-# Layout (issue 21): the W ranks are TP-innermost, rank r = ep * t + j (ep_rank = r // t,
+# Layout (docs/api.md): the W ranks are TP-innermost, rank r = ep * t + j (ep_rank = r // t,
 # tp_rank j = r % t), EP = W / t; the E / EP experts of EP rank ep live on all its t ranks, rank j
 # holding the j-th 1/t of each expert's N columns (w0 [E_l, N0/t, H], w1 [E_l, H, N1/t]).  Every
 # rank brings T tokens (sequence-parallel).  With several nodes the TP groups lie inside a node
@@ -1079,7 +1079,7 @@ def tp_alternatives(shape: "MoEShape", spec: "GpuSpec", layer: int) -> Dict[str,
 # FP8 (dtype_bytes = 1): bytes on the links and in HBM
 # ----------------------------------------------------------------------------------------------
 #
-# Issue 22's format: x / h in float8 (e4m3 or e5m2, 1 byte) with one float32 scale per 1 x 128
+# comet.fp8's format: x / h in float8 (e4m3 or e5m2, 1 byte) with one float32 scale per 1 x 128
 # values of a row; weights in float8 with one float32 scale per 128 x 128 block; the GEMM
 # accumulates in fp32 and writes its output in bf16 (the default out_dtype).  So:
 # * a layer0 row on the links (and its local copy) is H bytes + 4 ceil(H / 128) scale bytes:
@@ -1092,7 +1092,7 @@ def tp_alternatives(shape: "MoEShape", spec: "GpuSpec", layer: int) -> Dict[str,
 #   the CUDA cores, not overlapped with the tensor cores (derived in the module docstring, "FP8");
 # * its HBM operand bytes: A (K + 4 ceil(K / 128) per row), the weights (1 byte + 4 per 128 x 128
 #   block), the output in bf16;
-# * the backward runs in bf16 (issue 22: the saved FP8 inputs are dequantised), so
+# * the backward runs in bf16 (the saved FP8 inputs are dequantised, docs/api.md), so
 #   :func:`predict_backward` models it at bf16.
 
 FP8_SCALE_BLOCK = 128  # values per scale along a row (1 x 128) and per weight block side (128 x 128)
