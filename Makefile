@@ -105,8 +105,8 @@ NGPU ?= 1
 test-gpu: setup
 	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
-# CPU benchmarks (all five scripts, full size, about 5 minutes on 2 cores; --smoke for the CI size,
-# written to bench/results/*_smoke.json): tables + bench/results/*.json/png
+# CPU benchmarks (all seven scripts, full size, 9.6 min measured on 2 busy cores, bench/README.md;
+# `python -m bench --smoke` for the CI size): tables + ./bench-results/*.json/png
 bench: setup
 	$(PY) -m bench
 

@@ -5,8 +5,8 @@ multinode (1 node vs 2 nodes of the CPU analog), placement (skewed routing: the 
 vs the planners) and kernels (a world of one: comet's layers beside torch._grouped_mm, the
 unfused torch layer and a dense matmul; on a GPU the table the kernels are judged by).
 
-    .venv/bin/python -m bench            # full CPU run: about 5 minutes on 2 idle cores
-    .venv/bin/python -m bench --smoke    # CI-sized: well under a minute per script
+    .venv/bin/python -m bench            # full CPU run: 9.6 min on 2 busy cores (bench/README.md)
+    .venv/bin/python -m bench --smoke    # CI-sized: 3.1 min on 2 busy cores
 
 Each prints a table on stdout (progress on stderr) and writes <out>/<name>.json (and a PNG for
 moe_layer, sweep_ncomm and placement when matplotlib, the 'bench' extra, is installed), <out>

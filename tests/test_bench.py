@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -435,3 +436,9 @@ def test_bench_runs_every_script_and_the_docs_count_them():
     readme = (ROOT / "bench" / "README.md").read_text()
     assert f"{count.capitalize()} scripts" in readme and f"all {count}" in readme
     assert all(f"bench/{s}.py" in readme for s in scripts)
+    # how long each takes, from a run of `python -m bench` (which prints these times)
+    took = " ".join(readme[readme.index("How long they take"):].split("\n\n")[0].split())
+    for s in scripts:
+        assert re.search(rf"\b{s} (\d+ s|about \d+ s|under \d+ s)", took) or \
+            re.search(rf"\b{s} and \w+ about \d+ s", took), s
+    assert re.search(r"full size [\d.]+ min", took) and re.search(r"`--smoke` [\d.]+ min", took)
