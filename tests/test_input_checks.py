@@ -194,7 +194,8 @@ CHECKS = [
      r"layout must be the comet\.Layout moe_layer0 returned, got moe_layer0's whole result, a "
      r"tuple \(y0, Layout\): pass its second element \(y0, layout = comet\.moe_layer0\(\.\.\.\)\)"),
     ("layout a tuple", 1, lambda a, b: {**a, "layout": tuple(dataclasses.astuple(a["layout"]))},
-     r"layout must be the comet\.Layout moe_layer0 returned, got a tuple of 12 elements"),
+     r"layout must be the comet\.Layout moe_layer0 returned, got a tuple of "
+     rf"{len(dataclasses.fields(comet.Layout))} elements"),
 ]
 # layer1 checks that need layer0 to have run with a bound (max_rows) first.
 BOUNDED_CHECKS = [
