@@ -1,6 +1,8 @@
 # Two commands (see README):
-#   make demo   set up .venv and run the main job (a 4-rank Mixtral-shaped MoE layer through comet's ops)
-#   make test   set up .venv and run the whole test suite (C++ unit tests + pytest)
+#   make demo   set up .venv with what the demo needs and run the main job (a 4-rank Mixtral-shaped
+#               MoE layer through comet's ops). How long it takes: README, "Two commands" (the
+#               download of about 3 GB, then minutes of build: each step says how many).
+#   make test   set up .venv with everything and run the whole test suite (C++ unit tests + pytest)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,31 +10,51 @@ PIP    := $(VENV)/bin/pip
 export CUDA_HOME ?= /usr/local/cuda
 export MAX_JOBS ?= 2
 
-# torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0 compiles the kernels against it, it runs on CPU too),
-# the CUTLASS headers (nvidia-cutlass wheel) and NVSHMEM (torch's own pin), the build tools, tests,
-# matplotlib for the benchmark plots, megatron-core (newest for Python 3.11) for comet.megatron,
-# transformers 5.23.0 for comet.hf (its pluggable "experts implementation" interface, new in 5.x).
-DEPS := torch==2.14.1 numpy ninja pybind11 pytest pytest-timeout hypothesis nvidia-cutlass==4.2.0.0 \
-        nvidia-nvshmem-cu13==3.4.5 matplotlib megatron-core==0.16.1 transformers==5.23.0
+# What building comet._C and running the demo need: torch 2.14.1 (its CUDA 13.0 build: nvcc 13.0
+# compiles the kernels against it, it runs on CPU too) and pyproject.toml's build requirements;
+# for the CUDA kernels (nvcc present, COMET_CUDA not 0) also the CUTLASS headers (nvidia-cutlass
+# wheel) and NVSHMEM (torch's own pin).
+BUILD_DEPS := torch==2.14.1 numpy ninja pybind11 setuptools wheel
+CUDA_DEPS  := nvidia-cutlass==4.2.0.0 nvidia-nvshmem-cu13==3.4.5
+# What the rest needs (make setup / make test): tests, matplotlib for the benchmark plots,
+# megatron-core (newest for Python 3.11) for comet.megatron, transformers 5.23.0 for comet.hf (its
+# pluggable "experts implementation" interface, new in 5.x).
+EXTRA_DEPS := pytest pytest-timeout hypothesis matplotlib megatron-core==0.16.1 transformers==5.23.0
+DEPS := $(BUILD_DEPS) $(CUDA_DEPS) $(EXTRA_DEPS)
+WITH_NVCC := $(if $(filter 0,$(COMET_CUDA)),,$(shell command -v nvcc || ls $(CUDA_HOME)/bin/nvcc 2>/dev/null))
 
-.PHONY: setup build demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static test-gpu \
-	test-mutants mutants bench docs docs-check clean
+.PHONY: setup build build-demo demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static \
+	test-gpu test-mutants mutants bench docs docs-check clean
 
-# Depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
-$(VENV)/.deps: Makefile
+# Each depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
+$(VENV)/.build-deps: Makefile
+	@echo "make: installing torch 2.14.1 and the build tools into $(VENV): a download of about 3 GB, then 1-2 min"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(BUILD_DEPS) $(if $(WITH_NVCC),$(CUDA_DEPS))
+	touch $@
+
+$(VENV)/.deps: $(VENV)/.build-deps
 	$(PIP) install -q $(DEPS)
 	touch $@
 
 # Builds comet._C in place (incremental with ninja): the CPU backend always, the CUDA kernels when
-# nvcc is present (COMET_CUDA=0 skips them).
+# nvcc is present (COMET_CUDA=0 skips them). The same pip line as README's: torch is installed
+# first and the extension compiles against it (--no-build-isolation, see pyproject.toml).
+BUILD_EXT = @echo "make: building comet._C, $(if $(WITH_NVCC),with the CUDA kernels (nvcc found; COMET_CUDA=0 skips them): \
+	5.5 min on 2 idle cores,the CPU backend: 2.5 min on 2 idle cores), up to 4x that on a busy machine; a rebuild only \
+	compiles what changed"; $(PIP) install -q --no-build-isolation --no-deps -e .
+
 build: $(VENV)/.deps
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	$(BUILD_EXT)
+
+# What the demo needs only (no test, plotting or integration packages).
+build-demo: $(VENV)/.build-deps
+	$(BUILD_EXT)
 
 setup: build
 
-demo: setup
+demo: build-demo
 	$(PY) -m comet.demo --world 4
 
 test-cpp:
@@ -83,8 +105,8 @@ NGPU ?= 1
 test-gpu: setup
 	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
-# CPU benchmarks (all five scripts, full size, about 5 minutes on 2 cores; --smoke for the CI size,
-# written to bench/results/*_smoke.json): tables + bench/results/*.json/png
+# CPU benchmarks (all seven scripts, full size, 9.6 min measured on 2 busy cores, bench/README.md;
+# `python -m bench --smoke` for the CI size): tables + ./bench-results/*.json/png
 bench: setup
 	$(PY) -m bench
 

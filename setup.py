@@ -1,10 +1,13 @@
 """Builds comet._C: the CPU backend always, the CUDA kernels when nvcc and a CUDA build of torch are
 present (COMET_CUDA=0 skips them, COMET_CUDA_ARCHS picks the targets, default "80;90a").
-No GPU is needed to build. docs/toolchain.md says why each flag is here."""
+No GPU is needed to build. docs/toolchain.md says why each flag is here.
+Install it after torch with `pip install --no-build-isolation -e .` (README.md, "Installing with
+pip": it compiles against the torch already installed; pyproject.toml lists what the build needs)."""
 import glob
 import os
 import shutil
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -59,8 +62,29 @@ else:
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
 build_ext = build_cxx.guarded(build_ext)
 
-# Optional parts, pinned as in the Makefile's DEPS: `pip install -e .[hf]` etc. (comet.hf and
-# examples/hf_moe.py need hf, comet.megatron needs megatron, the bench plots need bench).
+
+def incremental(build_ext_cls):
+    """build_ext_cls keeping its objects in build/ under pip's editable install too. setuptools
+    builds an editable wheel in a fresh temporary directory, so every `pip install
+    --no-build-isolation -e .` (each `make build`) would compile every source again (minutes; the
+    CUDA kernels many more); in build/temp.* ninja compiles only what changed, the objects
+    `setup.py build_ext --inplace` uses too."""
+
+    class IncrementalBuildExt(build_ext_cls):
+        def finalize_options(self):
+            super().finalize_options()
+            if getattr(self, "editable_mode", False):
+                self.build_temp = os.path.join(
+                    ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
+
+    return IncrementalBuildExt
+
+
+build_ext = incremental(build_ext)
+
+# Optional parts, pinned as in the Makefile's DEPS: `pip install --no-build-isolation -e '.[hf]'`
+# etc. (comet.hf and examples/hf_moe.py need hf, comet.megatron needs megatron, the bench plots
+# need bench).
 EXTRAS = {
     "hf": ["transformers==5.23.0"],
     "megatron": ["megatron-core==0.16.1"],

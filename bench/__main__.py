@@ -5,12 +5,13 @@ multinode (1 node vs 2 nodes of the CPU analog), placement (skewed routing: the 
 vs the planners) and kernels (a world of one: comet's layers beside torch._grouped_mm, the
 unfused torch layer and a dense matmul; on a GPU the table the kernels are judged by).
 
-    .venv/bin/python -m bench            # full CPU run: about 5 minutes on 2 idle cores
-    .venv/bin/python -m bench --smoke    # CI-sized: well under a minute per script
+    .venv/bin/python -m bench            # full CPU run: 9.6 min on 2 busy cores (bench/README.md)
+    .venv/bin/python -m bench --smoke    # CI-sized: 3.1 min on 2 busy cores
 
-Each prints a table on stdout (progress on stderr) and writes bench/results/<name>.json (and a
-PNG for moe_layer and sweep_ncomm when matplotlib, the 'bench' extra, is installed); --smoke
-writes <name>_smoke.json/png instead, so it never overwrites a full run's results. The options
+Each prints a table on stdout (progress on stderr) and writes <out>/<name>.json (and a PNG for
+moe_layer, sweep_ncomm and placement when matplotlib, the 'bench' extra, is installed), <out>
+being --out, default ./bench-results of the current directory; --smoke writes
+<name>_smoke.json/png instead, so it never overwrites a full run's results. The options
 below are passed to every script; run a script alone for its other options (e.g.
 `python bench/moe_layer.py --help`). On a GPU run each script under torchrun instead (see
 bench/README.md).
@@ -30,16 +31,24 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="CI-sized runs; results go to <name>_smoke.json/png, a full run's stay")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="directory of the JSON/PNG results (default bench/results)")
+                   help="directory of the JSON/PNG results (default ./bench-results)")
     a = p.parse_args(argv)
     extra = (["--smoke"] if a.smoke else []) + (["--out", a.out] if a.out else [])
     import importlib
+    import time
 
-    rc = 0
+    rc, took = 0, {}
     for i, name in enumerate(SCRIPTS):
         if i:
             print()
-        rc = rc or importlib.import_module(f"bench.{name}").main(extra)
+        t0 = time.monotonic()
+        rc = importlib.import_module(f"bench.{name}").main(extra)
+        took[name] = time.monotonic() - t0
+        if rc:
+            break
+    # what each script took, the figures bench/README.md quotes
+    print("\n" + ", ".join(f"{name} {s:.0f} s" for name, s in took.items()) +
+          f"; all {sum(took.values()) / 60:.1f} min")
     return rc
 
 

@@ -20,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `python bench/<name>.py`
+
 from bench.common import add_output_args, arg_parser, environment, progress, result_name, \
-    table, write_json
+    table, write_json  # noqa: E402
 
 UNROLLS = [1, 2, 4, 8]
 

@@ -33,7 +33,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from comet.tune.profiling import Timer  # noqa: E402  (the tuner's timer: benchmarks and tuning measure alike)
 
-RESULTS = ROOT / "bench" / "results"
+# Where the JSON (and PNG) results go without --out: ./bench-results of the directory the script
+# runs from, not the source tree.
+DEFAULT_OUT = "bench-results"
 
 # docs/peers.md, "Model shapes of the Comet evaluation": hidden H, ffn per expert (gated), E, k.
 # `scale` divides H and ffn for the CPU runs (every scaled model gets H = 128).
@@ -203,7 +205,7 @@ def add_output_args(p: argparse.ArgumentParser, name: str, smoke_size: str) -> N
                    help=f"CI-sized run ({smoke_size}); writes {name}_smoke.json instead of "
                         f"{name}.json, so a full run's results are kept")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="directory of the JSON (and PNG) results (default bench/results)")
+                   help=f"directory of the JSON (and PNG) results (default ./{DEFAULT_OUT})")
 
 
 def add_shape_and_timing_args(p: argparse.ArgumentParser, *, warmup: int, iters: int) -> None:
@@ -223,8 +225,13 @@ def result_name(name: str, smoke: bool) -> str:
     return f"{name}_smoke" if smoke else name
 
 
-def write_json(name: str, data: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:
-    d = Path(out_dir) if out_dir else RESULTS
+def out_dir(out: Optional[str]) -> Path:
+    """The results directory: --out, else ./bench-results of the current directory."""
+    return Path(out) if out else Path.cwd() / DEFAULT_OUT
+
+
+def write_json(name: str, data: Dict[str, Any], out: Optional[Path] = None) -> Path:
+    d = out_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     p = d / f"{name}.json"
     tmp = p.with_suffix(".json.tmp")

@@ -214,7 +214,7 @@ def run_shape(name: str, shape: dict, T: int, cfg: dict, dev, blocks: int) -> li
 
         y0, layout = comet_layer0()
         h = swiglu(y0)
-        with ops.call_buffer(None, None, h, layout).bench_mode("gemm"):
+        with ops.layer1_buffer(None, None, h, layout).bench_mode("gemm"):
             add("comet layer1 GEMM", lambda: comet.moe_layer1(h, w1, weights, layout), f1,
                 w1_bytes, cfg1, g1)
     if cfg["variants"]:

@@ -31,7 +31,8 @@ The limit is measured, not modelled: "comm" = the sequential form's three all-to
 (torch matmul); limit = max(comm, GEMM). The cost model's limit (comet.tune.perfmodel, CPU pseudo-spec
 measured on this machine) is stored in the JSON, labelled as model.
 
-Output: a table on stdout, bench/results/moe_layer.json, bench/results/moe_layer.png
+Output: a table on stdout, <out>/moe_layer.json and <out>/moe_layer.png (--out, default
+./bench-results)
 (moe_layer_smoke.* with --smoke).
 On the CPU this measures comet's CPU backend (OS threads as thread blocks, POSIX shared memory
 instead of NVLink, a portable fp32 tile GEMM instead of CUTLASS) against torch + gloo: it is not a
@@ -211,11 +212,16 @@ def render(records) -> str:
     headers = ["model", "W", "T/rank", "comm", "GEMM", "limit", "sequential", "Tutel (best c)",
                "Comet (n_comm+n_gemm)", "seq/lim", "Tutel/lim", "Comet/lim", "Comet vs seq",
                "Comet W=1", "max err"]
+    # --dtype fp8: layer0's row bytes with FP8 rows over bf16 rows (the JSON's layer0_bytes)
+    fp8 = any("layer0_bytes" in r for r in records)
+    if fp8:
+        headers.append("L0 bytes fp8/bf16")
     rows = []
     for r in records:
         m = r["median_ms"]
         l0 = r["comet_launch"]["layer0"]
         err = max(v for k, v in r["max_abs_err_vs_sequential"].items())
+        ratio = (r.get("layer0_bytes") or {}).get("ratio")
         rows.append([
             r["title"], str(r["world"]), str(r["tokens"]), f"{m['comm_only']:.2f}",
             f"{m['gemm_only']:.2f}", f"{r['limit_ms']:.2f}", f"{m['sequential']:.2f}",
@@ -224,7 +230,7 @@ def render(records) -> str:
             f"{r['ratio_to_limit']['sequential']:.2f}", f"{r['ratio_to_limit']['tutel']:.2f}",
             f"{r['ratio_to_limit']['comet']:.2f}", f"{r['comet_speedup_vs_sequential']:.2f}x",
             f"{m['comet_local']:.2f}" if "comet_local" in m else "-", f"{err:.1e}",
-        ])
+        ] + ([f"{ratio:.3f}" if ratio is not None else "-"] if fp8 else []))
     return C.table(headers, rows)
 
 
@@ -352,7 +358,7 @@ def main(argv=None) -> int:
             limit="max(comm, gemm): measured, perfect-overlap bound for torch's parts",
             ratio_to_limit="method / limit"),
         results=records)
-    out_dir = Path(a.out) if a.out else C.RESULTS
+    out_dir = C.out_dir(a.out)
     jp = C.write_json(a.name, data, out_dir)
     head = ("CPU backend, scaled shapes -- measured on this CPU, NOT GPU results"
             if backend == "cpu" else f"GPU ({backend})")
@@ -364,7 +370,11 @@ def main(argv=None) -> int:
           "Comet: n_comm+n_gemm = comm+GEMM threads per rank (the tuner's choice). Comet W=1: the "
           "same ops on a world of one (all experts local, same rows and split, no peer traffic):\n"
           "the CPU backend's compute floor, set by its portable fp32 tile GEMM (not torch's "
-          "matmul). max err: largest |out - sequential| over Tutel, Comet and the reference.")
+          "matmul). max err: largest |out - sequential| over Tutel, Comet and the reference." +
+          ("\nL0 bytes fp8/bf16: the token-row bytes layer0 moves with FP8 rows (values and "
+           "scales) over bf16 rows." if any("layer0_bytes" in r for r in records) else ""))
+    print("The JSON also holds every Tutel degree's time, each time's min and max, both layers' "
+          "launch configs and the cost model's prediction.")
     print(f"json: {jp}")
     print(plot(records, out_dir / f"{a.name}.png"))
     print(f"elapsed {elapsed:.1f} s")
@@ -384,7 +394,7 @@ def _main_tp(a, backend, cfg, env, t0) -> int:
     data = dict(name=a.name, label=C.CPU_LABEL if backend == "cpu" else f"GPU run ({backend})",
                 smoke=a.smoke, config=dict(cfg, world=a.world), environment=env,
                 elapsed_s=time.monotonic() - t0, results=records)
-    jp = C.write_json(a.name, data, Path(a.out) if a.out else C.RESULTS)
+    jp = C.write_json(a.name, data, C.out_dir(a.out))
     print(f"One MoE layer forward, EP x TP vs EP only on the same ranks ({backend}"
           f"{', NOT GPU results' if backend == 'cpu' else ''}); median ms over {a.iters} rounds "
           f"of the max over ranks, {a.dtype}, {a.tokens} tokens/rank")

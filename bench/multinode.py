@@ -20,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `python bench/<name>.py`
+
+import torch  # noqa: E402
 
 from bench.common import CPU_LABEL, add_output_args, arg_parser, environment, launch, measure, ms, \
-    progress, result_name, shape_of, table, write_json
+    progress, result_name, shape_of, table, write_json  # noqa: E402
 
 MODELS = ["mixtral", "qwen2"]
 

@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench import common as C
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `python bench/<name>.py`
+
+from bench import common as C  # noqa: E402
 
 E, H, F = 16, 128, 128
 

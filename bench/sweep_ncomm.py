@@ -6,22 +6,23 @@ the autotuner's choice and the cost model's choice marked: the adaptive assignme
     torchrun --nproc-per-node 8 bench/sweep_ncomm.py --world 8 --tokens 4096 --scale 1 \\
         --dtype bf16                                    # GPU (untested: no GPU here)
 
-For every n_comm in 1..B-1 (B = --blocks: threads per rank on the CPU backend; on a GPU the SM
+For every n_comm in 0..B-1 (0: the staged layer, its comm work and its GEMM each on the whole
+grid, one after the other; B = --blocks: threads per rank on the CPU backend; on a GPU the SM
 count, swept on a grid) with n_gemm = B - n_comm, it times layer0 alone, layer1 alone and the
 forward (layer0 -> SwiGLU -> layer1), round-robin, each call after a barrier, max over ranks,
 median over --iters rounds.
 
 Marked choices:
 * tuner: comet.tune.tuner.profile on the real ops through the profiling hooks (its own measurements,
-  synthetic routing, candidates 1..B-1), stored in the tuning cache (--cache-dir, default
-  <out>/tune-cache = bench/results/tune-cache, so that a benchmark does not change your
+  synthetic routing, candidates 0..B-1), stored in the tuning cache (--cache-dir, default
+  <out>/tune-cache, out being --out or ./bench-results, so that a benchmark does not change your
   ~/.cache/comet; pass --cache-dir ~/.cache/comet to keep the winners); then the
   ops' default launch config is read back from that cache (shows the round trip);
 * model: comet.tune.perfmodel.choose_n_comm with the CPU pseudo-spec measured on this machine
   (a model, not a measurement; its predicted curve is drawn on a second axis).
 
-Output: table on stdout, bench/results/sweep_ncomm.json, bench/results/sweep_ncomm.png
-(sweep_ncomm_smoke.* with --smoke).
+Output: table on stdout, <out>/sweep_ncomm.json and <out>/sweep_ncomm.png (--out, default
+./bench-results; sweep_ncomm_smoke.* with --smoke).
 On the CPU, B threads per rank share the machine's cores with the other ranks: the curve is the
 CPU backend's, not a GPU's.
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as C  # noqa: E402
 
-GPU_GRID = (1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
+GPU_GRID = (0, 1, 2, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
 
 
 def _body(rank: int, world: int, cfg: dict):
@@ -58,7 +59,7 @@ def _body(rank: int, world: int, cfg: dict):
         blocks = cfg["blocks"]
         # The ops' default path (and its tuning key) uses this block budget too.
         os.environ["COMET_CPU_BLOCKS"] = str(blocks)
-        n_values = list(range(1, blocks))
+        n_values = list(range(0, blocks))  # 0: staged, as the tuner may choose
         tile = ops.CPU_TILE
         arch = "cpu"
     else:  # untested here (no GPU)
@@ -234,7 +235,7 @@ def parse(argv=None):
                    help="timed calls per candidate in the tuner (default 10; smoke: 1)")
     p.add_argument("--cache-dir", default=None,
                    help="tuning cache (default <out>/tune-cache, i.e. "
-                        "bench/results/tune-cache)")
+                        f"./{C.DEFAULT_OUT}/tune-cache without --out)")
     p.add_argument("--seed", type=int, default=0, help="seed of inputs, weights and routing")
     p.add_argument("--name", default=None,
                    help="basename of the JSON/PNG files (default sweep_ncomm; smoke: "
@@ -261,7 +262,7 @@ def parse(argv=None):
     a.iters = a.iters or 20
     a.tune_iters = a.tune_iters or 10
     a.cache_dir = str(Path(a.cache_dir).expanduser().resolve() if a.cache_dir
-                      else Path(a.out or C.RESULTS).resolve() / "tune-cache")
+                      else C.out_dir(a.out).resolve() / "tune-cache")
     if a.blocks < 2:
         p.error("--blocks must be >= 2 (1 comm + 1 GEMM)")
     if C.MODELS[a.model]["E"] % a.world:
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
     data = dict(name=a.name, label=C.CPU_LABEL if backend == "cpu" else
                 f"GPU run ({backend}); GPU path untested by its authors", smoke=a.smoke,
                 config=cfg, environment=env, elapsed_s=elapsed, result=r)
-    out_dir = Path(a.out) if a.out else C.RESULTS
+    out_dir = C.out_dir(a.out)
     jp = C.write_json(a.name, data, out_dir)
     cores = os.cpu_count() or 1
     head = (f"CPU backend -- measured on this CPU, NOT GPU results; {a.blocks} threads per rank x "

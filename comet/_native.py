@@ -6,6 +6,7 @@ try:
 except ImportError as e:  # pragma: no cover - only when the package was not built
     raise ImportError(
         "comet's compiled extension comet._C is missing or broken: install with "
-        "`pip install -e .` (or `make setup`) first. Original error: " + str(e)) from e
+        "`pip install --no-build-isolation -e .` after torch (README.md, \"Installing with pip\"), "
+        "or `make setup`, first. Original error: " + str(e)) from e
 
 __all__ = ["_C"]

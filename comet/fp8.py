@@ -141,7 +141,7 @@ def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
     h quantised per row (quantize_rows) unless quantize_h=False. Differentiable: h, w1 (and b1) get
     bf16 gradients (h's dtype), topk_weights its own dtype. A layout made with a placement
     raises on every rank (FP8 runs on the contiguous map). Returns out [T, H]."""
-    buf = ops.call_buffer(buffer, group, h, layout)
+    buf = ops.layer1_buffer(buffer, group, h, layout)
     if layout.routes is not None:
         ops._no_fp8_with_placement(buf, 1, h_scale=quantize_h or None, w1_scale=True)
     c = ops.layer1_call(buf, h, w1, topk_weights, layout, b1=b1, n_comm=n_comm, tile=tile,

@@ -109,13 +109,20 @@ import types
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from megatron.core import utils as mcore_utils
-from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
-from megatron.core.transformer.moe import moe_utils as _mcore_moe_utils
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import (get_capacity, get_default_pg_collection,
-                                                     router_gating_linear)
-from megatron.core.transformer.spec_utils import ModuleSpec
+
+try:
+    from megatron.core import utils as mcore_utils
+    from megatron.core.transformer.moe import moe_layer as _mcore_moe_layer
+    from megatron.core.transformer.moe import moe_utils as _mcore_moe_utils
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import (get_capacity, get_default_pg_collection,
+                                                         router_gating_linear)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+except ImportError as e:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        "comet.megatron needs megatron-core 0.16.1 (the 'megatron' extra): pip install "
+        "--no-build-isolation -e '.[megatron]' in this checkout, or pip install "
+        f"'comet-moe[megatron]' (make setup installs it too); the import failed with: {e}") from e
 
 import comet
 from comet.layers import autograd as cag

@@ -9,6 +9,7 @@
 
 #include "comet/fp8_rows.h"
 #include "fp8_quant.h"
+#include "op_checks.h"
 #include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
 #include "comet/stream_rule.h"
@@ -284,5 +285,20 @@ void bind_engine(py::module_& m) {
     return int32_t(comet::stream_step(has_bound, bound, bound_capturing, current,
                                       current_capturing));
   });
+  // The ops' launch checks (csrc/op_checks.cpp) for a device type without a call: the message
+  // Checker::launch gives (and Checker::grid's for a grid of at most grid_limit blocks, when >= 0),
+  // "" when accepted. CUDA's rules (the one tile shape, the co-resident grid) on a CPU machine.
+  e.def(
+      "launch_check",
+      [](const std::string& device, int64_t n_comm, int64_t n_gemm, int64_t tile_m, int64_t tile_n,
+         int64_t band_n, int64_t grid_limit, const std::string& limit_why) {
+        comet::Checker c("comet.moe_layer0", at::Device(device), /*read_values=*/false);
+        if (c.launch({n_comm, n_gemm, tile_m, tile_n, band_n}) && grid_limit >= 0)
+          c.grid(n_comm, n_gemm, grid_limit, limit_why);
+        return c.result().message;
+      },
+      py::arg("device"), py::arg("n_comm"), py::arg("n_gemm"), py::arg("tile_m"),
+      py::arg("tile_n"), py::arg("band_n") = 1, py::arg("grid_limit") = -1,
+      py::arg("limit_why") = "");
 
 }

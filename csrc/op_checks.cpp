@@ -2,6 +2,8 @@
 
 #include "comet/fp8_rows.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -35,7 +37,7 @@ bool Checker::fail(int32_t code, const std::string& msg) {
   return false;
 }
 
-bool Checker::tensor(const at::Tensor& t, const char* name, int64_t dim) {
+bool Checker::tensor(const at::Tensor& t, const char* name, int64_t dim, bool contiguous) {
   if (failed()) return false;
   if (!value(t.defined(), std::string(name) + " is undefined")) return false;
   const bool on_device = t.device().type() == device_.type() &&
@@ -46,6 +48,11 @@ bool Checker::tensor(const at::Tensor& t, const char* name, int64_t dim) {
   if (!value(t.dim() == dim, std::string(name) + " must be " + std::to_string(dim) +
                                  "-D, got shape " + shape_str(t)))
     return false;
+  return !contiguous || this->contiguous(t, name);
+}
+
+bool Checker::contiguous(const at::Tensor& t, const char* name) {
+  if (failed()) return false;
   return value(t.is_contiguous(), std::string(name) + " with shape " + shape_str(t) +
                                       " must be contiguous (call .contiguous())");
 }
@@ -169,7 +176,10 @@ bool Checker::int_dtype(const at::Tensor& t, const char* name, bool allow64) {
 bool Checker::experts(int64_t num_experts, int64_t world, int64_t experts_local,
                       const char* wname, int64_t tp) {
   if (failed()) return false;
-  if (!value(tp >= 1 && tp <= world && world % tp == 0,
+  if (!value(tp >= 1, "tp_size must be >= 1 (1: no expert tensor parallelism), got " +
+                         std::to_string(tp)))
+    return false;
+  if (!value(tp <= world && world % tp == 0,
              "tp_size=" + std::to_string(tp) + " does not divide the group size " +
                  std::to_string(world) + " (the group is TP-innermost: EP = W / tp_size)"))
     return false;
@@ -228,18 +238,44 @@ bool Checker::routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts
 bool Checker::launch(const LaunchShape& l) {
   if (failed()) return false;
   const char* group = std::getenv("COMET_RASTER_GROUP");
-  return value(l.n_comm >= 0, "n_comm must be >= 0 (0: no comm blocks beside the GEMM, the layer "
-                              "runs staged), got " + std::to_string(l.n_comm)) &&
-         value(raster_group_setting() >= 0,
-               std::string("$COMET_RASTER_GROUP must be an integer >= 0 (m-tiles per raster "
-                           "group; 0 or unset: automatic), got '") + (group ? group : "") + "'") &&
-         value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
-         value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " +
-                                                   std::to_string(l.tile_m) + "x" +
-                                                   std::to_string(l.tile_n)) &&
-         value(l.band_n >= 0 && l.band_n <= INT32_MAX,
-               "band_n (n-tiles per column band of layer1; 0 = all) must be >= 0, got " +
-                   std::to_string(l.band_n));
+  const std::string tile = std::to_string(l.tile_m) + "x" + std::to_string(l.tile_n);
+  if (!(value(l.n_comm >= 0, "n_comm must be >= 0 (0: no comm blocks beside the GEMM, the layer "
+                             "runs staged), got " + std::to_string(l.n_comm)) &&
+        value(raster_group_setting() >= 0,
+              std::string("$COMET_RASTER_GROUP must be an integer >= 0 (m-tiles per raster "
+                          "group; 0 or unset: automatic), got '") + (group ? group : "") + "'") &&
+        value(l.n_gemm >= 0, "n_gemm must be >= 0, got " + std::to_string(l.n_gemm)) &&
+        value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " + tile) &&
+        value(l.band_n >= 0 && l.band_n <= INT32_MAX,
+              "band_n (n-tiles per column band of layer1; 0 = all) must be >= 0, got " +
+                  std::to_string(l.band_n))))
+    return false;
+  // The CUDA kernels have one tile shape (the tuner's tile choice applies to the CPU backend);
+  // their grid is checked against the GPU's co-resident blocks when the call is planned.
+  if (device_.is_cuda())
+    return value(l.tile_m == kCudaTileM && l.tile_n == kCudaTileN,
+                 "the CUDA kernels are compiled for " + std::to_string(kCudaTileM) + "x" +
+                     std::to_string(kCudaTileN) + " tiles, got tile=(" +
+                     std::to_string(l.tile_m) + ", " + std::to_string(l.tile_n) + ")");
+  // The CPU backend runs any tile its int32 launch fields hold; n_gemm = 0 runs one GEMM block.
+  return value(l.tile_m <= INT32_MAX && l.tile_n <= INT32_MAX,
+               "tile shape must be at most " + std::to_string(INT32_MAX) +
+                   " in each dimension, got " + tile) &&
+         grid(l.n_comm, std::max<int64_t>(l.n_gemm, 1), kMaxCpuGrid,
+              "the CPU backend's limit: each block is a team of OS threads");
+}
+
+bool Checker::grid(int64_t n_comm, int64_t n_gemm, int64_t limit, const std::string& limit_why) {
+  if (failed()) return false;
+  const std::string at_most =
+      "a grid of at most " + std::to_string(limit) + " blocks (" + limit_why + ")";
+  if (!value(n_comm < limit, "n_comm=" + std::to_string(n_comm) + " leaves no GEMM block in " +
+                                 at_most + ": n_comm must be at most " +
+                                 std::to_string(limit - 1)))
+    return false;
+  return value(n_gemm <= limit - n_comm,
+               "n_comm=" + std::to_string(n_comm) + " + n_gemm=" + std::to_string(n_gemm) +
+                   " blocks are more than " + at_most + "; lower n_comm or n_gemm");
 }
 
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {
@@ -304,15 +340,17 @@ bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const Launc
          c.max_rows(in.max_rows) &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.topk_ids.size(0), in.num_experts) &&
-         c.tensor(in.topk_weights, "topk_weights", 2) &&
+         // its shape before its contiguity: a transposed [k, T] weight says what is wrong
+         c.tensor(in.topk_weights, "topk_weights", 2, /*contiguous=*/false) &&
+         c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
+                 "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +
+                     shape_str(in.topk_ids)) &&
+         c.contiguous(in.topk_weights, "topk_weights") &&
          c.type(in.topk_weights.scalar_type() == at::kFloat ||
                     in.topk_weights.scalar_type() == out_type,
                 "topk_weights has dtype " + dtype_name(in.topk_weights.scalar_type()) +
                     "; expected float32 or " +
                     (fp8 ? "the result's dtype " + dtype_name(out_type) : "h's dtype")) &&
-         c.value(in.topk_weights.sizes() == in.topk_ids.sizes(),
-                 "topk_weights has shape " + shape_str(in.topk_weights) + " but topk_ids has " +
-                     shape_str(in.topk_ids)) &&
          c.tensor(in.send_pos, "layout.send_pos", 2) &&
          c.int_dtype(in.send_pos, "layout.send_pos", false) &&
          c.value(in.send_pos.sizes() == in.topk_ids.sizes(),

@@ -85,6 +85,13 @@ bool cpu_cuda_rules();
 // integer >= 0 (Checker::launch refuses the call then).
 int64_t raster_group_setting();
 
+// The one tile shape the CUDA kernels are compiled for (csrc/cuda/launch.h kTileM x kTileN); the
+// CPU backend takes any tile (one larger than the problem covers it whole).
+inline constexpr int64_t kCudaTileM = 128, kCudaTileN = 128;
+// The most blocks one grid of the CPU backend holds (each block a team of OS threads), the
+// analog of a GPU's co-resident blocks: n_comm must leave at least one of them to the GEMM.
+inline constexpr int64_t kMaxCpuGrid = 1024;
+
 struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
   int64_t band_n = 1;  // layer1: n-tiles per column band (tile_order.h), 0 = all
@@ -105,7 +112,10 @@ class Checker {
   bool value(bool cond, const std::string& msg) { return cond || fail(1, msg); }
   bool type(bool cond, const std::string& msg) { return cond || fail(2, msg); }
 
-  bool tensor(const at::Tensor& t, const char* name, int64_t dim);
+  // t on the call's device, `dim`-D and (unless contiguous is false: check it later with
+  // contiguous(), after a shape check whose message says more) contiguous.
+  bool tensor(const at::Tensor& t, const char* name, int64_t dim, bool contiguous = true);
+  bool contiguous(const at::Tensor& t, const char* name);
   bool float_dtype(const at::Tensor& t, const char* name);
   // A GEMM operand's dtype (float_dtype's, or float8_e4m3fn) and, for FP8, its fp32 block scales
   // of `shape` (`form` spells it): finite and > 0 when values are read. A non-FP8 operand takes
@@ -130,7 +140,12 @@ class Checker {
             const at::Tensor& like, const char* like_name);
   bool max_rows(int64_t max_rows);
   bool routing(const at::Tensor& ids, int64_t tokens, int64_t num_experts);
+  // The launch shape: n_comm, n_gemm, the tile (CUDA: the one compiled tile), band_n; on the CPU
+  // backend also the grid (at most kMaxCpuGrid blocks).
   bool launch(const LaunchShape& l);
+  // A fused grid of n_comm comm blocks and n_gemm GEMM blocks that holds at most `limit` blocks
+  // (`limit_why` says whose limit): n_comm leaves at least one GEMM block and the grid fits.
+  bool grid(int64_t n_comm, int64_t n_gemm, int64_t limit, const std::string& limit_why);
 
  private:
   bool fail(int32_t code, const std::string& msg);

@@ -12,8 +12,9 @@ import torch
 try:
     import transformers
 except ImportError:  # an optional dependency: say which extra brings it, no traceback
-    print("examples/hf_moe.py needs transformers (the 'hf' extra): pip install -e '.[hf]' in "
-          "this checkout, or pip install 'comet-moe[hf]' (make setup installs it too)",
+    print("examples/hf_moe.py needs transformers (the 'hf' extra): pip install "
+          "--no-build-isolation -e '.[hf]' in this checkout, or pip install 'comet-moe[hf]' "
+          "(make setup installs it too)",
           file=sys.stderr)
     sys.exit(2)
 

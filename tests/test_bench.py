@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -58,15 +59,16 @@ def _cfg(x, w0, ids, E, layer=0, n_comm=None, tile=None, world=1):
 
 def test_default_is_the_cost_model_without_a_cache(tuning):
     x, w0, _w1, ids, _wts, E = _inputs()
-    # A world of one: no row crosses a link, so no comm blocks (the staged layer), all 6 GEMM.
+    # A world of one: no row crosses a link, so the model runs the layer staged (no comm blocks
+    # beside the GEMM, every block for the GEMM).
     assert _cfg(x, w0, ids, E) == (0, 6, *ops.CPU_TILE)
     n_comm, n_gemm, tm, tn_ = _cfg(x, w0, ids, E, world=2)
     key = tn.TuneKey("cpu", 6, "fp32", 2, E, 2, 16, 12, 40, 0)
     _expect, source = tn.Tuner(tuning).choose(key, tile=ops.CPU_TILE, explain=True)
     assert source == "model"
     # The expected split from the cost model's predictions themselves (not tuner.choose, the
-    # code under test): the n_comm with the least predicted fused time over all 6 blocks
-    # ($COMET_CPU_BLOCKS), 0 (staged) included.
+    # code under test): the n_comm with the least predicted fused time over all 6 blocks, 0 (the
+    # staged layer) included.
     from comet.tune import perfmodel as pm
 
     spec = pm.get_spec("cpu", 6)
@@ -218,7 +220,7 @@ def test_moe_layer_smoke(tmp_path):
         assert max(errs.values()) < 1e-3
         for layer in ("layer0", "layer1"):
             launch = r["comet_launch"][layer]
-            assert launch["n_comm"] >= 0 and launch["source"] == "model"
+            assert launch["n_comm"] >= 0 and launch["source"] == "model"  # 0: staged
     assert "Comet" in proc.stdout and "Mixtral-8x7B" in proc.stdout and "NOT GPU" in proc.stdout
     _png_ok(tmp_path / "moe_layer_smoke.png", proc.stdout)
     assert not (tmp_path / "moe_layer.json").exists()  # a full run's results are kept
@@ -247,6 +249,10 @@ def test_moe_layer_smoke_fp8(tmp_path):
     assert r["dtype"] == "fp8" and r["median_ms"]["comet"] > 0
     b = r["layer0_bytes"]
     assert b["fp8"] > 0 and b["ratio"] == b["ratio_formula"] == (512 + 4 * 512 / 128) / 1024
+    # the table shows it too
+    head, _sep, row = [line for line in proc.stdout.splitlines() if line.startswith("|")][:3]
+    assert head.split("|")[-2].strip() == "L0 bytes fp8/bf16"
+    assert row.split("|")[-2].strip() == f"{b['ratio']:.3f}" == "0.516"
     print(f"moe_layer.py --smoke --dtype fp8: {elapsed:.1f} s")
 
 
@@ -256,18 +262,18 @@ def test_sweep_ncomm_smoke(tmp_path):
     data = json.loads((tmp_path / "sweep_ncomm_smoke.json").read_text())
     r = data["result"]
     assert data["smoke"] and "not GPU results" in data["label"]
-    assert r["blocks"] == 4 and r["n_values"] == [1, 2, 3]
+    assert r["blocks"] == 4 and r["n_values"] == [0, 1, 2, 3]  # 0: the staged layer
     for part in ("layer0", "layer1", "forward"):
-        assert set(r["median_s"][part]) == {"1", "2", "3"}
+        assert set(r["median_s"][part]) == {"0", "1", "2", "3"}
         assert all(v > 0 for v in r["median_s"][part].values())
-        assert r["measured_best"][part] in (1, 2, 3)
+        assert r["measured_best"][part] in (0, 1, 2, 3)
     # the tuner's measured winners went into the cache and came back as the ops' default
     for layer in ("layer0", "layer1"):
-        assert r["tuner_choice"][layer] in (1, 2, 3)
+        assert r["tuner_choice"][layer] in (0, 1, 2, 3)
         assert r["ops_default"][layer]["n_comm"] == r["tuner_choice"][layer]
         assert r["ops_default"][layer]["n_gemm"] == 4 - r["tuner_choice"][layer]
         assert r["ops_default"][layer]["source"] == "cache"
-        assert r["perfmodel"]["choice"][layer] in (1, 2, 3)
+        assert r["perfmodel"]["choice"][layer] in (0, 1, 2, 3)
     entries = json.loads((cache / "cpu.json").read_text())["entries"]
     assert sorted(e["config"]["n_comm"] for e in entries.values()) == \
         sorted(r["tuner_choice"].values())
@@ -383,6 +389,42 @@ def test_every_bench_option_has_help_and_the_description_is_whole(name, monkeypa
         assert "_smoke.json" in smoke.help
 
 
+def _clean_env():
+    """The environment without PYTHONPATH: a script must find comet and bench by itself."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.mark.parametrize("name", ["__main__", "moe_layer", "sweep_ncomm", "prologue", "comm_copy",
+                                  "multinode", "placement", "kernels"])
+def test_every_script_runs_as_a_module_and_as_a_file(name, tmp_path):
+    """`python -m bench.<name>` from the repository root and `python bench/<name>.py` from any
+    directory (here an empty one) both start (--help), and name the default results directory."""
+    forms = [([sys.executable, "-m", "bench" if name == "__main__" else f"bench.{name}"], ROOT)]
+    if name != "__main__":  # `python -m bench` is the one way to run them all
+        forms.append(([sys.executable, str(ROOT / "bench" / f"{name}.py")], tmp_path))
+    for cmd, cwd in forms:
+        p = subprocess.run(cmd + ["--help"], cwd=str(cwd), env=_clean_env(), capture_output=True,
+                           text=True, timeout=120, check=False)
+        assert p.returncode == 0, f"{' '.join(cmd)} in {cwd}:\n{p.stdout}\n{p.stderr}"
+        assert "--out" in p.stdout and "./bench-results" in "".join(p.stdout.split()), p.stdout
+
+
+def test_results_go_to_bench_results_of_the_current_directory(tmp_path):
+    """Without --out a script writes under ./bench-results of the directory it runs from (as a
+    file from anywhere), not into the source tree."""
+    before = set((ROOT / "bench").rglob("*"))
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "comm_copy.py"), "--smoke"],
+                       cwd=str(tmp_path), env=_clean_env(), capture_output=True, text=True,
+                       timeout=150, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = tmp_path / "bench-results" / "comm_copy_smoke.json"
+    assert out.exists() and f"wrote {out}" in p.stdout
+    assert set((ROOT / "bench").rglob("*")) - before <= {
+        q for q in (ROOT / "bench").rglob("*") if "__pycache__" in q.parts}
+
+
 def test_bench_runs_every_script_and_the_docs_count_them():
     from bench import __main__ as bench_main
 
@@ -394,3 +436,9 @@ def test_bench_runs_every_script_and_the_docs_count_them():
     readme = (ROOT / "bench" / "README.md").read_text()
     assert f"{count.capitalize()} scripts" in readme and f"all {count}" in readme
     assert all(f"bench/{s}.py" in readme for s in scripts)
+    # how long each takes, from a run of `python -m bench` (which prints these times)
+    took = " ".join(readme[readme.index("How long they take"):].split("\n\n")[0].split())
+    for s in scripts:
+        assert re.search(rf"\b{s} (\d+ s|about \d+ s|under \d+ s)", took) or \
+            re.search(rf"\b{s} and \w+ about \d+ s", took), s
+    assert re.search(r"full size [\d.]+ min", took) and re.search(r"`--smoke` [\d.]+ min", took)

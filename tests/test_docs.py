@@ -89,7 +89,7 @@ def test_demo_figure_check_compares_what_every_machine_computes():
     same = [
         _demo_row(lines, 0, 3, "12345.6"),  # timings
         _demo_row(lines, 3, 4, "0.1"),
-        _demo_row(lines, 1, 5, "3.91e-03"),  # another CPU's rounding (issue's rank 1 layer0)
+        _demo_row(lines, 1, 5, "3.91e-03"),  # another CPU's rounding (an Intel Xeon's rank 1 layer0)
         _demo_row(lines, 3, 5, "1.56e-02"),
         _demo_row(lines, 2, 7, "3.12e-02"),  # two bf16 ulps at |y| in [4, 8): above atol
         _demo_row(lines, 0, 6, "0.00e+00"),

@@ -99,3 +99,56 @@ def test_github_anchor_rule():
     assert github_anchor("The layer1 reduction order") == "the-layer1-reduction-order"
     assert github_anchor("Megatron-core (optional: `pip install megatron-core==0.16.1`)") == \
         "megatron-core-optional-pip-install-megatron-core0161"
+
+
+# A file name in prose: name.ext with no path character right before or after it.
+FILE_NAME = re.compile(r"(?<![\w./-])([\w.-]+\.(?:py|h|cuh|cu|cpp|md|json|sh|toml|ini|txt))"
+                       r"(?![\w/])")
+
+
+def test_docs_name_files_by_their_path():
+    """A file of the repository named in the documentation's prose is named by its path from the
+    repository root (`csrc/cuda/proxy.cu`, not `proxy.cu`), so that a reader finds it. Link
+    targets (relative to the document) and code blocks (the source map's tree) are left alone."""
+    paths = {p.relative_to(ROOT).as_posix() for p in repo_files()}
+    by_name = {}
+    for p in paths:
+        by_name.setdefault(p.rsplit("/", 1)[-1], []).append(p)
+    bare = []
+    for md in markdown_files():
+        in_code = False
+        for n, line in enumerate(md.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code:
+                continue
+            for name in FILE_NAME.findall(LINK.sub("]", line)):
+                if name in by_name and name not in paths:
+                    where = " or ".join(sorted(by_name[name]))
+                    bare.append(f"{md.relative_to(ROOT)}:{n}: {name} (say {where})")
+    assert not bare, "files named without their path:\n" + "\n".join(bare)
+
+
+# Spelled in pieces so that this file does not match itself.
+ORGANISATION = re.compile("|".join([
+    r"\b[Ii]ssue " + r"#?\d",        # an issue number
+    r"\bthe " + r"issue'?s?\b",      # the one this work came from
+    r"\bthis " + r"session",
+    r"\btracker " + r"item",
+]))
+
+
+def test_no_sentence_refers_to_issue_numbers_or_how_the_work_was_organised():
+    """The repository speaks to its users: no file refers to issue numbers or to how the work on it
+    was organised. docs/peers.md cites other projects' public issue trackers by their numbers;
+    those are references, not this repository's bookkeeping."""
+    hits = []
+    for path in repo_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "docs/peers.md":
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            if ORGANISATION.search(line):
+                hits.append(f"{rel}:{n}: {line.strip()[:120]}")
+    assert not hits, "\n".join(hits)

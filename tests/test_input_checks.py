@@ -137,6 +137,15 @@ CHECKS = [
     ("n_comm", 0, _set(n_comm=-1, tile=(4, 4)), r"n_comm must be >= 0 \(0: no comm blocks beside "
      r"the GEMM, the layer runs staged\), got -1"),
     ("tile", 0, _set(n_comm=1, tile=(0, 4)), r"tile shape must be positive, got 0x4"),
+    ("tile over int32", 0, _set(n_comm=1, tile=(2 ** 32, 4)),
+     r"tile shape must be at most 2147483647 in each dimension, got 4294967296x4"),
+    ("n_comm over the CPU grid", 0, _set(n_comm=1024, tile=(4, 4)),
+     r"n_comm=1024 leaves no GEMM block in a grid of at most 1024 blocks \(the CPU backend's "
+     r"limit: each block is a team of OS threads\): n_comm must be at most 1023"),
+    ("tp_size 0", 0, _set(tp_size=0),
+     r"comet\.moe_layer0: tp_size must be >= 1 \(1: no expert tensor parallelism\), got 0"),
+    ("tp_size 0 with a placement", 0, _set(tp_size=0, placement=comet.Placement.contiguous(E, W)),
+     r"comet\.moe_layer0: tp_size must be >= 1 \(1: no expert tensor parallelism\), got 0"),
     # layer1: h, w1, b1, topk_weights, layout, rows
     ("h dtype", 1, _with(lambda a: {**a, "h": a["h"].to(torch.int64)}),
      r"h has dtype int64; supported"),
@@ -159,6 +168,11 @@ CHECKS = [
      r"topk_weights has dtype float64; expected float32 or h's dtype"),
     ("topk_weights dims", 1, _set(topk_weights=torch.rand(T * K)),
      r"topk_weights must be 2-D, got shape \[10\]"),
+    # a transposed [k', T] weight: its shape is reported before its contiguity
+    ("topk_weights non-contiguous of another shape", 1, _set(topk_weights=torch.rand(3, T).t()),
+     r"topk_weights has shape \[5, 3\] but topk_ids has \[5, 2\]"),
+    ("topk_weights contiguous", 1, _set(topk_weights=torch.rand(K, T).t()),
+     r"topk_weights with shape \[5, 2\] must be contiguous \(call \.contiguous\(\)\)"),
     ("send_pos shape", 1, lambda a, b: _layout(send_pos=a["layout"].send_pos[:, :1].contiguous())(a, b),
      r"layout\.send_pos has shape \[5, 1\] but topk_ids has \[5, 2\]: the layout belongs to "
      r"another call"),
@@ -174,6 +188,14 @@ CHECKS = [
      r"this h"),
     ("layout from another buffer", 1, _other_buffer,
      r"comet\.moe_layer1: layout was produced on another buffer/group"),
+    ("layout None", 1, _set(layout=None),
+     r"comet\.moe_layer1: layout must be the comet\.Layout moe_layer0 returned, got None"),
+    ("layout is layer0's result", 1, lambda a, b: {**a, "layout": (a["h"], a["layout"])},
+     r"layout must be the comet\.Layout moe_layer0 returned, got moe_layer0's whole result, a "
+     r"tuple \(y0, Layout\): pass its second element \(y0, layout = comet\.moe_layer0\(\.\.\.\)\)"),
+    ("layout a tuple", 1, lambda a, b: {**a, "layout": tuple(dataclasses.astuple(a["layout"]))},
+     r"layout must be the comet\.Layout moe_layer0 returned, got a tuple of "
+     rf"{len(dataclasses.fields(comet.Layout))} elements"),
 ]
 # layer1 checks that need layer0 to have run with a bound (max_rows) first.
 BOUNDED_CHECKS = [
@@ -196,6 +218,34 @@ def test_check_raises_on_every_rank(name, layer, bad, message):
     assert err0 is not None, f"{name}: rank 0 did not raise"
     assert "rank 1" in str(err0), f"{name}: rank 0 does not name rank 1: {err0}"
     assert ok0 and ok1
+
+
+@pytest.mark.parametrize("bad", [None, "tuple", "tensor"])
+def test_a_layout_that_is_not_one_is_a_type_error_on_every_rank(bad):
+    """Every rank passes the wrong thing (moe_layer0's whole result is the usual slip): each
+    raises TypeError naming what it got, before any kernel, and the buffer serves the next call."""
+    bufs = comet.Buffer.simulated_world(W, timeout=20)
+
+    def rank(r, buf):
+        a = _layer1_args(r, buf)
+        layout = {None: None, "tuple": (a["h"], a["layout"]), "tensor": a["h"]}[bad]
+        with pytest.raises(TypeError) as err:
+            comet.moe_layer1(a["h"], a["w1"], a["topk_weights"], layout, buffer=buf)
+        a = _layer1_args(r, buf)
+        comet.moe_layer1(a["h"], a["w1"], a["topk_weights"], a["layout"], buffer=buf)
+        return str(err.value)
+
+    for msg in run_threads(W, rank, buffers=bufs):
+        assert msg.startswith("comet.moe_layer1: layout must be the comet.Layout moe_layer0 "
+                              "returned, got "), msg
+        assert {None: "got None", "tuple": "moe_layer0's whole result",
+                "tensor": "got a Tensor of shape ["}[bad] in msg, msg
+
+
+def test_one_rank_with_a_bad_layout_raises_type_error_there_and_names_it_elsewhere():
+    (err0, ok0), (err1, ok1) = _run(1, _set(layout=None))
+    assert isinstance(err1, TypeError) and isinstance(err0, ValueError)
+    assert "rank 1" in str(err0) and ok0 and ok1
 
 
 def test_cuda_dtype_rule_raises_on_every_rank(monkeypatch):
@@ -221,22 +271,69 @@ def test_cuda_dtype_rule_raises_on_every_rank(monkeypatch):
     assert err0 and "rank 1" in err0, err0
 
 
-def test_negative_n_gemm_raises_on_every_rank():
+@pytest.mark.parametrize("n_comm,n_gemm,message", [
+    (1, -1, "n_gemm must be >= 0, got -1"),
+    (1000, 100, "n_comm=1000 + n_gemm=100 blocks are more than a grid of at most 1024 blocks "
+                "(the CPU backend's limit: each block is a team of OS threads); lower n_comm or "
+                "n_gemm"),
+])
+def test_raw_launch_shape_raises_on_every_rank(n_comm, n_gemm, message):
     """n_gemm is not a wrapper argument (the tuner picks it): the raw op takes it."""
     bufs = comet.Buffer.simulated_world(W, timeout=20)
 
     def rank(r, buf):
         a = _layer0_args(r)
         try:
-            torch.ops.comet.moe_layer0(a["x"], a["w0"], a["topk_ids"], E, buf.handle, 1,
-                                       -1 if r == 1 else 1, 4, 4, None, False, -1)
+            torch.ops.comet.moe_layer0(a["x"], a["w0"], a["topk_ids"], E, buf.handle,
+                                       n_comm if r == 1 else 1, n_gemm if r == 1 else 1, 4, 4,
+                                       None, False, -1)
         except (ValueError, TypeError, RuntimeError) as e:
             return str(e)
         return None
 
     err0, err1 = run_threads(W, rank, buffers=bufs)
-    assert err1 and "n_gemm must be >= 0, got -1" in err1, err1
+    assert err1 and message in err1, err1
     assert err0 and "rank 1" in err0, err0
+
+
+def test_cpu_grid_grows_with_n_comm_up_to_its_limit():
+    """The wrappers give the GEMM the rest of the CPU block budget, at least one block: an n_comm
+    at or over the budget grows the grid (n_comm + 1 blocks), the largest one allowed too."""
+    buf = comet.Buffer.simulated_world(1, timeout=20)[0]
+    a = _layer0_args(0)
+    x, w0, ids = a["x"], torch.cat([a["w0"]] * W), a["topk_ids"]  # every expert on one rank
+    want, _ = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf, n_comm=1, tile=(4, 4))
+    for n_comm in (7, 1023):
+        y0, _ = comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf, n_comm=n_comm,
+                                 tile=(4, 4))
+        assert torch.equal(y0, want)
+
+
+# The CUDA kernels' launch rules are checked by the same code (Checker::launch, Checker::grid),
+# which comet._C.engine.launch_check runs for a device type without a call or a GPU.
+def test_cuda_launch_takes_only_the_compiled_tile():
+    from comet import _C
+    from comet.layers.ops import CUDA_TILE
+
+    assert _C.engine.launch_check("cuda", 2, 0, *CUDA_TILE) == ""
+    assert _C.engine.launch_check("cuda", 2, 0, 64, 128) == (
+        "comet.moe_layer0: the CUDA kernels are compiled for 128x128 tiles, got tile=(64, 128)")
+    assert _C.engine.launch_check("cpu", 2, 0, 64, 128) == ""  # the CPU backend takes any tile
+
+
+def test_grid_rule_names_the_value_and_the_grid():
+    """What plan_launch applies on a GPU with the co-resident count as the limit (here 132)."""
+    from comet import _C
+
+    def grid(n_comm, n_gemm):
+        return _C.engine.launch_check("cuda", n_comm, n_gemm, 128, 128, grid_limit=132,
+                                      limit_why="132 co-resident")
+
+    assert grid(131, 1) == "" and grid(4, 128) == ""
+    assert grid(132, 1) == ("comet.moe_layer0: n_comm=132 leaves no GEMM block in a grid of at "
+                            "most 132 blocks (132 co-resident): n_comm must be at most 131")
+    assert grid(4, 129) == ("comet.moe_layer0: n_comm=4 + n_gemm=129 blocks are more than a grid "
+                            "of at most 132 blocks (132 co-resident); lower n_comm or n_gemm")
 
 
 def test_every_check_has_a_test():

@@ -18,3 +18,14 @@ def test_mutant_original_text_occurs_once(m):
     text = (ROOT / m.file).read_text()
     assert text.count(m.original) == 1, f"{m.name}: its original text occurs " \
         f"{text.count(m.original)} times in {m.file} (update tools/mutants.py)"
+
+
+def test_docs_count_the_mutants():
+    """docs/verified.md says how many mutants `make test` and `make mutants` run."""
+    words = {n: w for n, w in enumerate("zero one two three four five six seven eight nine ten "
+                                        "eleven twelve thirteen fourteen fifteen sixteen".split())}
+    say = lambda n: words.get(n, str(n))  # noqa: E731 - numbers past sixteen in digits
+    python = [m for m in mutants.MUTANTS if m.file.endswith(".py")]
+    text = " ".join((ROOT / "docs" / "verified.md").read_text().split())
+    assert f"runs the {say(len(python))} Python mutants" in text
+    assert f"runs all {say(len(mutants.MUTANTS))}" in text

@@ -47,7 +47,7 @@ def _check_limits(monkeypatch, case, dtype, limits, grid=5, n_comm=2, **buffer_k
                 assert torch.equal(x, y), f"S={s}, rank {r}"
 
 
-# (case, dtype, limits): every S of the issue appears on several world sizes.
+# (case, dtype, limits): every S of the module doc appears on several world sizes.
 ONE_NODE = [
     (cases_for(1)[0], torch.float32, (1, 5)),
     (cases_for(2)[3], torch.bfloat16, (2, 3)),

@@ -153,7 +153,7 @@ def test_required_bytes_is_monotone_in_each_argument():
 
 
 def test_layer1_receive_region_dominates():
-    """min(k, W) x tokens x H x elem plus small routing regions (the issue's example: k=8, 8K
+    """min(k, W) x tokens x H x elem plus small routing regions (DeepSeek-V3's shape: k=8, 8K
     tokens, H=7168 is ~940 MB per rank, near NVSHMEM's 1 GiB default)."""
     for T, H, k, E, W in ((4096, 4096, 2, 8, 8), (8192, 7168, 8, 256, 8), (100, 24, 5, 4, 2)):
         need = symm.required_bytes(tokens=T, hidden=H, topk=k, num_experts=E, world=W)

@@ -40,7 +40,8 @@ def op_check_literals() -> list[str]:
 def ops_py_literals() -> list[str]:
     src = (ROOT / "comet" / "layers" / "ops.py").read_text()
     out = []
-    for call in re.finditer(r"fail_call\(\s*\w+,\s*((?:f?\"[^\"]*\"\s*)+)\)", src):
+    # fail_call(op, "message" ...) or fail_call(op, "message" ..., TypeError)
+    for call in re.finditer(r"fail_call\(\s*\w+,\s*((?:f?\"[^\"]*\"\s*)+)(?:,\s*\w+)?\)", src):
         for lit in re.finditer(r'f?"([^"]*)"', call.group(1)):
             # the constant pieces of an f-string, between its {fields}
             out += [p for p in re.split(r"\{[^}]*\}", lit.group(1))]

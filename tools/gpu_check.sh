@@ -22,7 +22,8 @@
 #            splits stored in $OUT/tune-cache, then the bench's Mixtral rows again with them
 #   multi    with 2+ GPUs: torchrun over all of them, tests/gpu
 # Writes $OUT/report.md (the summary: every command, its exit code and time, and its figures),
-# one log per step, kernels.json, ncu.csv. About 8-10 minutes on a 16-core H200 machine.
+# one log per step, kernels.json, ncu.csv. About 8-10 minutes on a 16-core H200 machine (an
+# estimate from the steps, not a timed run).
 set -u
 OUT_DIR=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUT_DIR"

@@ -332,10 +332,11 @@ class Buffer:
         """The placement fingerprint this rank's next calls announce (0: none; comet.layers.placed)."""
         _ops().buffer_set_call_tag(self.handle, int(tag))
 
-    def fail_call(self, op: int, message: str) -> None:
-        """Report a local input error through the call protocol so every peer raises too."""
+    def fail_call(self, op: int, message: str, error: type = ValueError) -> None:
+        """Report a local input error through the call protocol so every peer raises too (this
+        rank `error`, its peers ValueError naming this rank, as for the ops' own checks)."""
         verdict = str(_ops().buffer_fail_call(self.handle, int(op), message))
-        raise ValueError(verdict or message)
+        raise error(verdict or message)
 
     def _barrier(self):
         if _distributed():  # NVSHMEM allocation is world-collective: a subgroup syncs the world

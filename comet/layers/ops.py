@@ -5,7 +5,9 @@ and is exchanged between ranks, so a bad input on one rank raises on every rank.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import weakref
 
 import torch
 
@@ -50,6 +52,9 @@ class Layout:
     # With a placement (comet/layers/placed.py): its compiled routes; num_experts, recv_counts and
     # topk_ids are then in the virtual slot space (W x S slots), and layer1 reduces by slot.
     routes: object = None
+    # The moe_layer0 call that made it, numbered per process (0: unknown, e.g. a Layout built by
+    # hand or while torch.compile traces): moe_layer1 names a y0 of another call passed as h.
+    call: int = 0
 
     @property
     def world(self) -> int:
@@ -365,16 +370,87 @@ class Call:
     def layout(self, num_experts, topk_ids, outs) -> tuple[torch.Tensor, Layout]:
         """(y0, Layout) from the seven outputs of this layer0 call's op."""
         y0, _a, recv_counts, send_pos, rs, rt, rsl = outs
+        call = _remember_y0(y0)
         return y0, Layout(int(num_experts), self.buf.handle, topk_ids, recv_counts, send_pos, rs,
-                          rt, rsl, self.rows, self.tp)
+                          rt, rsl, self.rows, self.tp, call=call)
 
 
-def call_buffer(buffer, group, t, layout: Layout | None = None):
-    """The buffer a call runs on (the explicit one, else the group's for t's device); with a
-    layout (layer1) it must be the one the layout was produced on, else every rank raises."""
-    buf = _buffer_for(buffer, group, t)
-    if layout is not None and buf.handle != layout.buffer:
+# -- Which call a y0 came from ---------------------------------------------------------------------
+#
+# Calls of several micro-batches may interleave on one buffer (layer0 A, layer0 B, layer1 A,
+# layer1 B): each call carries its whole state in its arguments, layer1's in the layout and h. What
+# layer1 cannot check is that h was computed from the layout's y0. It can when h is itself a y0 (an
+# identity or in-place activation): every live y0 is remembered by its storage, and a y0 of another
+# call raises. A y0's storage is not reused while the y0 lives, and a dead y0 is forgotten.
+
+_call_numbers = itertools.count(1)
+_Y0_CALLS: dict[int, tuple[weakref.ref, int]] = {}  # y0's storage address -> (y0, its call)
+
+
+def _storage_key(t) -> int:
+    """The address of t's storage (0: none to go by: empty, meta, traced by torch.compile)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        return 0
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - no storage to go by (tensor subclasses, functorch wrappers)
+        return 0
+
+
+def _remember_y0(y0) -> int:
+    """Numbers a layer0 call and remembers its y0 while it lives; returns the call's number."""
+    if torch.compiler.is_compiling():
+        return 0
+    call, key = next(_call_numbers), _storage_key(y0)
+    if key:
+        def forget(ref, key=key):
+            if _Y0_CALLS.get(key, (None,))[0] is ref:
+                _Y0_CALLS.pop(key, None)
+
+        _Y0_CALLS[key] = (weakref.ref(y0, forget), call)
+    return call
+
+
+def _y0_call(t) -> int:
+    """The layer0 call whose y0 t is (or is a view of); 0: none comet knows of."""
+    if torch.compiler.is_compiling():
+        return 0
+    ref, call = _Y0_CALLS.get(_storage_key(t), (None, 0))
+    return call if ref is not None and ref() is not None else 0
+
+
+def _describe(value) -> str:
+    """What an error message calls a value passed where a Layout belongs."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], Layout):
+        return (f"moe_layer0's whole result, a {type(value).__name__} (y0, Layout): pass its "
+                f"second element (y0, layout = comet.moe_layer0(...))")
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} elements"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def call_buffer(buffer, group, t):
+    """The buffer a layer0 call runs on: the explicit one, else the group's for t's device."""
+    return _buffer_for(buffer, group, t)
+
+
+def layer1_buffer(buffer, group, h, layout) -> object:
+    """The buffer a layer1 call runs on, after what only the wrapper can check (each failure
+    raises on every rank): layout is a Layout, produced on this buffer, and h is not the y0 of
+    another layer0 call."""
+    buf = _buffer_for(buffer, group, h)
+    if not isinstance(layout, Layout):
+        buf.fail_call(1, f"comet.moe_layer1: layout must be the comet.Layout moe_layer0 returned, "
+                         f"got {_describe(layout)}", TypeError)
+    if buf.handle != layout.buffer:
         buf.fail_call(1, "comet.moe_layer1: layout was produced on another buffer/group")
+    made_by = _y0_call(h)
+    if made_by and layout.call and made_by != layout.call:
+        buf.fail_call(1, f"comet.moe_layer1: h is the y0 of moe_layer0 call {made_by} but the "
+                         f"layout is call {layout.call}'s (calls numbered per process): pass "
+                         "each call's layout with the h made from its own y0")
     return buf
 
 
@@ -401,7 +477,7 @@ def layer0_call(buf, x, w0, topk_ids, *, num_experts: int, b0=None, w0_transpose
 def layer1_call(buf, h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
                 n_comm: int | None = None, tile=None, band: int | None = None, fp8: bool = False,
                 **scales) -> Call:
-    """moe_layer1's preamble on `buf` (call_buffer checked the layout's): h, w1, topk_weights,
+    """moe_layer1's preamble on `buf` (layer1_buffer checked the layout): h, w1, topk_weights,
     the layout's topk_ids, b1 and `scales` (h_scale / w1_scale) on one device, the launch
     configuration and band width (band: the caller's, else the tuner's); tp_size and the bound
     are the layout's."""
@@ -482,7 +558,7 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     ceil(H/128), ceil(N1/128)] float32; out in out_dtype (default bfloat16 when FP8 is involved).
     Returns out [T, H] on every rank for its own tokens.
     """
-    buf = call_buffer(buffer, group, h, layout)
+    buf = layer1_buffer(buffer, group, h, layout)
     if layout.routes is not None:
         _no_fp8_with_placement(buf, 1, h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
         return _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile,
@@ -514,6 +590,9 @@ def _placed_routes(buf, op: int, placement, num_experts: int, tp: int):
     if int(num_experts) != placement.num_experts:
         buf.fail_call(op, f"{name}: num_experts={int(num_experts)} but the placement places "
                           f"{placement.num_experts} experts")
+    if tp < 1:
+        buf.fail_call(op, f"{name}: tp_size must be >= 1 (1: no expert tensor parallelism), "
+                          f"got {tp}")
     if tp != 1:
         buf.fail_call(op, f"{name}: tp_size={tp} > 1 is not supported with a placement "
                           "(expert tensor parallelism needs the contiguous map)")

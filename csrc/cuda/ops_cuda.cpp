@@ -168,13 +168,8 @@ CheckResult with_pending(CheckResult r, const std::string& pending) {
   return r;
 }
 
-// The CUDA kernels are compiled for one tile shape (the tuner's tile only applies to the CPU).
-bool check_cuda_launch(Checker& c, int64_t tile_m, int64_t tile_n) {
-  return c.value(tile_m == kTileM && tile_n == kTileN,
-                 "the CUDA kernels are compiled for " + std::to_string(kTileM) + "x" +
-                     std::to_string(kTileN) + " tiles, got tile=(" + std::to_string(tile_m) +
-                     ", " + std::to_string(tile_n) + ")");
-}
+// Checker::launch refuses any other tile than the one these kernels are compiled for.
+static_assert(kTileM == kCudaTileM && kTileN == kCudaTileN, "op_checks.h: kCudaTile*");
 
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
@@ -266,15 +261,16 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
     per_sm = 0;
   const int sms = prop.multiProcessorCount - (proxy_sm ? 1 : 0);
   const int64_t resident = int64_t(per_sm) * std::max(sms, 0);
-  const int64_t grid = n_gemm == 0 ? resident : n_comm + n_gemm;
   std::ostringstream why;
-  why << "n_comm=" << n_comm << " + n_gemm=" << (n_gemm == 0 ? resident - n_comm : n_gemm)
-      << " blocks cannot all be co-resident: this GPU runs at most " << per_sm
-      << " block(s) of the fused kernel per SM x " << sms << " SMs = " << resident
-      << (proxy_sm ? " (one SM is left to the inter-node proxy)" : "")
-      << " (the blocks wait on each other, so a larger grid could deadlock; "
-      << "lower n_comm/n_gemm, n_gemm=0 uses every block left)";
-  if (!c.value(grid <= resident && grid - n_comm >= 1, why.str())) return lp;
+  why << "this GPU's co-resident blocks of the fused kernel: " << per_sm << " per SM x " << sms
+      << " SMs" << (proxy_sm ? ", one SM left to the inter-node proxy" : "")
+      << "; the blocks wait on each other, so a larger grid could deadlock; n_gemm=0 uses "
+         "every block n_comm leaves";
+  // n_gemm = 0: every co-resident block n_comm leaves (at least one, or grid() refuses).
+  if (!c.grid(n_comm, n_gemm == 0 ? std::max<int64_t>(resident - n_comm, 1) : n_gemm, resident,
+              why.str()))
+    return lp;
+  const int64_t grid = n_gemm == 0 ? resident : n_comm + n_gemm;
   lp.grid = int(grid);
   lp.n_gemm = int(grid - n_comm);
   return lp;
@@ -613,8 +609,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Checker c = cuda_checker("comet.moe_layer0", dev);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
                    w0_scale, out_dtype, dispatch_fp8},
-               W, {n_comm, n_gemm, tile_m, tile_n}) &&
-      check_cuda_launch(c, tile_m, tile_n);
+               W, {n_comm, n_gemm, tile_m, tile_n});
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
   const int32_t tp = shaped ? int32_t(tp_size) : 1;
@@ -794,8 +789,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows, tp_size, h_scale, w1_scale, out_dtype},
-               W, {n_comm, n_gemm, tile_m, tile_n, band_n}) &&
-      check_cuda_launch(c, tile_m, tile_n);
+               W, {n_comm, n_gemm, tile_m, tile_n, band_n});
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
   const int32_t tp = shaped ? int32_t(tp_size) : 1;
