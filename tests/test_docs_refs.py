@@ -70,16 +70,21 @@ def anchors(path: pathlib.Path) -> set:
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def prose_lines(md):
+    """(line number, line) of a markdown file outside its code blocks."""
+    in_code = False
+    for n, line in enumerate(md.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        if not in_code:
+            yield n, line
+
+
 def test_markdown_links_resolve():
     assert (ROOT / "docs").is_dir()
     bad = []
     for md in markdown_files():
-        in_code = False
-        for n, line in enumerate(md.read_text().splitlines(), 1):
-            if line.startswith("```"):
-                in_code = not in_code
-            if in_code:
-                continue
+        for n, line in prose_lines(md):
             for target in LINK.findall(line):
                 if re.match(r"[a-z]+:", target):  # http(s), mailto: not checked here
                     continue
@@ -116,12 +121,7 @@ def test_docs_name_files_by_their_path():
         by_name.setdefault(p.rsplit("/", 1)[-1], []).append(p)
     bare = []
     for md in markdown_files():
-        in_code = False
-        for n, line in enumerate(md.read_text().splitlines(), 1):
-            if line.startswith("```"):
-                in_code = not in_code
-            if in_code:
-                continue
+        for n, line in prose_lines(md):
             for name in FILE_NAME.findall(LINK.sub("]", line)):
                 if name in by_name and name not in paths:
                     where = " or ".join(sorted(by_name[name]))

@@ -586,29 +586,32 @@ def test_config_band_round_trips_and_old_entries_read_as_column_order(tmp_path):
     assert tn.Config(3, band_n=0).band_n == 0  # 0 = all n-tiles
     with pytest.raises(ValueError, match="band_n must be >= 0"):
         tn.Config(3, band_n=-1)
-    # a cache file written before bands existed: its entries run in column order (b = 1)
+    # a cache file written before bands existed: the cache reads its entries as b = 1 (the tuner
+    # then runs the model's band: the next test)
+    key = _cache_from_before_bands(tmp_path, tn.Config(9))
+    cfg, _ = tn.TuneCache(tmp_path).get(key)
+    assert cfg == tn.Config(9, 128, 128, 1)
+    assert not tn.TuneCache(tmp_path).has_band(key)
+
+
+def _cache_from_before_bands(directory, config):
+    """A tuning cache in `directory` holding `config` for a Mixtral layer1 key on H800, written
+    as before bands existed (no band_n in the entry); returns the key."""
     key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)
-    cache = tn.TuneCache(tmp_path)
-    cache.put(key, tn.Config(9), seconds=1e-3)
+    cache = tn.TuneCache(directory)
+    cache.put(key, config, seconds=1e-3)
     data = json.loads(cache.path("h800").read_text())
     for entry in data["entries"].values():
         del entry["config"]["band_n"]
     cache.path("h800").write_text(json.dumps(data))
-    cfg, _ = tn.TuneCache(tmp_path).get(key)
-    assert cfg == tn.Config(9, 128, 128, 1)
+    return key
 
 
 def test_old_cache_entries_and_explicit_splits_run_the_models_band(tmp_path, monkeypatch):
     """A config without a measured band runs the cost model's band for its split, not column
     order: a cache entry from before bands, and n_comm / tile given explicitly to the ops."""
     spec = pm.GPUS["h800"]
-    key = tn.TuneKey("h800", 132, "bf16", 8, 8, 2, 4096, 14336, 4096, 1)
-    cache = tn.TuneCache(tmp_path)
-    cache.put(key, tn.Config(9), seconds=1e-3)
-    data = json.loads(cache.path("h800").read_text())
-    for entry in data["entries"].values():
-        del entry["config"]["band_n"]
-    cache.path("h800").write_text(json.dumps(data))
+    key = _cache_from_before_bands(tmp_path, tn.Config(9))
     want = pm.choose_band(key.shape(), spec, 9)
     assert want > 1  # Mixtral's h does not fit the L2: the model bands it
     cfg, src = tn.Tuner(tmp_path).choose(key, explain=True)
