@@ -10,9 +10,10 @@ HBM too)::
     gemm(n) = max(waves(n) * t_tile, bytes / (hbm * hbm_eff * n / sm_count))
 
 ``bytes`` counts the local experts' weights and the output once and the A operand (layer0's
-``a``, layer1's ``h``) :func:`a_sweeps` times: layer0 runs all n-tiles of an m-tile together (one
-sweep); layer1 runs column bands of ``b`` n-tiles, m-major inside a band, and reads h once per
-band, ``ceil(n_out / tile_n / b)`` sweeps, unless h fits ``L2_REUSE_FRACTION`` of the L2
+``a``, layer1's ``h``) :func:`a_sweeps` times and the weights :func:`weight_reads` times (the
+kernels walk raster groups of m-tiles, tile_order.h): layer0 runs all n-tiles of a group's m-tiles
+before the next group (one sweep); layer1 runs column bands of ``b`` n-tiles, groups inside a
+band, and reads h once per band, ``ceil(n_out / tile_n / b)`` sweeps, unless h fits ``L2_REUSE_FRACTION`` of the L2
 (``GpuSpec.l2_mb``: 50 MB on H100/H800) -- b = 1, plain column order, reads Mixtral's 235 MB h
 32 times (7.5 GB, 2.8 ms at H800's 3.35 TB/s x hbm_eff against 1.3 ms of tensor-core work).  A
 band's W1 columns of the experts live at once must fit the same share of L2
@@ -92,8 +93,8 @@ def max_band(shape: MoEShape, spec: GpuSpec, tile=DEFAULT_TILE) -> int:
     """The widest layer1 band whose W1 columns stay in L2 while the band's m-tiles stream by.
 
     A band of ``b`` n-tiles needs, per expert, ``b * tile_n * N1`` elements of W1 (the ``[H, N1]``
-    weight's rows for the band's columns).  Inside a band the GEMM blocks walk m-major across the
-    experts, and ``n_gemm <= sm_count`` blocks work on ``ceil(sm_count / b)`` consecutive m-tiles
+    weight's rows for the band's columns).  Inside a band the GEMM blocks walk the experts' m-tiles
+    (in raster groups, n-major over the band's n-tiles; modelled as m-major), and ``n_gemm <= sm_count`` blocks work on ``ceil(sm_count / b)`` consecutive m-tiles
     at once, so the experts live at once are those that window spans:
     ``min(E_l, 1 + ceil(sm_count / b / m-tiles per expert))``.  Their slabs must fit
     ``L2_REUSE_FRACTION`` of the L2, else each wave re-reads W1 and banding trades one HBM stream
@@ -117,10 +118,11 @@ def a_sweeps(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TILE,
              band: Optional[int] = None) -> float:
     """How often ``layer``'s GEMM reads its A operand from HBM (1.0 = once).
 
-    * layer0 visits all n-tiles of an m-tile one after another (tile_order.h: layer0_tile), and
-      consecutive tiles run at once on consecutive GEMM blocks, so an m-tile's rows of ``a`` come
-      from HBM once and serve its ``ceil(N0 / tile_n)`` tiles from L2: 1 sweep.
-    * layer1 in bands of ``b`` n-tiles, m-major inside a band: the band's ``b`` tiles of an m-tile
+    * layer0 visits all n-tiles of a raster group's m-tiles before the next group
+      (tile_order.h: layer0_tile), and consecutive tiles run at once on consecutive GEMM blocks,
+      so a group's rows of ``a`` come from HBM once and serve its ``ceil(N0 / tile_n)`` n-tiles
+      from L2: 1 sweep.
+    * layer1 in bands of ``b`` n-tiles, raster groups inside a band: the band's ``b`` tiles of an m-tile
       run at once and share its rows of ``h``; the next band needs them again after the whole of
       ``h [M, N1]`` went through the L2.  So h is read ``ceil(H / tile_n / b)`` times, unless it
       fits ``L2_REUSE_FRACTION`` of the L2 (then once).  b = 1 (plain column-major order) reads
@@ -143,7 +145,7 @@ def a_sweeps(shape: MoEShape, spec: GpuSpec, layer: int, tile=DEFAULT_TILE,
 def raster_group(n_gemm: int) -> int:
     """m-tiles per raster group of the kernels' tile orders for ``n_gemm`` GEMM blocks: the largest
     ``g`` with ``g * g <= n_gemm`` (csrc/include/comet/tile_order.h: raster_group, which
-    tests/test_perfmodel.py checks this against)."""
+    tests/test_raster_groups.py checks this against)."""
     return max(1, math.isqrt(max(1, int(n_gemm))))
 
 

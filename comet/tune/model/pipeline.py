@@ -11,8 +11,8 @@ chunk.
   first, so the GEMM starts on local tiles at once while remote rows are in flight), each cut into
   pieces of about one M-tile per local expert; a chunk's GEMM share is proportional to its rows.
   At least one tile time remains after the last row has arrived.
-* layer1: GEMM produces bands of ``b`` N-tile columns (m-major across all local experts inside a
-  band); the band ending at column ``c`` is complete after ``ceil((c + 1) * tiles_per_column /
+* layer1: GEMM produces bands of ``b`` N-tile columns (across all local experts inside a
+  band, in raster groups of m-tiles); the band ending at column ``c`` is complete after ``ceil((c + 1) * tiles_per_column /
   n_gemm)`` waves; comm blocks then reduce and send its columns' slice of every row (``1 /
   columns`` of the comm work per column), in order.
 
