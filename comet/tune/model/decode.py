@@ -21,7 +21,7 @@ The fused layer, as built (:func:`decode_fused`): the prologue of each layer (co
 estimate), layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
 kernel and the combine kernel.  layer0's GEMM blocks issue the weight loads of their first
 ``WEIGHT_PREFETCH_STAGES`` pipeline stages before they wait for a tile's rows ("weights before
-rows"), but at decode one m-tile holds every row of its expert, from every source rank, so a
+rows": the sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), but at decode one m-tile holds every row of its expert, from every source rank, so a
 tile's rows are ready only when the dispatch has ended: the kernel is the dispatch, then the
 weights that the prefetch did not cover.  layer1's h is local, so its GEMM streams w1 from the
 start, and its comm blocks reduce and send each column band after the GEMM publishes it: ``max(P,
