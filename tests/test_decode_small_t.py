@@ -17,13 +17,19 @@ import torch
 from tests.dist_utils import run_ranks
 
 TOPK = 8
-H, N0, N1 = 48, 40, 24  # not multiples of 128: FP8's last scale block is partial
+# Not multiples of 128 (FP8's last scale block is partial); H and N1 multiples of 16 (the CUDA FP8
+# kernels' K), so tests/gpu/test_cuda_decode.py runs the same steps.
+H, N0, N1 = 48, 40, 32
 MAX_T = 5
-STEPS = {  # tokens per rank, one tuple per step: empty ranks, every rank empty, odd sizes
-    2: [(0, 5), (1, 2), (5, 0), (0, 0), (2, 1)],
-    4: [(0, 1, 2, 5), (5, 2, 1, 0), (0, 0, 0, 0), (1, 1, 1, 1), (2, 0, 5, 1)],
-}
+SIZES = (0, 1, 2, 5)
 DTYPES = ("fp32", "bf16", "fp8")
+
+
+def steps_for(world):
+    """Tokens per rank, one tuple per step: {0, 1, 2, 5} rotated across the ranks (empty ranks,
+    odd sizes, each rank a different size), then every rank empty, then one token each."""
+    rot = [tuple(SIZES[(step + r) % len(SIZES)] for r in range(world)) for step in range(len(SIZES))]
+    return rot + [(0,) * world, (1,) * world]
 TOL = {"fp32": dict(atol=2e-5, rtol=2e-5), "bf16": dict(atol=3e-2, rtol=3e-2),
        "fp8": dict(atol=3e-2, rtol=3e-2)}
 
@@ -69,20 +75,23 @@ def _oracle_rows(world, E, ids, d):
     return rows
 
 
-def _one_step(rank, world, E, dtype, inp, R, buffer):
+def one_step(rank, world, E, dtype, inp, R, buffer, dev):
+    """layer0 -> tanh -> layer1 on this rank's inputs on `dev` (FP8: quantised here); returns y0
+    and out (on the CPU), h and the inputs as the op saw them (float64, FP8 dequantised)."""
     import comet
     from comet import fp8
 
     xs, ids, wts, w0s, w1s = inp
-    x, w0, w1 = xs[rank], w0s[rank], w1s[rank]
+    x, w0, w1 = xs[rank].to(dev), w0s[rank].to(dev), w1s[rank].to(dev)
+    ids_r, wts_r = ids[rank].to(dev), wts[rank].to(dev)
     if dtype == "fp8":
         xq, xs_ = fp8.quantize_rows(x)
         w0q, w0s_ = fp8.quantize_blocks(w0)
         w1q, w1s_ = fp8.quantize_blocks(w1)
-        y0, layout = comet.moe_layer0(xq, w0q, ids[rank], num_experts=E, x_scale=xs_,
+        y0, layout = comet.moe_layer0(xq, w0q, ids_r, num_experts=E, x_scale=xs_,
                                       w0_scale=w0s_, max_rows=R, buffer=buffer)
         hq, hs = fp8.quantize_rows(torch.tanh(y0.float()[:, :N1]))
-        out = comet.moe_layer1(hq, w1q, wts[rank], layout, h_scale=hs, w1_scale=w1s_,
+        out = comet.moe_layer1(hq, w1q, wts_r, layout, h_scale=hs, w1_scale=w1s_,
                                buffer=buffer)
         h_val = hq.double() * _blocks(hs.double(), hq.shape)
         used = dict(x=xq.double() * _blocks(xs_.double(), xq.shape),
@@ -90,27 +99,25 @@ def _one_step(rank, world, E, dtype, inp, R, buffer):
                     w1=w1q.double() * _blocks(w1s_.double(), w1q.shape))
     else:
         dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-        y0, layout = comet.moe_layer0(x.to(dt), w0.to(dt), ids[rank], num_experts=E, max_rows=R,
+        y0, layout = comet.moe_layer0(x.to(dt), w0.to(dt), ids_r, num_experts=E, max_rows=R,
                                       buffer=buffer)
         h = torch.tanh(y0.float()[:, :N1]).to(dt)
-        out = comet.moe_layer1(h, w1.to(dt), wts[rank], layout, buffer=buffer)
+        out = comet.moe_layer1(h, w1.to(dt), wts_r, layout, buffer=buffer)
         h_val = h.double()
         used = dict(x=x.to(dt).double(), w0=w0.to(dt).double(), w1=w1.to(dt).double())
-    return y0, out, h_val, used
+    used = {k: v.cpu() for k, v in used.items()}
+    return y0.cpu(), out.cpu(), h_val.cpu(), used
 
 
-def _check_against_oracle(rank, world, E, dtype, inp, y0, out, h_val, used, label):
-    import torch.distributed as dist
-
+def check_against_oracle(rank, world, E, dtype, inp, y0, out, h_val, used, label, gather,
+                         zero_past_m=True):
+    """y0 and out against the float64 oracle; gather(obj) -> every rank's obj, by rank; with
+    zero_past_m, y0's rows past M must be zeros (the CPU backend's promise; unspecified on CUDA).
+    Returns M."""
     xs, ids, wts, _, _ = inp
     # every rank's values as the op saw them (FP8: dequantised) and every rank's h
-    gathered = {}
-    for name in ("x", "w0", "w1"):
-        parts = [None] * world
-        dist.all_gather_object(parts, used[name])
-        gathered[name] = parts
-    hs = [torch.empty_like(h_val) for _ in range(world)]
-    dist.all_gather(hs, h_val)
+    gathered = {name: gather(used[name]) for name in ("x", "w0", "w1")}
+    hs = gather(h_val)
     rows = _oracle_rows(world, E, ids, rank)
     M = len(rows)
     assert y0.shape == (h_val.shape[0], N0), (label, y0.shape)
@@ -119,7 +126,8 @@ def _check_against_oracle(rank, world, E, dtype, inp, y0, out, h_val, used, labe
         want[r] = gathered["x"][s][t] @ gathered["w0"][rank][e].t()
     torch.testing.assert_close(y0[:M].double(), want[:M], **TOL[dtype],
                                msg=lambda m: f"rank {rank}, {label}: y0: {m}")
-    assert not y0[M:].any(), f"rank {rank}, {label}: rows past M = {M} are not zero"
+    assert not zero_past_m or not y0[M:].any(), \
+        f"rank {rank}, {label}: rows past M = {M} are not zero"
     T = ids[rank].shape[0]
     want_out = torch.zeros(T, H, dtype=torch.float64)
     for d in range(world):
@@ -129,36 +137,57 @@ def _check_against_oracle(rank, world, E, dtype, inp, y0, out, h_val, used, labe
     assert out.shape == (T, H), (label, out.shape)
     torch.testing.assert_close(out.double(), want_out, **TOL[dtype],
                                msg=lambda m: f"rank {rank}, {label}: out: {m}")
+    return M
 
 
-def _run(rank, world, experts):
-    import comet
-
+def run_steps(rank, world, experts, dtypes, dev, gather, fresh_buffer):
+    """Every step of steps_for(world) in every dtype on the group's buffer at one max_rows,
+    checked against the oracle, then again on fresh_buffer() (closed after): bitwise equal (y0's
+    first M rows, and out).
+    Returns (dtype, step, y0 rows, out shape) per call."""
     results = []
-    el = experts // world
-    R = world * MAX_T * min(TOPK, el)  # the bound, fixed for every step
-    for dtype in DTYPES:
-        for step, tokens in enumerate(STEPS[world]):
+    R = world * MAX_T * min(TOPK, experts // world)  # the bound, fixed for every step
+    for dtype in dtypes:
+        for step, tokens in enumerate(steps_for(world)):
             inp = _step_inputs(world, experts, tokens, seed=100 * experts + step)
             label = f"E={experts} {dtype} step {step} tokens {tokens}"
-            y0, out, h_val, used = _one_step(rank, world, experts, dtype, inp, R, None)
-            _check_against_oracle(rank, world, experts, dtype, inp, y0, out, h_val, used, label)
-            fresh = comet.Buffer(None)
+            y0, out, h_val, used = one_step(rank, world, experts, dtype, inp, R, None, dev)
+            M = check_against_oracle(rank, world, experts, dtype, inp, y0, out, h_val, used,
+                                     label, gather, zero_past_m=dev.type == "cpu")
+            fresh = fresh_buffer()
             try:
-                y0_f, out_f, _, _ = _one_step(rank, world, experts, dtype, inp, R, fresh)
+                y0_f, out_f, _, _ = one_step(rank, world, experts, dtype, inp, R, fresh, dev)
             finally:
                 fresh.close()
-            assert torch.equal(y0, y0_f) and torch.equal(out, out_f), \
+            assert torch.equal(y0[:M], y0_f[:M]) and torch.equal(out, out_f), \
                 f"rank {rank}, {label}: the reused buffer's result differs from a fresh buffer's"
             results.append((dtype, step, int(y0.shape[0]), tuple(out.shape)))
     return results
 
 
-@pytest.mark.parametrize("world,experts", [(2, 16), (2, 32), (4, 16), (4, 32)])
-def test_small_batches_match_the_oracle_at_a_fixed_max_rows(world, experts):
-    results = run_ranks(_run, world, experts, timeout=600)
+def check_results(results, world, experts, dtypes):
     for rank, res in enumerate(results):
-        assert len(res) == len(DTYPES) * len(STEPS[world]), rank
+        assert len(res) == len(dtypes) * len(steps_for(world)), rank
         # static shapes: every step's y0 has max_rows rows, whatever the step's tokens
         assert {r[2] for r in res} == {world * MAX_T * min(TOPK, experts // world)}, rank
-        assert [r[3][0] for r in res] == [STEPS[world][s][rank] for _, s, _, _ in res], rank
+        assert [r[3][0] for r in res] == [steps_for(world)[s][rank] for _, s, _, _ in res], rank
+
+
+def _all_gather(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _run(rank, world, experts):
+    import comet
+
+    return run_steps(rank, world, experts, DTYPES, torch.device("cpu"), _all_gather,
+                     lambda: comet.Buffer(None))
+
+
+@pytest.mark.parametrize("world,experts", [(2, 16), (2, 32), (4, 16), (4, 32)])
+def test_small_batches_match_the_oracle_at_a_fixed_max_rows(world, experts):
+    check_results(run_ranks(_run, world, experts, timeout=600), world, experts, DTYPES)
