@@ -105,7 +105,7 @@ NGPU ?= 1
 test-gpu: setup
 	$(VENV)/bin/torchrun --nproc-per-node $(NGPU) -m pytest tests/gpu -q -s
 
-# CPU benchmarks (all seven scripts, full size, 9.6 min measured on 2 busy cores, bench/README.md;
+# CPU benchmarks (all eight scripts, full size, 9.6 min + decode 40 s measured on 2 busy cores, bench/README.md;
 # `python -m bench --smoke` for the CI size): tables + ./bench-results/*.json/png
 bench: setup
 	$(PY) -m bench

@@ -1,12 +1,14 @@
-"""The seven CPU benchmarks, one after the other, from one command (what `make bench` runs):
+"""The eight CPU benchmarks, one after the other, from one command (what `make bench` runs):
 moe_layer (one MoE layer: sequential vs Tutel-style vs Comet), sweep_ncomm (latency vs the
 comm/GEMM split), prologue (the per-call planning programs), comm_copy (one comm block's row copy),
 multinode (1 node vs 2 nodes of the CPU analog), placement (skewed routing: the contiguous map
 vs the planners) and kernels (a world of one: comet's layers beside torch._grouped_mm, the
-unfused torch layer and a dense matmul; on a GPU the table the kernels are judged by).
+unfused torch layer and a dense matmul; on a GPU the table the kernels are judged by) and decode
+(1-256 tokens per rank: comet's fused ops beside the unfused torch chain).
 
-    .venv/bin/python -m bench            # full CPU run: 9.6 min on 2 busy cores (bench/README.md)
-    .venv/bin/python -m bench --smoke    # CI-sized: 3.1 min on 2 busy cores
+    .venv/bin/python -m bench            # full CPU run: 9.6 min on 2 busy cores without decode
+                                         # (decode: 40 s), see bench/README.md
+    .venv/bin/python -m bench --smoke    # CI-sized: 3.1 min on 2 busy cores without decode (38 s)
 
 Each prints a table on stdout (progress on stderr) and writes <out>/<name>.json (and a PNG for
 moe_layer, sweep_ncomm and placement when matplotlib, the 'bench' extra, is installed), <out>
@@ -22,7 +24,7 @@ import argparse
 import sys
 
 SCRIPTS = ("moe_layer", "sweep_ncomm", "prologue", "comm_copy", "multinode", "placement",
-           "kernels")
+           "kernels", "decode")
 
 
 def main(argv=None) -> int:

@@ -283,6 +283,26 @@ def test_sweep_ncomm_smoke(tmp_path):
     print(f"sweep_ncomm.py --smoke: {elapsed:.1f} s")
 
 
+def test_decode_bench_smoke(tmp_path):
+    """bench/decode.py --smoke: 4 ranks, every token count of the smoke run timed for both forms
+    after they agreed (fp32, 1e-4), each record's max_rows the bound W * T * min(k, E / W), and
+    the rows of the table those of the JSON."""
+    from bench import decode
+
+    proc, elapsed = _run("decode.py", tmp_path, timeout=300)
+    data = json.loads((tmp_path / "decode_smoke.json").read_text())
+    assert data["smoke"] and "not GPU results" in data["label"] and data["world"] == 4
+    recs = data["results"]
+    assert [r["tokens"] for r in recs] == list(decode.SMOKE_TOKENS)
+    for r in recs:
+        assert r["max_rows"] == 4 * r["tokens"] * min(8, 32 // 4)
+        assert r["slots_all_ranks"] == 4 * r["tokens"] * 8
+        assert r["max_abs_err"] <= 1e-4 * 10
+        assert set(r["median_us"]) == {"comet", "torch"} and all(v > 0 for v in r["median_us"].values())
+        assert f"| {r['max_rows']:>8} |" in proc.stdout
+    print(f"decode.py --smoke: {elapsed:.1f} s")
+
+
 def test_prologue_bench_smoke(tmp_path, capsys):
     """bench.prologue --smoke: every program's span within 2x of T*k/P + E*W, and the span shrinks
     as the grid grows (the work is really split)."""
@@ -431,7 +451,7 @@ def test_bench_runs_every_script_and_the_docs_count_them():
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__", "__main__", "common",
                                                                  "baselines", "tp_compare"}
     assert set(bench_main.SCRIPTS) == scripts
-    count = {4: "four", 5: "five", 6: "six", 7: "seven"}[len(scripts)]
+    count = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}[len(scripts)]
     assert f"The {count} CPU benchmarks" in bench_main.__doc__
     readme = (ROOT / "bench" / "README.md").read_text()
     assert f"{count.capitalize()} scripts" in readme and f"all {count}" in readme

@@ -249,6 +249,13 @@ def model_fp8_lines() -> List[str]:
     return cli.fp8_table().splitlines()
 
 
+def model_decode_lines() -> List[str]:
+    """A DeepSeek-V3-shaped layer at decode sizes: fused / folded / unfused / limit, and the
+    published low-latency figures of other implementations (comet.tune.model.decode)."""
+    from comet.tune import cli
+    return cli.decode_table().splitlines()
+
+
 def model_skew_lines() -> List[str]:
     """The slowest rank under Zipf routing: contiguous map vs the planners (comet.plan.report)."""
     from comet.plan.report import docs_table
@@ -262,6 +269,7 @@ FIGURES: Dict[str, Figure] = {
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
     "model-tp": Figure("README.md", model_tp_lines),
     "model-fp8": Figure("README.md", model_fp8_lines),
+    "model-decode": Figure("README.md", model_decode_lines),
     "model-skew": Figure("docs/tuning.md", model_skew_lines),
     "symmetric-memory": Figure("docs/gpu.md", symmetric_memory_lines),
 }

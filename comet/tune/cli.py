@@ -3,7 +3,7 @@
     python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
     python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat] [--node-reduce]
     python -m comet.tune --model custom ... --world 8 --tp 4 [--dtype fp8]   # EP2 x TP4, FP8
-    python -m comet.tune --table tp|fp8          # docs/tuning.md's TP and FP8 tables (markdown)
+    python -m comet.tune --table tp|fp8|decode   # docs/tuning.md's TP, FP8 and decode tables (markdown)
 
 It always prints, for both fused layers, the cost model's split and predicted times (clearly
 labelled: model, not measured), with the communication split into its NVLink (intra-node) and
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", choices=sorted(TABLES),
                    help="print one of docs/tuning.md's model tables (markdown) and exit: tp "
                         "(flux's four EP x TP configurations on 8 x H100), fp8 (the paper's three "
-                        "shapes in FP8 beside bf16 on 8 x H800)")
+                        "shapes in FP8 beside bf16 on 8 x H800), decode (a DeepSeek-V3-shaped "
+                        "layer at 1-256 tokens per rank on 8 and 16 x H800)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node (default: --world, one node); must divide --world")
     p.add_argument("--flat", action="store_true",
@@ -394,7 +395,43 @@ def fp8_table() -> str:
                       "fused ms", "unfused ms", "limit ms"], rows, "llrrrrrrr")
 
 
-TABLES = {"tp": tp_table, "fp8": fp8_table}
+def decode_table() -> str:
+    """The decode table (docs/tuning.md, "Decode"): a DeepSeek-V3-shaped MoE layer (layer0,
+    activation, layer1) on 8 and 16 x H800 at 1-256 tokens per rank, FP8 and bf16: the fused layer
+    as built, the same with its prologues folded into the fused kernels (not built), the unfused
+    low-latency chain and the limit (comet.tune.model.decode); then the published low-latency
+    dispatch / combine figures of other implementations at 128 tokens beside the model's."""
+    from .model import decode as dm
+
+    spec = pm.GPUS[dm.DECODE_GPU]
+    us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
+    rows = []
+    for W, rpn in dm.DECODE_GROUPS:
+        for dt in ("fp8", "bf16"):
+            for T in dm.DECODE_TOKENS:
+                p = dm.DecodePoint(W, T, dt, rpn)
+                f, u, lim = dm.decode_fused(p, spec), dm.decode_unfused(p, spec), dm.decode_limit(p, spec)
+                wmb = (dm.weight_bytes(p, 0) + dm.weight_bytes(p, 1)) / 1e6
+                rows.append([f"{W // rpn} x {rpn}", dt, str(T),
+                             f"{dm.active_experts(W, p.E, p.k, T):.1f}", f"{wmb:.0f}",
+                             f"{f['n_comm0']} / {f['n_comm1']}", us(f["fused"]), us(f["folded"]),
+                             us(u["unfused"]), us(lim), f"{f['fused'] / lim:.2f}"])
+    table = _md_table(["nodes x ranks", "dtype", "tokens", "active experts", "weight MB",
+                       "n_comm", "fused us", "fused, prologues folded (not built) us",
+                       "unfused us", "limit us", "fused / limit"], rows, "lllrrrrrrrr")
+    anchors = []
+    for W, gpu, what, d_us, c_us in dm.DECODE_ANCHORS:
+        rpn = dict(dm.DECODE_GROUPS)[W]
+        u = dm.decode_unfused(dm.DecodePoint(W, 128, "fp8", rpn), pm.GPUS[gpu])
+        anchors.append([what, f"{d_us:g} / {c_us:g}",
+                        f"{u['dispatch'] * 1e6:.1f} / {u['combine'] * 1e6:.1f}"])
+    return table + "\n\n" + _md_table(
+        ["128 tokens per rank, H 7168, top-8", "published dispatch / combine us (measured, another "
+         "implementation)", "model, same GPUs: unfused chain's dispatch / combine us (FP8 rows)"],
+        anchors, "lrr")
+
+
+TABLES = {"tp": tp_table, "fp8": fp8_table, "decode": decode_table}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -28,6 +28,9 @@ comet/tune/model/, each documenting what it models (a part imports only the part
 * ``pipeline`` -- comm and GEMM overlapped in the fused kernel: :func:`predict`,
   :func:`choose_n_comm`, :func:`choose_band`.
 * ``backward`` -- a training step's second half: :func:`predict_backward`.
+* ``decode`` -- a whole layer at 1-256 tokens per rank, bound by the weight stream: the fused
+  layer as built, the unfused low-latency chain and the limit (``--table decode``; read as
+  comet.tune.model.decode, not re-exported here).
 
 Skewed routing enters as measured counts (``MoEShape.expert_rows``, ``MoEShape.remote_rows``);
 comet.plan.skew measures each rank's counts under a placement and prices the slowest rank with

@@ -7,7 +7,8 @@
 //  - GEMM block g of n_gemm (comet/block_roles.h) walks the engine's tile order
 //    (comet/gemm_schedule.h) in every warp role: the producer warp with a ProducerContext, whose
 //    wait acquires the m-tile's readiness (layer0) and then issues fence.proxy.async before the TMA
-//    loads; the MMA warpgroups with a ConsumerContext (no wait of their own; in layer1 they publish
+//    loads of A (layer0 issues the weights' loads of the tile's first stages before that wait:
+//    weights_first.cuh); the MMA warpgroups with a ConsumerContext (no wait of their own; in layer1 they publish
 //    each finished column after a named barrier over both warpgroups, i.e. once every epilogue
 //    store of the tile has been issued, with release semantics).
 //  - Experts share one TMA descriptor per operand: A is the whole dispatched row range
@@ -63,6 +64,7 @@
 #include "comm_blocks.cuh"
 #include "launch.h"
 #include "epilogue.cuh"
+#include "weights_first.cuh"
 
 namespace comet::gpu::sm90 {
 
@@ -353,7 +355,8 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
     Tensor mB = mp.tma_load_b.get_tma_tensor(
         C::kBMn ? make_shape(int(n_out), int(K), int(p.experts_local))
                 : make_shape(int(b_rows), int(K), 1));
-    auto load_tile = [&](const MTile& mt, int32_t nt) {
+    // The tile's views of A and B: (BLK, BLK_K, m/n, k, l), as CUTLASS's load takes them.
+    auto tile_views = [&](const MTile& mt, int32_t nt) {
       const int n0 = int(int64_t(nt) * C::kTileN);
       const auto b_origin = C::kBMn ? make_coord(n0, 0, int(mt.expert))
                                     : make_coord(int(int64_t(mt.expert) * n_out + n0), 0, 0);
@@ -361,24 +364,41 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
                              typename C::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});
       Tensor gB = local_tile(domain_offset(b_origin, mB), typename C::TileShape{},
                              make_coord(_, _, _), Step<X, _1, _1>{});
-      auto k_iter = make_coord_iterator(shape<3>(gA));
-      if constexpr (kScaled) {
-        // The scale tensors of the tuple are only read by a TMA scale load, which this
-        // configuration has none of (load_scales fills them).
-        const Tensor sf = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
-                                      typename C::LayoutSFA{});
-        const Tensor sfb = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
-                                       typename C::LayoutSFB{});
-        collective.load(mp, pipeline, state, cute::make_tuple(gA, gB, sf, sfb),
-                        make_coord(0, 0, _, 0), k_iter, k_tiles, int(threadIdx.x) % 32, 0u,
-                        ss.tensors);
-      } else {
-        collective.load(mp, pipeline, state, cute::make_tuple(gA, gB), make_coord(0, 0, _, 0),
-                        k_iter, k_tiles, int(threadIdx.x) % 32, 0u, ss.tensors);
-      }
-      state.advance(k_tiles);
+      return cute::make_tuple(gA, gB);
     };
-    producer_walk<kLayer>(p, wc, g, ng, ga, load_tile);
+    if constexpr (kLayer == 0) {
+      // Weights before rows (weights_first.cuh): a tile's first stages of B are loaded before
+      // the wait for its rows, which layer0_gemm_deferred hands to the load.
+      ProducerContext ctx(wc);
+      layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
+        auto [gA, gB] = tile_views(mt, nt);
+        load_weights_first<typename C::Mainloop>(mp, pipeline, state, ss.tensors,
+                                                 gA(_, _, 0, _, 0), gB(_, _, 0, _, 0), k_tiles,
+                                                 wait);
+        state.advance(k_tiles);
+      });
+    } else {
+      auto load_tile = [&](const MTile& mt, int32_t nt) {
+        auto [gA, gB] = tile_views(mt, nt);
+        auto k_iter = make_coord_iterator(shape<3>(gA));
+        if constexpr (kScaled) {
+          // The scale tensors of the tuple are only read by a TMA scale load, which this
+          // configuration has none of (load_scales fills them).
+          const Tensor sf = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
+                                        typename C::LayoutSFA{});
+          const Tensor sfb = make_tensor(make_gmem_ptr(static_cast<const float*>(nullptr)),
+                                         typename C::LayoutSFB{});
+          collective.load(mp, pipeline, state, cute::make_tuple(gA, gB, sf, sfb),
+                          make_coord(0, 0, _, 0), k_iter, k_tiles, int(threadIdx.x) % 32, 0u,
+                          ss.tensors);
+        } else {
+          collective.load(mp, pipeline, state, cute::make_tuple(gA, gB), make_coord(0, 0, _, 0),
+                          k_iter, k_tiles, int(threadIdx.x) % 32, 0u, ss.tensors);
+        }
+        state.advance(k_tiles);
+      };
+      producer_walk<kLayer>(p, wc, g, ng, ga, load_tile);
+    }
     collective.load_tail(pipeline, state);
     return;
   }

@@ -15,6 +15,7 @@
 #include "check.h"
 #include "comet/symm_layout.h"
 #include "comet/flags.h"
+#include "comet/gemm_schedule.h"
 #include "cpu/symm_heap.h"
 
 using namespace comet;
@@ -143,7 +144,61 @@ static void dead_rank_named_by_every_rank() {
     std::fprintf(stderr, "rank 0: %s\n", survivor.c_str());
 }
 
+// layer0's walk with the wait handed to the tile's work (the sm_90a producer's weights before
+// rows): every tile of the schedule, in order, gets exactly one wait for its own m-tile, issued
+// where the work calls it; layer0_gemm, built on it, waits before each tile's work.
+struct RecordingCtx {
+  std::vector<std::string>* log;
+  void wait(uint64_t*, uint64_t, WaitSite, int64_t index) {
+    log->push_back("wait " + std::to_string(index));
+  }
+  void delay() {}
+};
+
+static void layer0_wait_handed_to_the_tile() {
+  const int64_t n_m = 5;
+  const int32_t n_n = 3, blocks = 2;
+  std::vector<MTile> mtiles;
+  for (int64_t m = 0; m < n_m; ++m) mtiles.push_back(MTile{m * 4, 4, int32_t(m % 2)});
+  std::vector<int64_t> order = {3, 0, 4, 1, 2};
+  std::vector<uint64_t> ready(n_m, 0);
+  GemmScheduleArgs a{};
+  a.epoch = 1;
+  a.mtiles = mtiles.data();
+  a.num_mtiles = n_m;
+  a.num_ntiles = n_n;
+  a.mtile_order = order.data();
+  a.mtile_ready = ready.data();
+  for (int32_t g = 0; g < blocks; ++g) {
+    std::vector<std::string> deferred, plain, want;
+    RecordingCtx c1{&deferred}, c2{&plain};
+    layer0_gemm_deferred(c1, g, blocks, a, [&](const MTile& mt, int32_t nt, auto&& wait) {
+      deferred.push_back("weights " + std::to_string(mt.row_begin) + "," + std::to_string(nt));
+      wait();
+      deferred.push_back("rows " + std::to_string(mt.row_begin) + "," + std::to_string(nt));
+    });
+    layer0_gemm(c2, g, blocks, a, [&](const MTile& mt, int32_t nt) {
+      plain.push_back("rows " + std::to_string(mt.row_begin) + "," + std::to_string(nt));
+    });
+    int tiles = 0;
+    for (int64_t i = g; i < n_m * n_n; i += blocks, ++tiles) {
+      const TileCoord tc = schedule_tile(0, i, a, blocks);
+      const std::string at = std::to_string(tc.mtile * 4) + "," + std::to_string(tc.ntile);
+      want.push_back("weights " + at);
+      want.push_back("wait " + std::to_string(tc.mtile));
+      want.push_back("rows " + at);
+    }
+    CHECK(tiles > 0);
+    CHECK(deferred == want);
+    std::vector<std::string> want_plain;
+    for (const auto& w : want)
+      if (w.rfind("weights", 0) != 0) want_plain.push_back(w);
+    CHECK(plain == want_plain);
+  }
+}
+
 int main() {
+  layer0_wait_handed_to_the_tile();
   rearm_state_read_after_the_flag();
   arrivals();
   heap_handshake();

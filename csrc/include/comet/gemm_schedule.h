@@ -37,17 +37,31 @@ COMET_HD TileCoord schedule_tile(int32_t layer, int64_t i, const GemmScheduleArg
                                   layer1_band(a.band_n, a.num_ntiles), group);
 }
 
+// layer0 with the readiness wait handed to the tile's work: compute(mtile, ntile, wait) must call
+// wait() (the acquire of the m-tile's readiness) before it touches the tile's rows, and may do
+// work that needs no rows first: the sm_90a producer issues the weights' loads of its first
+// pipeline stages before it (weights depend on no communication).
+template <class Ctx, class Compute>
+COMET_HD void layer0_gemm_deferred(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
+                                   const GemmScheduleArgs& a, Compute&& compute) {
+  const int64_t tiles = a.num_mtiles * a.num_ntiles;
+  for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
+    const TileCoord tc = schedule_tile(0, i, a, gemm_blocks);
+    compute(a.mtiles[tc.mtile], tc.ntile,
+            [&] { ctx.wait(&a.mtile_ready[tc.mtile], a.epoch, WaitSite::RowTile, tc.mtile); });
+    ctx.delay();
+  }
+}
+
 // layer0: acquire an m-tile's readiness before touching its rows.
 template <class Ctx, class Compute>
 COMET_HD void layer0_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
                           const GemmScheduleArgs& a, Compute&& compute) {
-  const int64_t tiles = a.num_mtiles * a.num_ntiles;
-  for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
-    const TileCoord tc = schedule_tile(0, i, a, gemm_blocks);
-    ctx.wait(&a.mtile_ready[tc.mtile], a.epoch, WaitSite::RowTile, tc.mtile);
-    compute(a.mtiles[tc.mtile], tc.ntile);
-    ctx.delay();
-  }
+  layer0_gemm_deferred(ctx, gemm_block, gemm_blocks, a,
+                       [&](const MTile& mt, int32_t nt, auto&& wait) {
+                         wait();
+                         compute(mt, nt);
+                       });
 }
 
 // layer1, after a tile's stores (thread 0, after the block's barrier): arrive on the tile's band;

@@ -1,0 +1,219 @@
+"""The decode regime in the cost model (comet.tune.perfmodel): a whole MoE layer (layer0, the
+activation, layer1) at 1-256 tokens per rank, where the time goes to reading the experts'
+weights from HBM and to latency, not to tensor-core work (``python -m comet.tune --table decode``;
+the derivation is docs/tuning.md's "Decode").
+
+Per rank, uniform routing over ``E`` experts, top-``k``, ``W`` ranks each with ``T`` tokens:
+
+* active experts: a local expert is read only if some row reaches it; a token picks it with
+  probability ``k / E``, so ``a = E_l (1 - (1 - k / E)^(W T))`` of the ``E_l = E / W`` local
+  experts are read (:func:`active_experts`; DeepSeek-V3 at EP8: 7.2 of 32 at T = 1, all 32 from
+  T = 32 on);
+* weight bytes: ``a`` times one expert's w0 ``[2 F, H]`` and w1 ``[H, F]`` (FP8: 1 byte per value
+  plus a float32 scale per 128 x 128 block; :func:`weight_bytes`);
+* link bytes and the comm blocks' time: comet.tune.model.comm's, unchanged (layer0 rows per
+  (token, slot), layer1 partials per (token, rank));
+* the GEMM of a layer on ``n`` blocks: ``max(weights / (hbm * hbm_eff * min(n, tiles) /
+  sm_count), waves * tile)`` (the roofline of comet.tune.model.gemm with only the active
+  experts' weights: its activations and outputs are a few MB at most and are left out).
+
+The fused layer, as built (:func:`decode_fused`): the prologue of each layer (comet.tune.model.comm's
+estimate), layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
+kernel and the combine kernel.  layer0's GEMM blocks issue the weight loads of their first
+``WEIGHT_PREFETCH_STAGES`` pipeline stages before they wait for a tile's rows ("weights before
+rows": the sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), but at decode one m-tile holds every row of its expert, from every source rank, so a
+tile's rows are ready only when the dispatch has ended: the kernel is the dispatch, then the
+weights that the prefetch did not cover.  layer1's h is local, so its GEMM streams w1 from the
+start, and its comm blocks reduce and send each column band after the GEMM publishes it: ``max(P,
+C) + min(P, C) / cols`` (docs/design.md's two-stage pipeline with ``cols`` equal chunks).  Each
+layer's ``n_comm`` is the one with the least kernel time.  ``folded`` is the same without the
+two prologues' launches and barriers (one launch each: not built, see docs/tuning.md).
+
+The unfused chain (:func:`decode_unfused`, what a serving framework runs with low-latency
+all-to-all kernels): dispatch, grouped GEMM, activation, grouped GEMM, combine, each a launch on
+the whole GPU, one after the other (the dispatch and combine with comm.py's bytes and rates on
+every SM; charged no layout step of its own).
+
+The limit (:func:`decode_limit`): one launch plus the larger of the link bytes of both layers over
+the link (the slower of NVLink and the NIC where the group spans nodes) and the weight bytes over
+HBM, each at its achievable rate (``link_eff``, ``nic_eff``, ``hbm_eff``, as every other limit
+of the model).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from .comm import (GRID_BARRIER_S, KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, combine_time,
+                   comm_time, prologue_time)
+from .fp8 import FP8_SCALE_BLOCK, FP8_SCALE_BYTES
+from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims
+from .hardware import GpuSpec
+from .nodes import internode_bytes, intranode_bytes
+from .shape import MoEShape
+
+# Pipeline stages of B a GEMM block loads before it waits for a tile's rows: the sm_90a mainloop's
+# kStages (csrc/cuda/fused_sm90.cuh), each a 128-column slab of the weight, 16 KiB (bf16: 128 x 64
+# values x 2 bytes; FP8: 128 x 128 x 1).
+WEIGHT_PREFETCH_STAGES = 5
+WEIGHT_STAGE_BYTES = 16 * 1024
+
+# DeepSeek-V3's MoE layer: 256 routed experts, top-8, hidden 7168, expert
+# FFN 2048 (gated: layer0 produces 2 x 2048 columns).
+DECODE_MODEL = dict(H=7168, ffn=2048, E=256, k=8, title="DeepSeek-V3 MoE layer")
+DECODE_TOKENS = (1, 8, 32, 128, 256)
+DECODE_GROUPS = ((8, 8), (16, 8))  # (W, ranks per node): 8 x H800 in one node, 16 in two
+DECODE_GPU = "h800"
+
+# Published low-latency kernel figures at 128 tokens per rank, hidden 7168, top-8 (measurements of
+# other implementations, not of Comet): (ranks, GPU, source, dispatch us, combine us).
+DECODE_ANCHORS = (
+    (8, "h800", "DeepEP low-latency, 8 x H800", 77.0, 114.0),
+    (16, "h800", "DeepEP low-latency, 16 x H800 (2 nodes)", 118.0, 195.0),
+    (8, "h100", "pplx-kernels, 8 x H100", 83.6, 102.3),
+)
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One rank of a decode MoE layer: ``W`` ranks (``ranks_per_node`` per node), ``T`` tokens per
+    rank, ``dtype`` "bf16" or "fp8", the expert shape (``H``, gated ``ffn``, ``E``, ``k``)."""
+
+    W: int
+    T: int
+    dtype: str = "fp8"
+    ranks_per_node: Optional[int] = None
+    H: int = DECODE_MODEL["H"]
+    ffn: int = DECODE_MODEL["ffn"]
+    E: int = DECODE_MODEL["E"]
+    k: int = DECODE_MODEL["k"]
+
+    def shape(self, layer: int) -> MoEShape:
+        """comet.tune.model's one-layer shape (layer0: N = 2 ffn, layer1: N = ffn)."""
+        n = 2 * self.ffn if layer == 0 else self.ffn
+        return MoEShape(W=self.W, E=self.E, k=self.k, H=self.H, N=n, T=self.T,
+                        dtype_bytes=1 if self.dtype == "fp8" else 2,
+                        ranks_per_node=self.ranks_per_node)
+
+
+def active_experts(W: int, E: int, k: int, T: int) -> float:
+    """Expected local experts with at least one row: ``E / W * (1 - (1 - k / E) ** (W * T))``."""
+    return E / W * (1.0 - (1.0 - k / E) ** (W * T))
+
+
+def _expert_weight_bytes(shape: MoEShape, layer: int) -> float:
+    n_out, k_red = gemm_dims(shape, layer)
+    if shape.is_fp8:
+        blocks = math.ceil(n_out / FP8_SCALE_BLOCK) * math.ceil(k_red / FP8_SCALE_BLOCK)
+        return n_out * k_red + FP8_SCALE_BYTES * blocks
+    return n_out * k_red * shape.dtype_bytes
+
+
+def weight_bytes(p: DecodePoint, layer: int) -> float:
+    """HBM bytes of ``layer``'s weights this rank reads: its active experts' (see module doc)."""
+    return active_experts(p.W, p.E, p.k, p.T) * _expert_weight_bytes(p.shape(layer), layer)
+
+
+def _tiles(p: DecodePoint, layer: int, tile=DEFAULT_TILE) -> int:
+    """Output tiles of ``layer``'s grouped GEMM: the active experts' m-tiles times the n-tiles."""
+    a = active_experts(p.W, p.E, p.k, p.T)
+    if a <= 0 or p.T == 0:
+        return 0
+    rows = p.T * p.k / a  # rows per active expert (T k rows reach a rank)
+    n_out, _ = gemm_dims(p.shape(layer), layer)
+    return math.ceil(a - 1e-9) * math.ceil(rows / tile[0] - 1e-9) * math.ceil(n_out / tile[1])
+
+
+def _stream_rate(spec: GpuSpec, blocks: int, tiles: int) -> float:
+    """HBM bytes/s of ``blocks`` GEMM blocks with ``tiles`` tiles: each block its SM's share."""
+    return spec.hbm_bw * min(blocks, max(tiles, 1), spec.sm_count) / spec.sm_count
+
+
+def decode_gemm(p: DecodePoint, spec: GpuSpec, layer: int, n_gemm: int,
+                prefetched: float = 0.0) -> float:
+    """Seconds of ``layer``'s GEMM on ``n_gemm`` blocks, ``prefetched`` of its weight bytes
+    already loaded: the weight stream or the tiles' waves, whichever is longer."""
+    tiles = _tiles(p, layer)
+    if tiles == 0:
+        return 0.0
+    stream = max(0.0, weight_bytes(p, layer) - prefetched) / _stream_rate(spec, n_gemm, tiles)
+    waves = math.ceil(tiles / n_gemm) * _tile_seconds(p.shape(layer), spec, layer, DEFAULT_TILE)
+    return max(stream, waves)
+
+
+def _layer0_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int) -> float:
+    n_gemm = spec.max_blocks - n_comm
+    comm = comm_time(p.shape(0), spec, n_comm, 0)
+    prefetch = min(weight_bytes(p, 0), n_gemm * WEIGHT_PREFETCH_STAGES * WEIGHT_STAGE_BYTES)
+    return comm + decode_gemm(p, spec, 0, n_gemm, prefetch)
+
+
+def _layer1_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int) -> float:
+    """The GEMM's column bands, each reduced and sent by the comm blocks after it is published
+    (without the combine kernel, which comm_time includes and decode_fused adds after it)."""
+    s = p.shape(1)
+    gemm = decode_gemm(p, spec, 1, spec.max_blocks - n_comm)
+    comm = comm_time(s, spec, n_comm, 1) - _combine(p, spec)
+    cols = math.ceil(s.H / DEFAULT_TILE[1])
+    return max(gemm, comm) + min(gemm, comm) / cols
+
+
+def _combine(p: DecodePoint, spec: GpuSpec) -> float:
+    return combine_time(p.shape(1), spec)
+
+
+def _best(kernel, p: DecodePoint, spec: GpuSpec) -> Tuple[int, float]:
+    """(n_comm, seconds) of the fastest split of a layer's kernel, n_comm in [1, blocks - 1]."""
+    return min(((n, kernel(p, spec, n)) for n in range(1, spec.max_blocks)),
+               key=lambda nt: (nt[1], nt[0]))
+
+
+def _activation(p: DecodePoint, spec: GpuSpec) -> float:
+    """The caller's activation between the layers: a launch and its HBM bytes (T k rows of 2 ffn
+    in, ffn out, bf16)."""
+    return KERNEL_GAP_S + p.T * p.k * 3 * p.ffn * 2 / spec.hbm_bw
+
+
+def decode_fused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
+    """The fused layer as built (module doc): seconds of each part, ``fused`` their sum, and
+    ``folded`` (the prologues' launches and grid barriers gone, not built)."""
+    n0, k0 = _best(_layer0_kernel, p, spec)
+    n1, k1 = _best(_layer1_kernel, p, spec)
+    pro = prologue_time(p.shape(0), spec, 0) + prologue_time(p.shape(1), spec, 1)
+    act = _activation(p, spec)
+    comb = _combine(p, spec)
+    fused = pro + KERNEL_GAP_S + k0 + act + KERNEL_GAP_S + k1 + comb
+    # folded: the prologue's launches and grid barriers gone (its work and its metadata
+    # exchange's round trips stay, inside the fused kernel)
+    folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S + PROLOGUE_BARRIERS[l] * GRID_BARRIER_S
+                         for l in (0, 1))
+    return {"n_comm0": n0, "n_comm1": n1, "prologue": pro, "layer0": k0, "activation": act,
+            "layer1": k1, "combine": comb, "fused": fused, "folded": folded}
+
+
+def decode_unfused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
+    """The unfused chain (module doc): ``dispatch``, ``gemm0``, ``activation``, ``gemm1``,
+    ``combine`` and their sum ``unfused``, each step a launch on the whole GPU."""
+    blocks = spec.max_blocks
+    dispatch = KERNEL_GAP_S + comm_time(p.shape(0), spec, blocks, 0)
+    combine = KERNEL_GAP_S + comm_time(p.shape(1), spec, blocks, 1)
+    g0 = KERNEL_GAP_S + decode_gemm(p, spec, 0, blocks)
+    g1 = KERNEL_GAP_S + decode_gemm(p, spec, 1, blocks)
+    act = _activation(p, spec)
+    return {"dispatch": dispatch, "gemm0": g0, "activation": act, "gemm1": g1,
+            "combine": combine, "unfused": dispatch + g0 + act + g1 + combine}
+
+
+def link_seconds(p: DecodePoint, spec: GpuSpec) -> float:
+    """Both layers' link bytes at the achievable link rates (NVLink and NIC in parallel)."""
+    nvl = sum(intranode_bytes(p.shape(l), l) for l in (0, 1))
+    nic = sum(internode_bytes(p.shape(l), l) for l in (0, 1))
+    return max(nvl / spec.link_bw, nic / spec.nic_bw if nic > 0 else 0.0)
+
+
+def decode_limit(p: DecodePoint, spec: GpuSpec) -> float:
+    """One launch plus the larger of the link seconds and the weights' HBM seconds."""
+    weights = (weight_bytes(p, 0) + weight_bytes(p, 1)) / spec.hbm_bw
+    return KERNEL_GAP_S + max(link_seconds(p, spec), weights)
