@@ -326,8 +326,27 @@ def _errors_on_every_rank(world, bad_rank, **bad):
 def test_unknown_activation_raises_on_every_rank():
     msgs = _errors_on_every_rank(3, 1, activation="relu")
     assert all(m is not None for m in msgs), msgs
-    assert "'relu'" in msgs[1] and "swiglu" in msgs[1]
+    assert ("activation must be None, 'swiglu', 'geglu', 'silu' or 'gelu', got 'relu'"
+            in msgs[1]), msgs[1]
     assert all("rank 1" in m for i, m in enumerate(msgs) if i != 1), msgs
+
+
+def test_odd_tp_shard_for_a_gated_form_raises_on_every_rank():
+    """tp_size=2: the shard's N0 counts (each shard is its own [gate; up])."""
+    case = cases_for(2)[0]
+    xs, _w0s, _w1s, ids, _ = make_inputs(case)
+    odd = torch.randn(case.experts, 7, case.hidden)  # EP = 1: every expert on both ranks
+
+    def body(r, buf):
+        with pytest.raises(ValueError) as err:
+            comet.moe_layer0(xs[r], odd, ids[r], num_experts=case.experts, buffer=buf,
+                             tp_size=2, activation="swiglu")
+        return str(err.value)
+
+    msgs = run_threads(2, body)
+    want = ("activation='swiglu' pairs w0's gate and up halves ([gate; up]), so its "
+            "N0 must be even, got N0 = 7 (this rank's shard of tp_size=2)")
+    assert all(want in m for m in msgs), msgs
 
 
 def test_odd_n0_for_a_gated_form_raises_on_every_rank():
