@@ -321,6 +321,8 @@ bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const Launc
                      "[E_local, ceil(N0/128), ceil(H/128)]") &&
          c.bias(in.b0, "b0", in.w0.size(0), N0, fp8 ? out_like : in.x, fp8 ? "y0 (out_dtype)" : "x") &&
          check_activation(c, in.activation, N0, in.tp) &&
+         c.value(!in.h_fp8 || in.activation.has_value(),
+                 "h_fp8=True quantises the fused activation's h: pass activation= too") &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.max_rows(in.max_rows) &&
          c.launch(launch);

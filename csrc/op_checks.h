@@ -38,6 +38,7 @@ struct Layer0Inputs {
   bool dispatch_fp8 = false;
   // The activation fused into the epilogue (comet/activation.h), as the caller named it.
   std::optional<std::string> activation = std::nullopt;
+  bool h_fp8 = false;  // h emitted as FP8 packed rows (needs an activation)
   static inline const std::optional<at::Tensor> kNone{};
 };
 

@@ -9,14 +9,18 @@ the CPU backend, against float64 oracles written here from the published definit
 * backward: layer0(activation) -> layer1 in float64, every gradient (x, w0, b0, w1, topk_weights)
   against torch autograd of the float64 oracle, also with the weight gradients deferred, and in
   two gloo processes;
-* bad input (unknown name, odd N0 for a gated form) raises on every rank before any kernel.
+* bad input (unknown name, odd N0 for a gated form) raises on every rank before any kernel;
+* h_fp8=True: h quantised in the epilogue equals comet.fp8.quantize_rows of the fp32 h bit for
+  bit (16/32-bit and FP8 inputs), across splits and tiles, padded rows of scale 1, into layer1.
 """
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import comet
+import comet.fp8
 from comet.plan import Placement
 from tests.cases import E6_ON_3, TOL, cases_for, make_biases, make_inputs
 from tests.dist_utils import run_ranks
@@ -366,5 +370,71 @@ def test_op_refuses_bad_activation_directly():
             torch.ops.comet.moe_layer0(torch.ones(2, 4), torch.ones(1, 6, 4),
                                        torch.zeros(2, 1, dtype=torch.int64), 1, buf.handle,
                                        1, 1, 4, 8, activation="tanh")
+    finally:
+        buf.close()
+
+
+# -- FP8 h for layer1 (h_fp8=True) -------------------------------------------------------------
+
+def _fp8_h(case, name, launch=None, max_rows=None, fp8_inputs=False):
+    """Every rank's ((hq, h_scale), layout) and its fp32 h from the same call without h_fp8."""
+    xs, w0s, w1s, ids, wts = make_inputs(case)
+    b0s = make_biases(case)[0]
+    launch = launch or {}
+
+    def body(r, buf):
+        x, w0, kw = xs[r], w0s[r], {}
+        if fp8_inputs:  # FP8 operands: their fp32 activation is out_dtype=float32's h
+            (x, xsc), (w0, wsc) = comet.fp8.quantize_rows(x), comet.fp8.quantize_blocks(w0)
+            kw = dict(x_scale=xsc, w0_scale=wsc, out_dtype=torch.float32)
+        args = dict(num_experts=case.experts, b0=b0s[r], buffer=buf, activation=name,
+                    max_rows=max_rows, **kw)
+        q, lay = comet.moe_layer0(x, w0, ids[r], h_fp8=True, **args, **launch)
+        h32, _ = comet.moe_layer0(x, w0, ids[r], **args)
+        out = comet.moe_layer1(q[0], (w1s[r][..., :q[0].shape[1]] * 1.0).contiguous(), wts[r],
+                               lay, buffer=buf, h_scale=q[1], out_dtype=torch.float32)
+        return q, h32, lay, out
+
+    return run_threads(case.world, body)
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gelu"])
+def test_fp8_h_is_quantize_rows_of_the_fp32_activation_bit_for_bit(name):
+    # F = 150 (gated) / 300: several 128-wide scale blocks, the last one ragged
+    case = dataclasses.replace(cases_for(3)[5], n0=300, n1=150 if name in GATED else 300)
+    for fp8_inputs in (False, True):
+        for (q, s), h32, lay, out in _fp8_h(case, name, fp8_inputs=fp8_inputs):
+            want_q, want_s = comet.fp8.quantize_rows(h32)
+            assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(s, want_s)
+            assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_fp8_h_across_splits_and_with_max_rows():
+    case = dataclasses.replace(cases_for(2)[0], n0=276, n1=138)
+    base = _fp8_h(case, "swiglu")
+    for launch in (dict(n_comm=0, tile=(1, 1)), dict(n_comm=2, tile=(3, 200))):
+        for (a, _, _, _), (b, _, _, _) in zip(base, _fp8_h(case, "swiglu", launch)):
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+            assert torch.equal(a[1], b[1])
+    bound = sum(case.tokens) * case.topk
+    for ((q, s), h32, lay, _), ((q0, s0), _, _, _) in zip(_fp8_h(case, "swiglu", max_rows=bound),
+                                                         base):
+        m = q0.shape[0]
+        assert q.shape[0] == bound and torch.equal(q[:m].view(torch.uint8), q0.view(torch.uint8))
+        assert torch.equal(s[:m], s0) and torch.all(s[m:] == 1) and torch.all(q[m:].float() == 0)
+
+
+def test_h_fp8_needs_an_activation():
+    msgs = _errors_on_every_rank(2, 0, activation=None, h_fp8=True)
+    want = "h_fp8=True quantises the fused activation's h: pass activation= too"
+    assert all(m is not None for m in msgs) and want in msgs[0], msgs
+    buf = comet.Buffer.simulated_world(1)[0]
+    try:
+        with pytest.raises(ValueError, match="pass activation= too"):
+            torch.ops.comet.moe_layer0(torch.ones(2, 4), torch.ones(1, 6, 4),
+                                       torch.zeros(2, 1, dtype=torch.int64), 1, buf.handle,
+                                       1, 1, 4, 8, h_fp8=True)
     finally:
         buf.close()

@@ -242,14 +242,17 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   // n-tiles over the output's columns: with a gated activation each covers F's columns, its gate
   // and up halves read from both halves of w0 (comet/activation.h).
   const int64_t out_n = p_.out_cols();
-  const int32_t NT = int32_t(ceil_div(out_n, l_.tile_n));
+  // FP8 h: n-tiles of whole 128-column scale blocks, so a tile quantises its blocks on its own
+  // (the result never depends on the tile)
+  const int64_t tile_n = p_.h_fp8 ? ceil_div(l_.tile_n, kScaleBlock) * kScaleBlock : l_.tile_n;
+  const int32_t NT = int32_t(ceil_div(out_n, tile_n));
   GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(), nullptr,
                       nullptr};
   ga.group = l_.raster_group;
-  const int64_t tile_n = l_.tile_n;
-  const TileGemmArgs base =
-      expert_gemm_args(a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
-                       p_.output_kind(), N0, p_.w0_transposed, p_.b0, p_.output_kind());
+  const TileGemmArgs base = expert_gemm_args(
+      a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
+      p_.h_fp8 ? ScalarKind::F8E4M3 : p_.output_kind(), N0, p_.w0_transposed, p_.b0,
+      p_.output_kind());
   run_fused(
       heap_, 0, l_,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },

@@ -45,6 +45,9 @@ struct Layer0Problem {
   const float* w0_scale = nullptr;
   // The activation fused into the GEMM's epilogue (comet/activation.h): y0 is then h [M, out_cols()].
   Activation activation = Activation::None;
+  // With an activation: h emitted as FP8 packed rows [M, fp8_row_bytes(out_cols())] (values and
+  // their 1 x 128 scales, comet/fp8_rows.h), quantised in the epilogue from the fp32 values.
+  bool h_fp8 = false;
   ScalarKind weight_kind() const { return w_kind.value_or(kind); }
   ScalarKind output_kind() const { return out_kind.value_or(kind); }
   int64_t out_cols() const { return activation_cols(activation, n0); }

@@ -110,6 +110,12 @@ inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t
   };
   for (int64_t c = 0; c < srcs; ++c) widen_b_col(g, src_col(c), bt + c * g.k);
   const int64_t a_stride = g.a_stride ? g.a_stride : g.k;
+  // FP8 output (c_kind F8E4M3): packed rows of out_n values and their 1 x 128 scales
+  // (comet/fp8_rows.h), each 128-column block of the tile quantised from its fp32 values; the
+  // tile then starts at a block and covers whole blocks (the caller's n-tiles are multiples of
+  // 128 columns).
+  const bool fp8_out = g.c_kind == ScalarKind::F8E4M3;
+  std::vector<float> vals(fp8_out ? size_t(cols) : 0);
   for (int64_t r = row0; r < row0 + rows; ++r) {
     widen(g.a, g.a_kind, r * a_stride, g.k, arow);
     for (int64_t c = 0; c < cols; ++c) {
@@ -119,7 +125,15 @@ inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t
                              : Acc(0);
         v = activate(act, v, up);
       }
-      store_as<Acc>(g.c, r * out_n + col0 + c, g.c_kind, v);
+      if (fp8_out)
+        vals[size_t(c)] = float(v);
+      else
+        store_as<Acc>(g.c, r * out_n + col0 + c, g.c_kind, v);
+    }
+    if (fp8_out) {
+      uint8_t* row = static_cast<uint8_t*>(g.c) + r * fp8_row_bytes(out_n);
+      for (int64_t kb = col0 / kScaleBlock; kb < scale_blocks(col0 + cols); ++kb)
+        quantize_pack_block([&](int64_t i) { return vals[size_t(i - col0)]; }, out_n, kb, row);
     }
   }
 }

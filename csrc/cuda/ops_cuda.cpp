@@ -595,7 +595,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                              const std::optional<at::Tensor>& x_scale,
                              const std::optional<at::Tensor>& w0_scale,
                              std::optional<at::ScalarType> out_dtype, bool dispatch_fp8,
-                             std::optional<c10::string_view> activation) {
+                             std::optional<c10::string_view> activation, bool h_fp8) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -609,7 +609,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
-                   w0_scale, out_dtype, dispatch_fp8, activation_arg(activation)},
+                   w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n});
   // The fused activation runs in the CPU backend's epilogue only so far: refused here (on every
   // rank, before any kernel) rather than ignored; comet.moe_layer0 applies it after the op.
