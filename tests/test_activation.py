@@ -428,7 +428,7 @@ def test_fp8_h_across_splits_and_with_max_rows():
 
 def test_h_fp8_needs_an_activation():
     msgs = _errors_on_every_rank(2, 0, activation=None, h_fp8=True)
-    want = "h_fp8=True quantises the fused activation's h: pass activation= too"
+    want = "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass activation= too"
     assert all(m is not None for m in msgs) and want in msgs[0], msgs
     buf = comet.Buffer.simulated_world(1)[0]
     try:
