@@ -438,3 +438,23 @@ def test_h_fp8_needs_an_activation():
                                        1, 1, 4, 8, h_fp8=True)
     finally:
         buf.close()
+
+
+# -- The op as a PyTorch operator: fake kernel and autograd registration (torch.library.opcheck) --
+
+@pytest.mark.parametrize("kw", [dict(activation="swiglu"), dict(activation="gelu"),
+                                dict(activation="geglu", h_fp8=True)])
+def test_opcheck_with_activation(kw):
+    buf = comet.Buffer.simulated_world(1)[0]
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(9, 16, generator=g)
+        w0 = torch.randn(3, 12, 16, generator=g)
+        ids = torch.randint(0, 3, (9, 2), generator=g)
+        ids[0, 1] = -1
+        grad = not kw.get("h_fp8")
+        torch.library.opcheck(torch.ops.comet.moe_layer0.default,
+                              (x.requires_grad_(grad), w0.requires_grad_(grad), ids, 3,
+                               buf.handle, 1, 1, 4, 8), kw)
+    finally:
+        buf.close()

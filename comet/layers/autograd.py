@@ -97,6 +97,7 @@ __all__ = [
     "DeferredWeightGrads",
     "compute_deferred_weight_grads",
     "defer_weight_grads",
+    "expert_preactivation",
     "expert_weight_grad",
     "pending_weight_grads",
     "set_weight_grad_overlap",
@@ -655,10 +656,26 @@ def _layer0_setup_context(ctx, inputs, output):
                           b0 if ctx.activation else None)
 
 
+@torch.library.custom_op("comet::expert_preactivation", mutates_args=())
+def expert_preactivation(a: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor | None,
+                         recv_counts: torch.Tensor, w0_transposed: bool) -> torch.Tensor:
+    """The fused activation's input, recomputed for backward: [rows, N0] = a_e @ w0[e]^T + b0[e]
+    per local expert over the dispatch layout's rows, in fp32 (fp64) from the widened operands
+    (rows past M: zero). One GEMM of the forward's size and no communication (docs/design.md,
+    "The fused activation"); an opaque op, so traced backward graphs need no data-dependent
+    split."""
+    return _expert_preactivation(a, w0, b0, recv_counts, w0_transposed)
+
+
+@expert_preactivation.register_fake
+def _expert_preactivation_fake(a, w0, b0, recv_counts, w0_transposed):
+    return a.new_empty(a.shape[0], w0.shape[2 if w0_transposed else 1],
+                       dtype=_acc_dtype(a.dtype))
+
+
 def _expert_preactivation(a, w0, b0, recv_counts, w0_t):
-    """The fused activation's input, recomputed: [rows, N0] = a_e @ w0[e]^T + b0[e] per local
-    expert, in fp32 (fp64) from the widened operands (rows past M: zero). One GEMM of the
-    forward's size and no communication (see "The fused activation" in docs/design.md)."""
+    """expert_preactivation's body: a loop over the local experts (their row counts read on the
+    host)."""
     acc = _acc_dtype(a.dtype)
     n0 = w0.shape[2] if w0_t else w0.shape[1]
     out = torch.zeros(a.shape[0], n0, dtype=acc, device=a.device)
@@ -688,7 +705,7 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
         dy0 = a.new_zeros(a.shape[0], n0)
     elif ctx.activation:  # dy0 is dh: through the activation at the recomputed pre-activation
         dy0 = _activation.backward(ctx.activation,
-                                   _expert_preactivation(a, w0, b0, recv_counts, w0_t), dy0)
+                                   expert_preactivation(a, w0, b0, recv_counts, w0_t), dy0)
     dy0 = dy0.to(ctx.x_dtype).contiguous()
     traced = _tracing(dy0, a, w0)
 

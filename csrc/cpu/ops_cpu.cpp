@@ -176,7 +176,8 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     at::Tensor a = padded(fp8_rows ? at::empty({R, p.row_bytes()}, x.options().dtype(at::kByte))
                                  : at::empty({R, H}, x.options()),
                         0);
-    at::Tensor y0 = padded(h_fp8 ? at::empty({R, fp8_row_bytes(p.out_cols())},
+    // (packed rows zeroed whole: their padding bytes are part of the output)
+    at::Tensor y0 = padded(h_fp8 ? at::zeros({R, fp8_row_bytes(p.out_cols())},
                                              x.options().dtype(at::kByte))
                                  : at::empty({R, p.out_cols()}, x.options().dtype(out_type)),
                            0);
