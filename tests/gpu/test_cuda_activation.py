@@ -4,8 +4,9 @@ WRITTEN, NEVER RUN: no machine of this project has a GPU; the file skips without
 The CUDA kernels do not fuse the activation yet: the op refuses `activation=` (an error on every
 rank before any kernel, the buffer then serving the next call) and comet.moe_layer0 applies it
 after the op. Checked here: the wrapper's h against a float64 oracle of its rows (bf16 tolerance),
-the direct op's refusal, and backward through the wrapper against the same call without
-activation followed by torch's silu (bf16 tolerance: the two may round differently)."""
+the direct op's refusal, backward through the wrapper against the same call without
+activation followed by torch's silu (bf16 tolerance: the two may round differently), and
+h_fp8's quantize_rows bits."""
 import math
 import os
 
@@ -86,3 +87,20 @@ def test_wrapper_backward_equals_unfused():
         grads.append((x.grad, w0.grad))
     for a, b in zip(*grads):  # torch's silu and the fallback's may round differently
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_h_fp8_is_quantize_rows_of_the_activation():
+    """On CUDA the wrapper quantises the activation's output (the fused epilogue is the CPU
+    backend's): the same format, quantize_rows' bits of the bf16 h it returns without h_fp8."""
+    from comet import fp8
+
+    case = cases_for(WORLD)[0]
+    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
+    dev = _device()
+    args = (xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev))
+    (q, s), _ = comet.moe_layer0(*args, num_experts=case.experts, activation="swiglu",
+                                 h_fp8=True)
+    h, _ = comet.moe_layer0(*args, num_experts=case.experts, activation="swiglu")
+    want_q, want_s = fp8.quantize_rows(h.float())
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
