@@ -146,12 +146,17 @@ def _title(name: str) -> str:
     return cli.MODELS[name]["title"]
 
 
-def model_one_node_lines() -> List[str]:
+def _h800_table(header: str, align: str):
+    """(perfmodel, the H800 spec, the table's first two lines): the paper's tables' start."""
     from comet.tune import perfmodel as pm
-    spec = pm.GPUS["h800"]
-    out = ["| model | layer | n_comm | band | A sweeps | comm ms | GEMM ms | prologue ms | combine ms "
-           "| fused ms | unfused ms | speedup |",
-           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    return pm, pm.GPUS["h800"], [header, align]
+
+
+def model_one_node_lines() -> List[str]:
+    pm, spec, out = _h800_table(
+        "| model | layer | n_comm | band | A sweeps | comm ms | GEMM ms | prologue ms | combine ms "
+        "| fused ms | unfused ms | speedup |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name in PAPER_MODELS:
         for layer in (0, 1):
             s = _paper_shape(name, layer, W=8)
@@ -240,11 +245,10 @@ def symmetric_memory_lines() -> List[str]:
 
 def model_activation_lines() -> List[str]:
     """layer0 with the activation as a kernel of its own and fused into its epilogue."""
-    from comet.tune import perfmodel as pm
-    spec = pm.GPUS["h800"]
-    out = ["| model | N0 | layer0 ms | activation kernel ms | layer0 + activation ms "
-           "| layer0, activation fused ms | HBM bytes saved | speedup |",
-           "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    pm, spec, out = _h800_table(
+        "| model | N0 | layer0 ms | activation kernel ms | layer0 + activation ms "
+        "| layer0, activation fused ms | HBM bytes saved | speedup |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|")
     for name in PAPER_MODELS:
         s = _paper_shape(name, 0, W=8)
         p = pm.predict_activation(s, spec, pm.choose_n_comm(s, spec, 0))
