@@ -18,6 +18,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import comet
 import comet.fp8
@@ -458,3 +460,19 @@ def test_opcheck_with_activation(kw):
                                buf.handle, 1, 1, 4, 8), kw)
     finally:
         buf.close()
+
+
+# -- The tile walk over h's columns (hypothesis): any tile and split, the same bits --------------
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(f=st.integers(1, 41), tile_m=st.integers(1, 40), tile_n=st.integers(1, 70),
+       n_comm=st.integers(0, 3), name=st.sampled_from(ACTS))
+def test_any_tile_and_split_gives_the_oracle_and_the_same_bits(f, tile_m, tile_n, n_comm, name):
+    n0 = 2 * f if name in GATED else f
+    case = dataclasses.replace(cases_for(2)[3], n0=n0, n1=max(1, f))  # dropped slots
+    base = _check_forward(case, name, torch.float32)
+    again = _forward(case, name, torch.float32,
+                     launch=dict(n_comm=n_comm, tile=(tile_m, tile_n)))[0]
+    for (a, _), (b, _) in zip(base, again):
+        assert torch.equal(a, b), (tile_m, tile_n, n_comm)
