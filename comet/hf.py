@@ -4,7 +4,9 @@ transformers 5 routes the forward of every MoE experts module decorated with
 ``@use_experts_implementation`` (Mixtral, Qwen2-MoE, OLMoE, GPT-OSS, Qwen3-MoE, DeepSeek-V2/3, ...)
 through ``ExpertsInterface`` by the name in ``config._experts_implementation``. ``register()`` adds
 "comet" there; the experts then run ``comet.moe_layer0`` (dispatch + first GEMM) -> the model's own
-activation -> ``comet.moe_layer1`` (second GEMM + weighted top-k reduce + combine):
+activation -> ``comet.moe_layer1`` (second GEMM + weighted top-k reduce + combine), the activation
+fused into layer0's epilogue where it is one comet fuses (``fused_activation``: SwiGLU / GeGLU
+through transformers' default gate, SiLU / GELU without one):
 
     import comet.hf
     comet.hf.register()
@@ -55,8 +57,8 @@ import comet
 from comet import nn as comet_nn
 from comet.buffers import symm
 
-__all__ = ["NAME", "register", "experts_forward", "comet_weights", "shard_experts",
-           "is_experts_module", "set_max_rows"]
+__all__ = ["NAME", "register", "experts_forward", "comet_weights", "fused_activation",
+           "shard_experts", "is_experts_module", "set_max_rows"]
 
 NAME = "comet"
 
@@ -105,6 +107,38 @@ def comet_weights(module: nn.Module):
     t = bool(module.is_transposed)  # stored [E, in, out]: the ops read it as it is
     return dict(w0=w0.contiguous(), w1=w1.contiguous(), b0=b0, b1=b1, w0_transposed=t,
                 w1_transposed=t)
+
+
+def _act_base(act) -> str | None:
+    """"silu" / "gelu" when act is that exact function (GELU's erf form, not a tanh one)."""
+    from transformers import activations as hf_act
+
+    if isinstance(act, (nn.SiLU, getattr(hf_act, "SiLUActivation", nn.SiLU))):
+        return "silu"
+    if isinstance(act, nn.GELU) and act.approximate == "none":
+        return "gelu"
+    if type(act) is getattr(hf_act, "GELUActivation", None):  # exact erf either way
+        return "gelu"
+    return None
+
+
+def fused_activation(module: nn.Module) -> str | None:
+    """The activation comet.moe_layer0 fuses for a transformers experts module (activation=), or
+    None where the module's own runs after layer0: a gate applied by transformers' default
+    ``_apply_gate`` (act(gate) * up on [gate; up]) with SiLU (Mixtral, Qwen-MoE, DeepSeek:
+    "swiglu") or exact GELU ("geglu"), or plain experts with SiLU / GELU. A model's own gate
+    (GPT-OSS's clamped, interleaved SwiGLU) keeps its activation."""
+    base = _act_base(getattr(module, "act_fn", None))
+    if base is None:
+        return None
+    if not module.has_gate:
+        return base
+    from transformers.integrations import moe as hf_moe
+
+    default = getattr(hf_moe, "_default_apply_gate", None)
+    if default is None or getattr(type(module), "_apply_gate", None) is not default:
+        return None
+    return "swiglu" if base == "silu" else "geglu"
 
 
 _local = {}
@@ -193,10 +227,13 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         weights = weights.float()  # comet takes fp32 or the activations' dtype
     kw = _call_args(self, x)
     bound = _row_bound(self, x.shape[0], top_k_index.shape[1], num_experts, kw)
+    fused = fused_activation(self)
     y0, layout = comet.moe_layer0(x, w["w0"], top_k_index, num_experts=num_experts, b0=b0,
-                                  w0_transposed=w["w0_transposed"], max_rows=bound, **kw)
-    # The module's own activation on the dispatched rows (same column order as its weights).
-    h = self._apply_gate(y0) if self.has_gate else self.act_fn(y0)
+                                  w0_transposed=w["w0_transposed"], max_rows=bound,
+                                  activation=fused, **kw)
+    # Fused into layer0, else the module's own activation on the dispatched rows (same column
+    # order as its weights).
+    h = y0 if fused else self._apply_gate(y0) if self.has_gate else self.act_fn(y0)
     out = comet.moe_layer1(h.contiguous(), w["w1"], weights.contiguous(), layout, b1=b1,
                            w1_transposed=w["w1_transposed"], **kw)
     return out.to(hidden_states.dtype)

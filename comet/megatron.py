@@ -10,10 +10,12 @@ dicts and checkpoints are unchanged), the shared experts module -- and replaces 
     route                            route (Megatron's router: probs [T, E], routing_map [T, E])
     preprocess  (permute 1)          routing_map/probs -> topk_ids [T, k] (-1 = dropped), weights
     shared experts (before routing)  deferred: only the input is kept (and, on CUDA, an event)
-    dispatch    (all-to-all)         comet.moe_layer0: dispatch fused with the fc1 GEMM
+    dispatch    (all-to-all)         comet.moe_layer0: dispatch fused with the fc1 GEMM (and
+                                     the activation in its epilogue where comet fuses it:
+                                     Megatron's F.silu / F.gelu, GLU or not, no clamp or offset)
     routed_experts_compute           shared experts issued (CUDA: on a side stream, overlapping
-                                     the routed kernels), then the activation (GLU / SwiGLU,
-                                     clamp and offset as configured)
+                                     the routed kernels), then the activation when not fused
+                                     (TE's, or GLU / SwiGLU with clamp or offset as configured)
     combine     (all-to-all)         comet.moe_layer1: fc2 GEMM + weighted top-k reduce + combine
     postprocess (unpermute)          reshape, + shared experts' output
 
@@ -108,6 +110,7 @@ import threading
 import types
 
 import torch
+import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 try:
@@ -263,6 +266,7 @@ class CometMoELayer(MoELayer):
             self.router.gating = types.MethodType(_gating_without_cuda, self.router)
         self._check_supported()
         self.comet_tp_size = mcore_utils.get_pg_size(self.expt_tp_group)
+        self.comet_fused_activation = None  # set by dispatch: the activation fused into layer0
         self.comet_group = self._comet_group(pg_collection)
         group_size = mcore_utils.get_pg_size(self.comet_group)
         if buffer is not None and buffer.world != group_size:
@@ -366,6 +370,21 @@ class CometMoELayer(MoELayer):
         capacity = get_capacity(tokens * k, e, c.moe_expert_capacity_factor)
         return comet_nn.worst_case_rows(tokens, k, e, world, capacity, tp_size=t)
 
+    def _fused_activation(self) -> str | None:
+        """The activation comet.moe_layer0 fuses for this config (activation=), or None where
+        _activation runs after layer0: Megatron's own F.silu / F.gelu, gated (GLU, no clamp, no
+        linear offset: "swiglu" / "geglu") or not ("silu" / "gelu"); TE's activation modules
+        keep theirs."""
+        c = self.config
+        if c.use_te_activation_func:
+            return None
+        base = {F.silu: "silu", F.gelu: "gelu"}.get(c.activation_func)
+        if base is None or not c.gated_linear_unit:
+            return base
+        if c.activation_func_clamp_value is not None or c.glu_linear_offset:
+            return None
+        return "swiglu" if base == "silu" else "geglu"
+
     def _activation(self, y: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.use_te_activation_func:
@@ -412,13 +431,16 @@ class CometMoELayer(MoELayer):
         if not self.cache_expert_weights:
             self._weights = None  # a fresh stack for this forward
         w0, _, transposed = self._expert_weights(hidden_states.dtype)
+        self.comet_fused_activation = self._fused_activation()
         with self._defer():
             y0, layout = comet.moe_layer0(hidden_states.contiguous(), w0, topk_ids,
                                           num_experts=self.config.num_moe_experts,
                                           w0_transposed=transposed,
                                           max_rows=self._row_bound(hidden_states.shape[0]),
                                           group=self.comet_group, buffer=self.comet_buffer,
-                                          tp_size=self.comet_tp_size, **self.comet_launch)
+                                          tp_size=self.comet_tp_size,
+                                          activation=self.comet_fused_activation,
+                                          **self.comet_launch)
         return y0, (layout, topk_weights)
 
     def routed_experts_compute(self, hidden_states, probs):
@@ -427,7 +449,8 @@ class CometMoELayer(MoELayer):
         if self._shared is not None:  # layer0 is issued: the shared experts go beside it
             shared_input, ready = self._shared
             self._shared = sidestream.run_beside(self._shared_forward, shared_input, ready)
-        return (self._activation(hidden_states), layout, topk_weights), None
+        h = hidden_states if self.comet_fused_activation else self._activation(hidden_states)
+        return (h, layout, topk_weights), None
 
     def combine(self, output):
         """Second expert GEMM fused with the weighted top-k reduce and the combine

@@ -16,8 +16,10 @@
   scaled (gradient accumulation, loss scaling).
 * Experts: gated SwiGLU, `silu(x W_gate^T) * (x W_up^T) W_down^T`. Rank r of a W-rank group holds
   experts [r*E/W, (r+1)*E/W): w0 [E/W, 2F, H] (gate rows first, then up rows) and w1 [E/W, H, F].
-  layer0 = dispatch + W0 GEMM, the SwiGLU runs on the dispatched rows, layer1 = W1 GEMM + weighted
-  top-k reduce + combine (comet.moe_layer0/1); both ops are differentiable (comet.layers.autograd).
+  layer0 = dispatch + W0 GEMM with the SwiGLU fused into its epilogue (`activation="swiglu"`;
+  `moe.fused_activation` says which ran fused, None with fp8=True, whose wrappers take none and
+  get it applied to layer0's output), layer1 = W1 GEMM + weighted top-k reduce + combine
+  (comet.moe_layer0/1); both ops are differentiable (comet.layers.autograd).
 * Shared expert (optional, `shared_ffn_hidden_size=S`; DeepSeek-MoE / Qwen2-MoE style): a SwiGLU
   MLP every token passes through, `silu(x Ws_gate^T) * (x Ws_up^T) Ws_down^T` with shared_w0 [2S, H]
   (gate rows first) and shared_w1 [H, S], replicated on every rank, optionally scaled per token by
@@ -186,6 +188,7 @@ class MoE(nn.Module):
                  tp_size: int | None = None, fp8: bool = False, placement=None):
         super().__init__()
         self.fp8 = bool(fp8)
+        self.fused_activation = None  # set by forward: the activation fused into layer0
         if buffer is not None:
             rank, world = buffer.rank, buffer.world
         elif group is not None or (dist.is_available() and dist.is_initialized()):
@@ -428,12 +431,17 @@ class MoE(nn.Module):
         else:
             layer0, layer1 = comet.moe_layer0, comet.moe_layer1
             place = {"placement": self.placement}
+        # SwiGLU fused into layer0's epilogue (comet.moe_layer0(activation=)); the FP8 wrappers
+        # take none, so there it runs on layer0's output.
+        self.fused_activation = None if self.fp8 else "swiglu"
+        act = {} if self.fp8 else {"activation": "swiglu"}
         y0, layout = layer0(tokens, self.w0, ids, num_experts=self.num_experts,
                             max_rows=self.row_bound(tokens.shape[0]), tp_size=self.tp_size,
-                            **place, **kw)
+                            **place, **act, **kw)
         # The shared expert between the two ops: beside the routed kernels on a CUDA side stream.
         shared = sidestream.run_beside(self.shared_expert, tokens, ready)
-        out = layer1(swiglu(y0), self.w1, weights, layout, **kw)
+        h = y0 if self.fused_activation else swiglu(y0)
+        out = layer1(h, self.w1, weights, layout, **kw)
         if shared is not None:
             out = out + sidestream.join(shared).to(out.dtype)
         self.aux_loss = None

@@ -278,6 +278,28 @@ bool Checker::grid(int64_t n_comm, int64_t n_gemm, int64_t limit, const std::str
                    " blocks are more than " + at_most + "; lower n_comm or n_gemm");
 }
 
+namespace {
+// A fused activation's name, and for a gated form the even N0 its gate and up halves need.
+bool check_activation(Checker& c, const std::optional<std::string>& name, int64_t n0, int64_t tp) {
+  if (!name) return true;
+  const int32_t a = activation_from_name(name->data(), name->size());
+  if (!c.value(a > 0, "activation must be None, 'swiglu', 'geglu', 'silu' or 'gelu', got '" +
+                          *name + "'"))
+    return false;
+  return c.value(!activation_gated(Activation(a)) || n0 % 2 == 0,
+                 "activation='" + *name + "' pairs w0's gate and up halves ([gate; up]), so its " +
+                     "N0 must be even, got N0 = " + std::to_string(n0) +
+                     (tp > 1 ? " (this rank's shard of tp_size=" + std::to_string(tp) + ")"
+                             : std::string()));
+}
+}  // namespace
+
+Activation layer0_activation(const std::optional<c10::string_view>& name) {
+  if (!name) return Activation::None;
+  const int32_t a = activation_from_name(name->data(), name->size());
+  return a > 0 ? Activation(a) : Activation::None;
+}
+
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch) {
   const char* w0_form = in.w0_transposed ? "[E_local, H, N0] (w0_transposed)" : "[E_local, N0, H]";
   if (!(c.tensor(in.x, "x", 2) && c.tensor(in.w0, "w0", 3) &&
@@ -298,6 +320,9 @@ bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const Launc
                      {in.w0.size(0), scale_blocks(N0), scale_blocks(H)},
                      "[E_local, ceil(N0/128), ceil(H/128)]") &&
          c.bias(in.b0, "b0", in.w0.size(0), N0, fp8 ? out_like : in.x, fp8 ? "y0 (out_dtype)" : "x") &&
+         check_activation(c, in.activation, N0, in.tp) &&
+         c.value(!in.h_fp8 || in.activation.has_value(),
+                 "h_fp8=True quantises the fused activation's h: pass activation= too") &&
          c.tensor(in.topk_ids, "topk_ids", 2) &&
          c.routing(in.topk_ids, in.x.size(0), in.num_experts) && c.max_rows(in.max_rows) &&
          c.launch(launch);

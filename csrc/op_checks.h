@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "comet/activation.h"
 #include "comet/config.h"
 #include "comet/symm_layout.h"
 
@@ -35,6 +36,9 @@ struct Layer0Inputs {
   const std::optional<at::Tensor>& w0_scale = kNone;
   std::optional<at::ScalarType> out_dtype = std::nullopt;
   bool dispatch_fp8 = false;
+  // The activation fused into the epilogue (comet/activation.h), as the caller named it.
+  std::optional<std::string> activation = std::nullopt;
+  bool h_fp8 = false;  // h emitted as FP8 packed rows (needs an activation)
   static inline const std::optional<at::Tensor> kNone{};
 };
 
@@ -159,6 +163,12 @@ class Checker {
 // The checks of each op, in order; backends add their own (launch limits) after them.
 bool check_layer0(Checker& c, const Layer0Inputs& in, int64_t world, const LaunchShape& launch);
 bool check_layer1(Checker& c, const Layer1Inputs& in, int64_t world, const LaunchShape& launch);
+
+// The activation a layer0 call named (None when it named none, or one check_layer0 refuses).
+Activation layer0_activation(const std::optional<c10::string_view>& name);
+inline std::optional<std::string> activation_arg(const std::optional<c10::string_view>& name) {
+  return name ? std::optional<std::string>(std::string(*name)) : std::nullopt;
+}
 
 std::string dtype_name(at::ScalarType t);  // torch's Python spelling: float32, int64, ...
 std::string shape_str(const at::Tensor& t);

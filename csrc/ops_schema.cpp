@@ -30,6 +30,15 @@
 //     is quantised on the sending side and travels as FP8 rows with their scales. With FP8 rows on
 //     the wire, layer0's `a` is the packed rows, uint8 [rows, fp8_row_bytes(H)].
 //
+//   activation (layer0): "swiglu" / "geglu" / "silu" / "gelu" fused into the GEMM's epilogue
+//     (comet/activation.h): y0 is then h, [M, N0/2] for the gated forms (w0 = [gate; up]) or
+//     [M, N0], computed from the fp32 accumulators (bias added) and rounded once. CPU backend
+//     only for now: the CUDA kernels refuse it (the comet.moe_layer0 wrapper applies it after
+//     the op there).
+//   h_fp8 (layer0, with an activation): h is emitted quantised, as FP8 packed rows uint8
+//     [rows, fp8_row_bytes(cols)] (values and 1 x 128 scales, comet/fp8_rows.h: quantize_rows'
+//     bits of the fp32 h); rows past M (max_rows) hold zeros with scale 1.
+//
 // fp8_quantize_rows / fp8_quantize_blocks: comet.fp8's quantisers (csrc/fp8_quant.cpp).
 #include <torch/library.h>
 
@@ -38,7 +47,7 @@ TORCH_LIBRARY(comet, m) {
       "moe_layer0(Tensor x, Tensor w0, Tensor topk_ids, int num_experts, int buffer, int n_comm, "
       "int n_gemm, int tile_m, int tile_n, Tensor? b0=None, bool w0_transposed=False, "
       "int max_rows=-1, int tp_size=1, Tensor? x_scale=None, Tensor? w0_scale=None, "
-      "ScalarType? out_dtype=None, bool dispatch_fp8=False) -> (Tensor y0, Tensor a, Tensor recv_counts, "
+      "ScalarType? out_dtype=None, bool dispatch_fp8=False, str? activation=None, bool h_fp8=False) -> (Tensor y0, Tensor a, Tensor recv_counts, "
       "Tensor send_pos, Tensor row_source, Tensor row_token, Tensor row_slot)");
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "

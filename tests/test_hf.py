@@ -116,6 +116,34 @@ def test_comet_experts_match_eager_fp32(family, monkeypatch):
     compare(family, ref, got, atol=1e-5, rtol=1e-5)
 
 
+def record_activations(monkeypatch):
+    """The activation= each comet.moe_layer0 call passes (None: the module's own runs after)."""
+    seen = []
+    real0 = comet.moe_layer0
+
+    def layer0(*a, **kw):
+        seen.append(kw.get("activation"))
+        return real0(*a, **kw)
+
+    monkeypatch.setattr(comet, "moe_layer0", layer0)
+    return seen
+
+
+@pytest.mark.parametrize("family,fused", [("mixtral", "swiglu"), ("qwen2_moe", "swiglu"),
+                                          ("olmoe", "swiglu"), ("gpt_oss", None)])
+def test_fused_activation_where_the_model_has_one(family, fused, monkeypatch):
+    """SwiGLU through transformers' default gate is fused into layer0 (and still matches eager:
+    test_comet_experts_match_eager_*); GPT-OSS's own clamped, interleaved gate is not."""
+    model = build(family, layers=1)
+    assert comet.hf.fused_activation(experts_modules(model)[0]) == fused
+    embeds = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(1))
+    ref = run(model, "eager", embeds)
+    seen = record_activations(monkeypatch)
+    got = run(model, "comet", embeds)
+    assert seen == [fused], seen
+    compare(family, ref, got, atol=1e-5, rtol=1e-5)
+
+
 def test_gpt_oss_clamps_and_biases_are_exercised():
     """The GPT-OSS case above means something: its clamps cut and its biases matter."""
     model = build("gpt_oss", layers=1)
@@ -250,6 +278,10 @@ def test_ungated_biased_experts_module(monkeypatch):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(9)])
     w = torch.rand(9, K, generator=g)
     results, calls = [], count_calls(monkeypatch)
+    assert comet.hf.fused_activation(module) == "gelu"  # exact GELU, no gate: fused
+    module.act_fn = torch.nn.GELU(approximate="tanh")
+    assert comet.hf.fused_activation(module) is None  # the tanh form is not comet's: unfused
+    module.act_fn = torch.nn.GELU()
     for impl in ("eager", "comet"):
         config._experts_implementation = impl
         module.zero_grad(set_to_none=True)

@@ -165,6 +165,14 @@ def _one_rank_checks(rank, world):
 
     upstream, ours = _layers(_config())
     diffs["dropless"] = _compare(upstream, ours, x, v, "dropless")
+    assert ours.comet_fused_activation == "swiglu"  # Megatron's GLU with F.silu: fused
+
+    # plain experts with exact GELU: fused too; a clamped GLU keeps Megatron's own activation
+    upstream, ours = _layers(_config(gated_linear_unit=False,
+                                     activation_func=torch.nn.functional.gelu))
+    diffs["gelu"] = _compare(upstream, ours, x, v, "gelu")
+    assert ours.comet_fused_activation == "gelu"
+    assert _layers(_config(activation_func_clamp_value=7.0))[1]._fused_activation() is None
 
     # token dropping: some (token, expert) pairs leave the routing map -> -1 slots in comet
     cfg = _config(moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
@@ -314,7 +322,7 @@ def _gpt_model_check():
 
 def test_matches_megatron_moe_layer_one_rank():
     diffs = run_ranks(_one_rank_checks, 1, timeout=150)[0]
-    assert set(diffs) == {"dropless", "capacity", "sigmoid", "bf16", "deferred", "shared",
+    assert set(diffs) == {"dropless", "gelu", "capacity", "sigmoid", "bf16", "deferred", "shared",
                           "shared_gate", "shared_overlap", "cache", "gpt"}
     print(diffs)
 
@@ -601,8 +609,12 @@ def _etp_checks(rank, world):
     diffs = {"fp64": _compare(upstream, ours, x, v, f"etp rank {rank}")}
     upstream, ours = _layers(_config(params_dtype=torch.bfloat16, bf16=True,
                                      moe_router_dtype="fp32", **etp))
+    # atol 6e-2 (bf16, here and for GroupedMLP below): comet's h is the SwiGLU fused into
+    # layer0, rounded to bf16 once from the fp32 accumulators (and its backward takes the fp32
+    # pre-activation), upstream rounds fc1's output, then silu, then the product: a bf16 ulp or
+    # two per element of h, which the expert weight gradients (up to ~16) sum over the rows
     diffs["bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(), f"etp bf16 rank {rank}",
-                             atol=3e-2, rtol=2e-2)
+                             atol=6e-2, rtol=2e-2)
     # GroupedMLP (bf16 only upstream): weight1 [H, E_local * 2F / t] / weight2 [E_local * F / t,
     # H], each expert's columns its gate shard then its up shard, read in place as transposed w0/w1
     megatron_cpu_patches.use_torch_grouped_gemm()
@@ -614,7 +626,7 @@ def _etp_checks(rank, world):
     assert ours.experts.weight1.shape == (H, el * 2 * FFN // ETP)
     assert ours.experts.weight2.shape == (el * FFN // ETP, H)
     diffs["grouped_bf16"] = _compare(upstream, ours, x.bfloat16(), v.bfloat16(),
-                                     f"etp grouped bf16 rank {rank}", atol=3e-2, rtol=2e-2)
+                                     f"etp grouped bf16 rank {rank}", atol=6e-2, rtol=2e-2)
     # the capacity's row bound (the sync-free path) needs as many tokens on every rank
     from comet import nn as comet_nn
     from megatron.core.transformer.moe.moe_utils import get_capacity

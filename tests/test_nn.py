@@ -54,6 +54,7 @@ def test_moe_matches_dense_reference(world, renormalize):
         return moe, x, out.detach()
 
     res = run_threads(world, rank, buffers=bufs)
+    assert [m.fused_activation for m, _, _ in res] == ["swiglu"] * world  # fused into layer0
     router_w = res[0][0].router.weight.detach().clone().requires_grad_()
     w0 = torch.cat([m.w0.detach() for m, _, _ in res]).requires_grad_()
     w1 = torch.cat([m.w1.detach() for m, _, _ in res]).requires_grad_()

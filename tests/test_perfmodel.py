@@ -962,3 +962,29 @@ def test_fp8_promotion_share_of_a_k_tile(gpu, share):
     promote = 128 * 128 / spec.fma_rate
     mma = 2 * 128 ** 3 / spec.peak_flops(1)
     assert promote / mma == pytest.approx(share, abs=0.002)
+
+
+# -- The activation between the ops, separate or fused into layer0 (model/activation.py) ----------
+
+def test_activation_kernel_is_a_launch_plus_y0_read_and_h_written():
+    spec = pm.GPUS["h800"]
+    s = pm.MoEShape(W=8, E=8, k=2, H=4096, N=28672, T=4096, dtype_bytes=2)
+    rows = 8 * 4096 * 2 / 8  # uniform routing: W T k / E rows per local expert, one expert
+    want = 3e-6 + 2 * rows * (28672 + 14336) / (3350e9 * spec.hbm_eff)
+    assert math.isclose(pm.activation_kernel_time(s, spec), want, rel_tol=1e-12)
+    plain = 3e-6 + 2 * rows * (2 * 28672) / (3350e9 * spec.hbm_eff)
+    assert math.isclose(pm.activation_kernel_time(s, spec, gated=False), plain, rel_tol=1e-12)
+
+
+def test_fused_activation_removes_the_kernel_and_y0s_bytes():
+    spec = pm.GPUS["h800"]
+    # Mixtral's layer0: tensor-core bound, so fused = layer0 and unfused = layer0 + the kernel
+    s = pm.MoEShape(W=8, E=8, k=2, H=4096, N=28672, T=4096, dtype_bytes=2)
+    p = pm.predict_activation(s, spec, pm.choose_n_comm(s, spec, 0))
+    assert p["fused"] == p["layer0"]
+    assert math.isclose(p["unfused"], p["layer0"] + pm.activation_kernel_time(s, spec))
+    assert p["saved_bytes"] == 2 * 2 * 8192 * 28672  # y0 written and read back, bf16
+    # a bytes-bound layer0 (H = 128): writing h instead of y0 shortens the GEMM itself too
+    small = pm.MoEShape(W=8, E=8, k=2, H=128, N=8192, T=4096, dtype_bytes=2)
+    q = pm.predict_activation(small, spec, pm.choose_n_comm(small, spec, 0))
+    assert q["fused"] < q["layer0"] < q["unfused"]

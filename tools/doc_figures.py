@@ -146,12 +146,17 @@ def _title(name: str) -> str:
     return cli.MODELS[name]["title"]
 
 
-def model_one_node_lines() -> List[str]:
+def _h800_table(header: str, align: str):
+    """(perfmodel, the H800 spec, the table's first two lines): the paper's tables' start."""
     from comet.tune import perfmodel as pm
-    spec = pm.GPUS["h800"]
-    out = ["| model | layer | n_comm | band | A sweeps | comm ms | GEMM ms | prologue ms | combine ms "
-           "| fused ms | unfused ms | speedup |",
-           "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    return pm, pm.GPUS["h800"], [header, align]
+
+
+def model_one_node_lines() -> List[str]:
+    pm, spec, out = _h800_table(
+        "| model | layer | n_comm | band | A sweeps | comm ms | GEMM ms | prologue ms | combine ms "
+        "| fused ms | unfused ms | speedup |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name in PAPER_MODELS:
         for layer in (0, 1):
             s = _paper_shape(name, layer, W=8)
@@ -238,6 +243,21 @@ def symmetric_memory_lines() -> List[str]:
     return out
 
 
+def model_activation_lines() -> List[str]:
+    """layer0 with the activation as a kernel of its own and fused into its epilogue."""
+    pm, spec, out = _h800_table(
+        "| model | N0 | layer0 ms | activation kernel ms | layer0 + activation ms "
+        "| layer0, activation fused ms | HBM bytes saved | speedup |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|")
+    for name in PAPER_MODELS:
+        s = _paper_shape(name, 0, W=8)
+        p = pm.predict_activation(s, spec, pm.choose_n_comm(s, spec, 0))
+        out.append(f"| {_title(name)} | {s.N} | {_ms(p['layer0'])} | {_ms(p['activation'])} | "
+                   f"{_ms(p['unfused'])} | {_ms(p['fused'])} | {p['saved_bytes'] / 1e9:.2f} GB | "
+                   f"{p['unfused'] / p['fused']:.2f}x |")
+    return out
+
+
 def model_tp_lines() -> List[str]:
     """flux's four EP x TP configurations: the model beside flux's published measurements."""
     from comet.tune import cli
@@ -267,6 +287,7 @@ FIGURES: Dict[str, Figure] = {
     "model-one-node": Figure("docs/tuning.md", model_one_node_lines),
     "model-across-nodes": Figure("docs/tuning.md", model_across_nodes_lines),
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
+    "model-activation": Figure("docs/tuning.md", model_activation_lines),
     "model-tp": Figure("README.md", model_tp_lines),
     "model-fp8": Figure("README.md", model_fp8_lines),
     "model-decode": Figure("README.md", model_decode_lines),

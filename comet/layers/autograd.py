@@ -88,6 +88,7 @@ import threading
 
 import torch
 
+from comet.layers import activation as _activation
 from comet.layers import ops as _ops  # noqa: F401  (the ops and their fake kernels)
 from comet.buffers import symm
 from comet.formats import fp8
@@ -96,6 +97,7 @@ __all__ = [
     "DeferredWeightGrads",
     "compute_deferred_weight_grads",
     "defer_weight_grads",
+    "expert_preactivation",
     "expert_weight_grad",
     "pending_weight_grads",
     "set_weight_grad_overlap",
@@ -649,11 +651,47 @@ def _layer0_setup_context(ctx, inputs, output):
     ctx.hidden = x.shape[1]
     ctx.b0_dtype = None if b0 is None else b0.dtype
     ctx.wgrad_queue = _active_queue()
-    ctx.save_for_backward(w0, topk_ids, a, recv_counts, send_pos, w0_scale)
+    ctx.activation = arg("moe_layer0", inputs, "activation")
+    ctx.save_for_backward(w0, topk_ids, a, recv_counts, send_pos, w0_scale,
+                          b0 if ctx.activation else None)
+
+
+@torch.library.custom_op("comet::expert_preactivation", mutates_args=())
+def expert_preactivation(a: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor | None,
+                         recv_counts: torch.Tensor, w0_transposed: bool) -> torch.Tensor:
+    """The fused activation's input, recomputed for backward: [rows, N0] = a_e @ w0[e]^T + b0[e]
+    per local expert over the dispatch layout's rows, in fp32 (fp64) from the widened operands
+    (rows past M: zero). One GEMM of the forward's size and no communication (docs/design.md,
+    "The fused activation"); an opaque op, so traced backward graphs need no data-dependent
+    split."""
+    return _expert_preactivation(a, w0, b0, recv_counts, w0_transposed)
+
+
+@expert_preactivation.register_fake
+def _expert_preactivation_fake(a, w0, b0, recv_counts, w0_transposed):
+    return a.new_empty(a.shape[0], w0.shape[2 if w0_transposed else 1],
+                       dtype=_acc_dtype(a.dtype))
+
+
+def _expert_preactivation(a, w0, b0, recv_counts, w0_t):
+    """expert_preactivation's body: a loop over the local experts (their row counts read on the
+    host)."""
+    acc = _acc_dtype(a.dtype)
+    n0 = w0.shape[2] if w0_t else w0.shape[1]
+    out = torch.zeros(a.shape[0], n0, dtype=acc, device=a.device)
+    begin = 0
+    for el, n in enumerate(recv_counts.sum(0).tolist()):  # host memory on the CPU backend
+        if n:
+            w = w0[el].to(acc)
+            out[begin:begin + n] = a[begin:begin + n].to(acc) @ (w if w0_t else w.t())
+            if b0 is not None:
+                out[begin:begin + n] += b0[el].to(acc)
+        begin += n
+    return out
 
 
 def _layer0_backward(ctx, dy0, da, *_int_grads):
-    w0, topk_ids, a, recv_counts, send_pos, w0_scale = ctx.saved_tensors
+    w0, topk_ids, a, recv_counts, send_pos, w0_scale, b0 = ctx.saved_tensors
     w0 = _dequantized_weight(w0, w0_scale, ctx.x_dtype)
     if ctx.fp8_rows:
         a = fp8.dequantize_rows(*fp8.unpack_rows(a, ctx.hidden), ctx.x_dtype)
@@ -665,6 +703,9 @@ def _layer0_backward(ctx, dy0, da, *_int_grads):
     n0, hidden = (w0.shape[2], w0.shape[1]) if w0_t else (w0.shape[1], w0.shape[2])
     if dy0 is None:
         dy0 = a.new_zeros(a.shape[0], n0)
+    elif ctx.activation:  # dy0 is dh: through the activation at the recomputed pre-activation
+        dy0 = _activation.backward(ctx.activation,
+                                   expert_preactivation(a, w0, b0, recv_counts, w0_t), dy0)
     dy0 = dy0.to(ctx.x_dtype).contiguous()
     traced = _tracing(dy0, a, w0)
 

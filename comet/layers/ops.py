@@ -13,7 +13,9 @@ import torch
 
 from comet.tune import perfmodel as pm
 from comet.buffers import symm
+from comet.formats import fp8 as _fp8
 from comet.formats.fp8 import row_bytes as fp8_row_bytes
+from comet.layers import activation as _act
 from comet.layers import placed
 from comet._native import _C  # noqa: F401  (registers the ops)
 
@@ -89,7 +91,7 @@ def result_dtype(act, w, fp8_wire: bool = False, out_dtype=None) -> torch.dtype:
 @torch.library.register_fake("comet::moe_layer0")
 def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
                  w0_transposed=False, max_rows=-1, tp_size=1, x_scale=None, w0_scale=None,
-                 out_dtype=None, dispatch_fp8=False):
+                 out_dtype=None, dispatch_fp8=False, activation=None, h_fp8=False):
     world = symm.world_of_handle(buffer)
     ep = max(1, world // max(1, tp_size))
     # With a bound the shapes are static; without one M is data-dependent.
@@ -97,7 +99,10 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
     i32 = dict(dtype=torch.int32, device=x.device)
     fp8_rows = dispatch_fp8 or x.dtype == torch.float8_e4m3fn
     return (
-        x.new_empty(rows, w0.shape[2 if w0_transposed else 1],
+        x.new_empty(rows, fp8_row_bytes(_act.out_cols(activation, w0.shape[2 if w0_transposed
+                                                                     else 1])),
+                    dtype=torch.uint8) if h_fp8 else
+        x.new_empty(rows, _act.out_cols(activation, w0.shape[2 if w0_transposed else 1]),
                     dtype=result_dtype(x, w0, dispatch_fp8, out_dtype)),
         x.new_empty(rows, fp8_row_bytes(x.shape[1]), dtype=torch.uint8) if fp8_rows else
         x.new_empty(rows, x.shape[1]),
@@ -498,7 +503,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
                tp_size: int | None = None, x_scale=None, w0_scale=None,
                out_dtype: torch.dtype | None = None, dispatch_fp8: bool = False,
-               placement=None):
+               placement=None, activation: str | None = None, h_fp8: bool = False):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
     x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
@@ -521,24 +526,64 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     depend on the placement (comet/layers/placed.py; not with tp_size > 1). Gradients: each
     replica's w0 / b0 gradient covers only the rows it served; these ops do not sum over
     replicas (comet.nn.MoE does).
-    Returns (y0 [M, N0] in the dispatch layout, Layout).
+    activation: "swiglu" / "geglu" (w0 = [gate; up], N0 even: h [M, N0 / 2] = act(gate) * up)
+    or "silu" / "gelu" (h [M, N0] = act(y0)), from the fp32 accumulators with b0 added, rounded
+    once; returned in y0's place (docs/api.md). Fused into the GEMM's epilogue on the CPU
+    backend; on CUDA applied after the op (not fused yet).
+    h_fp8=True (with an activation): h comes quantised for an FP8 layer1, ((h float8_e4m3fn
+    [M, F], h_scale float32 [M, ceil(F/128)]), Layout): quantize_rows' bits of the fp32 h,
+    quantised in the epilogue (not differentiable).
+    Returns (y0 [M, N0] in the dispatch layout, or h with an activation, Layout).
     """
     buf = call_buffer(buffer, group, x)
+    if h_fp8 and activation is None:
+        buf.fail_call(0, "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass "
+                         "activation= too")
+    if activation is not None and _unfused_activation(x):
+        h, layout = _activated_after(buf, activation, x, w0, w0_transposed, lambda: moe_layer0(
+            x, w0, topk_ids, num_experts=num_experts, b0=b0, w0_transposed=w0_transposed,
+            max_rows=max_rows, group=group, n_comm=n_comm, tile=tile, buffer=buffer,
+            tp_size=tp_size, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
+            dispatch_fp8=dispatch_fp8, placement=placement))
+        return (_fp8.quantize_rows(h.float()) if h_fp8 else h), layout
     if placement is None:
         placement = getattr(buf, "placement", None)
     if placement is not None:
         _no_fp8_with_placement(buf, 0, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
                                dispatch_fp8=dispatch_fp8 or None)
+        if h_fp8:
+            _no_fp8_with_placement(buf, 0, h_fp8=True)
         return _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows,
-                              n_comm, tile, tp_size, placement)
+                              n_comm, tile, tp_size, placement, activation)
     c = layer0_call(buf, x, w0, topk_ids, num_experts=num_experts, b0=b0,
                     w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm, tile=tile,
                     tp_size=tp_size, fp8=bool(dispatch_fp8) or _is_fp8(x), x_scale=x_scale,
                     w0_scale=w0_scale)
-    return c.layout(num_experts, topk_ids, torch.ops.comet.moe_layer0(
+    h, layout = c.layout(num_experts, topk_ids, torch.ops.comet.moe_layer0(
         x, w0, topk_ids, int(num_experts), buf.handle, *c.cfg, b0, bool(w0_transposed), c.rows,
         c.tp, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
-        dispatch_fp8=bool(dispatch_fp8)))
+        dispatch_fp8=bool(dispatch_fp8), activation=activation, h_fp8=bool(h_fp8)))
+    if h_fp8:  # the packed rows as layer1 takes them: values and their scales
+        n0 = w0.shape[2 if w0_transposed else 1]
+        return _fp8.unpack_rows(h, _act.out_cols(activation, n0)), layout
+    return h, layout
+
+
+def _unfused_activation(x) -> bool:
+    """Whether the op cannot fuse an activation for x's device (the CUDA kernels, so far)."""
+    return isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+def _activated_after(buf, activation, x, w0, w0_transposed, layer0):
+    """The activation applied after a plain layer0 call (`layer0()`), where the op does not fuse
+    it: the same checks first (a failure raises on every rank), then act(y0) from the rounded y0
+    (one rounding more than the fused epilogue)."""
+    shaped = isinstance(w0, torch.Tensor) and w0.dim() == 3
+    why = _act.problem(activation, w0.shape[2 if w0_transposed else 1] if shaped else 0)
+    if why is not None:
+        buf.fail_call(0, f"comet.moe_layer0: {why}")
+    y0, layout = layer0()
+    return _act.apply(activation, y0), layout
 
 
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
@@ -607,7 +652,7 @@ def _check_slots(buf, op: int, routes, name: str, w) -> None:
 
 
 def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, n_comm, tile,
-                   tp_size, placement):
+                   tp_size, placement, activation=None):
     tp = call_tp(buf, tp_size)
     routes = _placed_routes(buf, 0, placement, num_experts, tp)
     _check_slots(buf, 0, routes, "w0", w0)
@@ -627,7 +672,8 @@ def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_row
         y0, layout = moe_layer0(x, placed.pad_slots(w0, routes), ids,
                                 num_experts=routes.num_virtual, b0=placed.pad_slots(b0, routes),
                                 w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm,
-                                tile=tile, buffer=_Placed(buf), tp_size=1)
+                                tile=tile, buffer=_Placed(buf), tp_size=1,
+                                activation=activation)
     finally:
         buf.set_call_tag(0)
     layout.routes = routes

@@ -28,6 +28,8 @@ comet/tune/model/, each documenting what it models (a part imports only the part
 * ``pipeline`` -- comm and GEMM overlapped in the fused kernel: :func:`predict`,
   :func:`choose_n_comm`, :func:`choose_band`.
 * ``backward`` -- a training step's second half: :func:`predict_backward`.
+* ``activation`` -- the activation between the ops, separate or fused into layer0's epilogue:
+  :func:`predict_activation`.
 * ``decode`` -- a whole layer at 1-256 tokens per rank, bound by the weight stream: the fused
   layer as built, the unfused low-latency chain and the limit (``--table decode``; read as
   comet.tune.model.decode, not re-exported here).
@@ -47,6 +49,7 @@ measured autotuner (comet.tune.tuner.tune) overrides the model wherever it has r
 
 from __future__ import annotations
 
+from .model.activation import activation_kernel_time, predict_activation
 from .model.backward import predict_backward, weight_grad_time
 from .model.comm import (GRID_BARRIER_S, KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES,
                          _comm_parts, block_link_rate, choose_tp_path, combine_time,
@@ -80,7 +83,7 @@ __all__ = [
     "choose_tp_path", "resolve_tp_path", "tp_alternatives", "dtype_name", "fp8_scale_bytes",
     "FP8_SCALE_BLOCK", "FP8_SCALE_BYTES", "FP8_OUT_BYTES",
     "FP8_PROMOTION_FMAS_PER_ELEMENT_PER_BLOCK", "fp8_promotion_charged", "fp8_promotion_seconds",
-    "weight_grad_time", "predict_backward",
+    "weight_grad_time", "predict_backward", "activation_kernel_time", "predict_activation",
 ]
 # Not in __all__ but read as perfmodel.<name> by the tests and tools: the model's constants, a
 # comm block's link rate, and the helpers tests/test_perfmodel.py checks on their own.

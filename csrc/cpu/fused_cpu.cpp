@@ -143,9 +143,11 @@ TileGemmArgs of_expert(TileGemmArgs t, int32_t e) {
 // Every output element is one fixed-order dot product, so the split never changes a bit.
 template <class Acc>
 void block_tile_gemm(const CpuContext& ctx, const TileGemmArgs& t, const MTile& mt, int64_t col0,
-                     int64_t cols, std::vector<Acc>& scratch) {
+                     int64_t cols, std::vector<Acc>& scratch,
+                     Activation act = Activation::None) {
   const Share rows = share_of(mt.rows, ctx.thread(), ctx.threads());
-  if (rows.size() > 0) tile_gemm(t, mt.row_begin + rows.begin, rows.size(), col0, cols, scratch);
+  if (rows.size() > 0)
+    tile_gemm(t, mt.row_begin + rows.begin, rows.size(), col0, cols, scratch, act);
 }
 
 }  // namespace
@@ -237,14 +239,20 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   ca.sources = sources_.data();
   ca.rows_ready = rows_ready_.data();
   ca.tp = p_.tp;
-  const int32_t NT = int32_t(ceil_div(N0, l_.tile_n));
+  // n-tiles over the output's columns: with a gated activation each covers F's columns, its gate
+  // and up halves read from both halves of w0 (comet/activation.h).
+  const int64_t out_n = p_.out_cols();
+  // FP8 h: n-tiles of whole 128-column scale blocks, so a tile quantises its blocks on its own
+  // (the result never depends on the tile)
+  const int64_t tile_n = p_.h_fp8 ? ceil_div(l_.tile_n, kScaleBlock) * kScaleBlock : l_.tile_n;
+  const int32_t NT = int32_t(ceil_div(out_n, tile_n));
   GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(), nullptr,
                       nullptr};
   ga.group = l_.raster_group;
-  const int64_t tile_n = l_.tile_n;
-  const TileGemmArgs base =
-      expert_gemm_args(a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
-                       p_.output_kind(), N0, p_.w0_transposed, p_.b0, p_.output_kind());
+  const TileGemmArgs base = expert_gemm_args(
+      a, p_.kind, nullptr, H, p_.w0, p_.weight_kind(), p_.w0_scale, y0,
+      p_.h_fp8 ? ScalarKind::F8E4M3 : p_.output_kind(), N0, p_.w0_transposed, p_.b0,
+      p_.output_kind());
   run_fused(
       heap_, 0, l_,
       [&](CpuContext& ctx) { layer0_comm(ctx, ca); },
@@ -253,11 +261,11 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
         std::vector<double> tmp64;
         layer0_gemm(ctx, g, ctx.blocks(), ga, [&](const MTile& mt, int32_t nt) {
           const TileGemmArgs t = of_expert(base, mt.expert);
-          const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, N0 - col0);
+          const int64_t col0 = int64_t(nt) * tile_n, cols = std::min<int64_t>(tile_n, out_n - col0);
           if (p_.kind == ScalarKind::F64)
-            block_tile_gemm(ctx, t, mt, col0, cols, tmp64);
+            block_tile_gemm(ctx, t, mt, col0, cols, tmp64, p_.activation);
           else
-            block_tile_gemm(ctx, t, mt, col0, cols, tmp32);
+            block_tile_gemm(ctx, t, mt, col0, cols, tmp32, p_.activation);
         });
       });
 }

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "comet/activation.h"
 #include "comet/fp8_rows.h"
 #include "comet/numeric.h"
 #include "comet/tile_order.h"
@@ -42,8 +43,14 @@ struct Layer0Problem {
   // differ from kind; F8E4M3 weights come with w0_scale [E_local, ceil(N0/128), ceil(H/128)].
   std::optional<ScalarKind> w_kind, out_kind;
   const float* w0_scale = nullptr;
+  // The activation fused into the GEMM's epilogue (comet/activation.h): y0 is then h [M, out_cols()].
+  Activation activation = Activation::None;
+  // With an activation: h emitted as FP8 packed rows [M, fp8_row_bytes(out_cols())] (values and
+  // their 1 x 128 scales, comet/fp8_rows.h), quantised in the epilogue from the fp32 values.
+  bool h_fp8 = false;
   ScalarKind weight_kind() const { return w_kind.value_or(kind); }
   ScalarKind output_kind() const { return out_kind.value_or(kind); }
+  int64_t out_cols() const { return activation_cols(activation, n0); }
   int64_t row_bytes() const {  // of a token row in x, on the wire and in a
     return kind == ScalarKind::F8E4M3 ? fp8_row_bytes(hidden) : hidden * scalar_bytes(kind);
   }
@@ -60,7 +67,8 @@ class Layer0Call {
   // The largest M of any rank of the group (every rank computes the same value from the send
   // plans all sources published), so a bound on it is checked alike everywhere.
   int64_t max_rows_of_group() const;
-  // The fused kernel: rows into a [M, H], y0 [M, N0] = a @ w0[e]^T per expert, each row's origin.
+  // The fused kernel: rows into a [M, H], y0 [M, N0] = a @ w0[e]^T per expert (or its activation,
+  // [M, out_cols()]), each row's origin.
   void run(void* a, void* y0, int32_t* row_source, int32_t* row_token, int32_t* row_slot);
 
  private:

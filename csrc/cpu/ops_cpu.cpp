@@ -112,13 +112,15 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                             bool w0_transposed, int64_t max_rows, int64_t tp_size,
                             const std::optional<at::Tensor>& x_scale,
                             const std::optional<at::Tensor>& w0_scale,
-                            std::optional<at::ScalarType> out_dtype, bool dispatch_fp8) {
+                            std::optional<at::ScalarType> out_dtype, bool dispatch_fp8,
+                            std::optional<c10::string_view> activation, bool h_fp8) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
   const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
   check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size,
-                         x_scale, w0_scale, out_dtype, dispatch_fp8},
+                         x_scale, w0_scale, out_dtype, dispatch_fp8, activation_arg(activation),
+                         h_fp8},
                heap->world(), launch);
   check_tp_topology(checker, *heap, tp_size);
   const CheckResult& check = checker.result();
@@ -155,6 +157,8 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     p.w_kind = scalar_kind(w0.scalar_type());
     p.out_kind = scalar_kind(out_type);
     p.w0_scale = is_fp8(w0) ? w0_scale->data_ptr<float>() : nullptr;
+    p.activation = layer0_activation(activation);
+    p.h_fp8 = h_fp8;
     Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
                     send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
     const int64_t M = call.rows();
@@ -172,7 +176,16 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     at::Tensor a = padded(fp8_rows ? at::empty({R, p.row_bytes()}, x.options().dtype(at::kByte))
                                  : at::empty({R, H}, x.options()),
                         0);
-    at::Tensor y0 = padded(at::empty({R, N0}, x.options().dtype(out_type)), 0);
+    // (packed rows zeroed whole: their padding bytes are part of the output)
+    at::Tensor y0 = padded(h_fp8 ? at::zeros({R, fp8_row_bytes(p.out_cols())},
+                                             x.options().dtype(at::kByte))
+                                 : at::empty({R, p.out_cols()}, x.options().dtype(out_type)),
+                           0);
+    if (h_fp8 && R > M)  // padded rows: zeros of scale 1, as quantize_rows gives a zero row
+      y0.narrow(0, M, R - M)
+          .narrow(1, fp8_row_scales_at(p.out_cols()), 4 * scale_blocks(p.out_cols()))
+          .view(at::kFloat)
+          .fill_(1.0);
     at::Tensor row_source = padded(at::empty({R}, ids.options()), -1);
     at::Tensor row_token = padded(at::empty({R}, ids.options()), -1);
     at::Tensor row_slot = padded(at::empty({R}, ids.options()), -1);

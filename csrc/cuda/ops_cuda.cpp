@@ -594,7 +594,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                              bool w0_transposed, int64_t max_rows_arg, int64_t tp_size,
                              const std::optional<at::Tensor>& x_scale,
                              const std::optional<at::Tensor>& w0_scale,
-                             std::optional<at::ScalarType> out_dtype, bool dispatch_fp8) {
+                             std::optional<at::ScalarType> out_dtype, bool dispatch_fp8,
+                             std::optional<c10::string_view> activation, bool h_fp8) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -608,8 +609,14 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int64_t max_rows = effective_max_rows(b, max_rows_arg);
   Checker c = cuda_checker("comet.moe_layer0", dev);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
-                   w0_scale, out_dtype, dispatch_fp8},
+                   w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n});
+  // The fused activation runs in the CPU backend's epilogue only so far: refused here (on every
+  // rank, before any kernel) rather than ignored; comet.moe_layer0 applies it after the op.
+  c.value(!activation || c.failed(),
+          "activation='" + (activation ? std::string(*activation) : std::string()) +
+              "' is not fused into the CUDA kernels: call comet.moe_layer0(activation=...), "
+              "which applies it after the op on CUDA");
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
   const int32_t tp = shaped ? int32_t(tp_size) : 1;

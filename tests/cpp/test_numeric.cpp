@@ -1,8 +1,10 @@
-// fp32 <-> bf16/fp16 conversions of the engine (csrc/include/comet/numeric.h).
+// fp32 <-> bf16/fp16 conversions of the engine (csrc/include/comet/numeric.h), and the fused
+// activations (csrc/include/comet/activation.h) at values known from their definitions.
 #include <cmath>
 #include <cstring>
 
 #include "check.h"
+#include "comet/activation.h"
 #include "comet/numeric.h"
 
 using namespace comet;
@@ -41,5 +43,20 @@ int main() {
   CHECK(std::isnan(fp8e4m3_to_float(0x7f)) && std::isnan(fp8e4m3_to_float(0xff)));
   for (uint32_t b = 1; b < 0x7f; ++b)  // positive codes in increasing order of value
     CHECK(fp8e4m3_to_float(uint8_t(b)) > fp8e4m3_to_float(uint8_t(b - 1)));
+  // Activations in double against their closed forms: silu(1) = 1 / (1 + 1/e),
+  // gelu(1) = (1 + erf(1 / sqrt 2)) / 2 = Phi(1) = 0.8413447460685429...
+  const double e = 2.718281828459045;
+  CHECK(std::fabs(silu(1.0) - 1.0 / (1.0 + 1.0 / e)) < 1e-15);
+  CHECK(std::fabs(gelu(1.0) - 0.8413447460685429) < 1e-15);
+  CHECK(silu(0.0) == 0.0 && gelu(0.0) == 0.0 && gelu(-40.0) == -0.0);
+  CHECK(activate(Activation::SwiGLU, 2.0, 3.0) == silu(2.0) * 3.0);
+  CHECK(activate(Activation::GeGLU, 2.0, 3.0) == gelu(2.0) * 3.0);
+  CHECK(activate(Activation::SiLU, 2.0, 3.0) == silu(2.0));
+  CHECK(activate(Activation::GeLU, 2.0, 3.0) == gelu(2.0));
+  // The pairing rule: w0 = [gate; up], F = N0 / 2 columns of h for the gated forms.
+  CHECK(activation_cols(Activation::SwiGLU, 10) == 5 && activation_cols(Activation::GeLU, 10) == 10);
+  CHECK(activation_gate_col(3) == 3 && activation_up_col(3, 5) == 8);
+  CHECK(activation_from_name("geglu", 5) == int32_t(Activation::GeGLU));
+  CHECK(activation_from_name("relu", 4) == -1 && activation_from_name("silu2", 5) == -1);
   TEST_MAIN_END
 }

@@ -1,0 +1,101 @@
+// The activation fused into layer0's epilogue (moe_layer0's `activation=`): the one definition of
+// the functions and of which accumulator columns feed an output column, for every backend.
+//
+// w0 is [gate; up] as the caller stores it: N0 = 2F output columns of the GEMM, the gate in
+// columns [0, F), the up projection in [F, 2F) (under expert tensor parallelism: each rank's shard
+// is its own [gate shard; up shard], so the rule is the same on the shard). A gated form writes
+// h[m, j] = act(gate_acc[m, j]) * up_acc[m, j] (F columns); a plain form writes h = act(y_acc)
+// (N0 columns). Both take the fp32 (fp64) accumulators with the bias already added and round once,
+// to the output dtype, when storing: h is never computed from a rounded y0.
+//
+// A tile of h's columns [j0, j0 + n) reads w0's rows [j0, j0 + n) and [F + j0, F + j0 + n): the
+// gate and up column of an output sit in the same tile, each from its own half of w0.
+#pragma once
+
+#include <cstdint>
+
+#include "comet/config.h"
+
+#if !COMET_DEVICE_CODE
+#include <cmath>
+#endif
+
+namespace comet {
+
+// The numbers never change meaning (the Python wrapper and the op agree through the name only,
+// but tests and the C++ bindings use the values).
+enum class Activation : int32_t { None = 0, SwiGLU = 1, GeGLU = 2, SiLU = 3, GeLU = 4 };
+
+COMET_HD bool activation_gated(Activation a) {
+  return a == Activation::SwiGLU || a == Activation::GeGLU;
+}
+
+// Columns of layer0's output for N0 GEMM columns: F = N0 / 2 for a gated form (N0 even, checked
+// before any kernel), N0 otherwise.
+COMET_HD int64_t activation_cols(Activation a, int64_t n0) {
+  return activation_gated(a) ? n0 / 2 : n0;
+}
+
+// The GEMM column (w0 row) of output column j's gate (or its only input) and of its up half.
+COMET_HD int64_t activation_gate_col(int64_t j) { return j; }
+COMET_HD int64_t activation_up_col(int64_t j, int64_t f) { return f + j; }
+
+template <class T>
+COMET_HD T act_exp(T v) {
+#if COMET_DEVICE_CODE
+  return sizeof(T) == 8 ? T(::exp(double(v))) : T(::expf(float(v)));
+#else
+  return std::exp(v);
+#endif
+}
+
+template <class T>
+COMET_HD T act_erf(T v) {
+#if COMET_DEVICE_CODE
+  return sizeof(T) == 8 ? T(::erf(double(v))) : T(::erff(float(v)));
+#else
+  return std::erf(v);
+#endif
+}
+
+// silu(v) = v * sigmoid(v) = v / (1 + e^-v); gelu(v) = v/2 (1 + erf(v / sqrt 2)), the exact form.
+template <class T>
+COMET_HD T silu(T v) {
+  return v / (T(1) + act_exp(-v));
+}
+
+template <class T>
+COMET_HD T gelu(T v) {
+  return T(0.5) * v * (T(1) + act_erf(v * T(0.70710678118654752440)));
+}
+
+// The output element from its accumulators (`up` is not read by the plain forms).
+template <class T>
+COMET_HD T activate(Activation a, T gate, T up) {
+  switch (a) {
+    case Activation::SwiGLU: return silu(gate) * up;
+    case Activation::GeGLU: return gelu(gate) * up;
+    case Activation::SiLU: return silu(gate);
+    case Activation::GeLU: return gelu(gate);
+    default: return gate;
+  }
+}
+
+// The names `activation=` takes; -1 when the name is not one of them (host only).
+#if !COMET_DEVICE_CODE
+inline int32_t activation_from_name(const char* s, size_t n) {
+  const char* names[] = {"swiglu", "geglu", "silu", "gelu"};
+  for (int32_t i = 0; i < 4; ++i) {
+    size_t len = 0;
+    while (names[i][len]) ++len;
+    if (len == n) {
+      bool same = true;
+      for (size_t c = 0; c < n; ++c) same = same && names[i][c] == s[c];
+      if (same) return i + 1;
+    }
+  }
+  return -1;
+}
+#endif
+
+}  // namespace comet
