@@ -308,7 +308,8 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) 
 def _tp_note(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int, path: str) -> str:
     """One line: the model's TP path for ``layer`` and both paths' rows per link."""
     alt = pm.tp_alternatives(shape, spec, layer)
-    what = ("direct = every slot row to each of the t TP ranks; group = once per (token, EP rank), "
+    what = ("direct = a token once to each TP rank of each EP rank it hits; group = once per "
+            "(token, EP rank), "
             "then an all-gather in the TP group" if layer == 0 else
             "direct = t partial rows home; group = reduce-scatter over H in the TP group, then H/t "
             "columns home")
