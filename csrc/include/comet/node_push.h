@@ -128,9 +128,11 @@ COMET_HD void layer0_push_program(Ctx& ctx, const GridBarrier& bar, const NodePu
       // token's slot rows from its primary one (comm_layer0.h), so the token crosses once per
       // destination rank.
       const size_t slots = s1 > s0 ? size_t(a.tokens) * size_t(a.topk) * 4 : 0;
-      ctx.put_signal(relay, mirror + a.regions.ids, mine + a.regions.ids, slots, nullptr, 0);
-      ctx.put_signal(relay, mirror + a.regions.send_pos, mine + a.regions.send_pos, slots,
-                     nullptr, 0);
+      // (one call site in a loop: two inlined puts made the GPU's publish kernel spill)
+      for (int i = 0; i < 2; ++i) {
+        const size_t at = i == 0 ? a.regions.ids : a.regions.send_pos;
+        ctx.put_signal(relay, mirror + at, mine + at, slots, nullptr, 0);
+      }
       const size_t at = a.regions.send_slot + size_t(s0) * 4;
       ctx.put_signal(relay, mirror + at, mine + at, size_t(s1 - s0) * 4,
                      header_flag(hdr, t.world, PeerFlag::MirrorMeta, a.rank), a.epoch);
