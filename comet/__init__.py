@@ -14,7 +14,7 @@ Where things live (public modules at the top, the parts grouped by role below th
   comet.tune                          cost model, autotuner, profiling hooks, python -m comet.tune
 """
 from comet._native import _C  # noqa: F401
-from comet.buffers import Buffer, buffer_for, required_bytes
+from comet.buffers import Buffer, Traffic, buffer_for, required_bytes
 from comet.layers import Layout, moe_layer0, moe_layer1
 from comet.layers.autograd import defer_weight_grads
 from comet.plan import Placement
@@ -24,6 +24,6 @@ from comet.tune import profiling as _profiling
 # that they exist exactly when the compiled ops do.
 _profiling.register()
 
-__all__ = ["Buffer", "Layout", "Placement", "buffer_for", "defer_weight_grads", "moe_layer0", "moe_layer1",
+__all__ = ["Buffer", "Layout", "Placement", "Traffic", "buffer_for", "defer_weight_grads", "moe_layer0", "moe_layer1",
            "required_bytes"]
 __version__ = "0.1.0"

@@ -55,6 +55,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     comet::cpu::LinkProxy* p = find_heap(h)->proxy();
     return p ? std::make_pair(p->issued(), p->bytes_sent()) : std::make_pair(uint64_t(0), uint64_t(0));
   });
+  m.def("heap_traffic", [](int64_t h) {
+    const comet::cpu::SymmHeap::Traffic& t = find_heap(h)->traffic();
+    return py::make_tuple(t.layer0_rows, t.layer0_bytes, t.layer1_rows, t.layer1_bytes);
+  });
   m.def("heap_ranks_per_node",
         [](int64_t h) { return find_heap(h)->topology().ranks_per_node; });
   m.def("heap_set_node_reduce", [](int64_t h, bool on) { find_heap(h)->set_node_reduce(on); });

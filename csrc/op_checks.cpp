@@ -16,6 +16,11 @@ bool cpu_cuda_rules() {
   return v && *v && std::strcmp(v, "0") != 0;
 }
 
+bool layer0_dedup_setting() {
+  const char* v = std::getenv("COMET_LAYER0_DEDUP");
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
 int64_t raster_group_setting() {
   const char* v = std::getenv("COMET_RASTER_GROUP");
   if (!v || !*v) return 0;

@@ -82,6 +82,9 @@ inline int64_t w1_in(const at::Tensor& w1, bool t) { return w1.size(t ? 1 : 2); 
 // the dtypes the CUDA op rejects, so that code meant for GPUs (autograd's backward calls, the
 // wrappers) is proven on the CPU never to hand the CUDA kernels a dtype they refuse.
 bool cpu_cuda_rules();
+// Whether layer0 sends a token once per destination rank (the default) or once per slot
+// ($COMET_LAYER0_DEDUP=0: an internal switch, so tests can demand the same bits from both).
+bool layer0_dedup_setting();
 
 // $COMET_RASTER_GROUP: m-tiles per raster group of the GEMM tile orders (comet/tile_order.h) for
 // every call instead of the automatic raster_group(n_gemm) (0 or unset). A knob for measuring the

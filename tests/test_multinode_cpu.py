@@ -63,7 +63,8 @@ def _layer0_link_bytes(bufs, ids, x, w0, E):
 
 def test_node_first_dispatch_sends_a_token_to_a_node_once():
     """Every token of node 0 sends all its k = 4 slots to experts of node 1: layer0 moves each
-    such row across once (T rows, not T*k), plus 4 bytes of send plan per slot. Measured as the
+    such row across once (T rows, not T*k), plus 12 bytes of routing per slot (its send-plan
+    entry, its expert id and bucket position: the destinations' dedup reads the latter two). Measured as the
     difference to a call with no tokens (metadata only)."""
     W, rpn, E, k, H, T = 4, 2, 8, 4, 16, 10
     bufs = comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=rpn, link_latency_us=0)
@@ -76,7 +77,7 @@ def test_node_first_dispatch_sends_a_token_to_a_node_once():
     empty = _layer0_link_bytes(bufs, [i[:0] for i in ids], [x[:0] for x in xs], w0, E)
     full = _layer0_link_bytes(bufs, ids, xs, w0, E)
     for r in range(W):
-        expect = T * H * 4 + T * k * 4 if r < rpn else 0
+        expect = T * H * 4 + T * k * 12 if r < rpn else 0
         assert full[r] - empty[r] == expect, (r, full[r], empty[r])
 
 
@@ -110,7 +111,7 @@ def test_node_push_puts_runs_of_tokens_not_tokens(blocks, threads):
     for r in range(rpn):
         row_puts = full[r][0] - empty[r][0]
         assert 1 <= row_puts <= blocks * 1, (r, full[r], empty[r])
-        assert full[r][1] - empty[r][1] == T * H * 4 + T * k * 4
+        assert full[r][1] - empty[r][1] == T * H * 4 + T * k * 12
     # Routing with gaps: every third token stays home, so runs break: one put per run inside a
     # block's range (a block boundary may split a run). Results: the bitwise tests above.
     for r in range(rpn):

@@ -372,6 +372,18 @@ def _golden_entries():
     return json.loads(path.read_text())
 
 
+def _golden_shape(e):
+    """A golden entry's shape; layer0 with the one row per (token, slot) that model assumed
+    (T k (W - 1) / W remote rows: layer0 now pulls a token once per rank, which it priced the
+    same way only for k = 1), so every other part of the prediction is still held to its bits."""
+    d = dict(e["shape"])
+    if "expert_rows" in d:
+        d["expert_rows"] = tuple(d["expert_rows"])
+    if e["layer"] == 0 and d.get("remote_rows") is None:
+        d["remote_rows"] = d["T"] * d["k"] * (d["W"] - 1) / d["W"]
+    return d
+
+
 def test_one_node_is_the_single_node_model_bit_for_bit():
     """ranks_per_node = W (explicit or the default) reproduces the predictions of the model before
     nodes existed exactly (tests/data/perfmodel_one_node.json, made by
@@ -381,9 +393,7 @@ def test_one_node_is_the_single_node_model_bit_for_bit():
     entries = _golden_entries()
     assert len(entries) > 500
     for e in entries:
-        d = dict(e["shape"])
-        if "expert_rows" in d:
-            d["expert_rows"] = tuple(d["expert_rows"])
+        d = _golden_shape(e)
         spec = dataclasses.replace(pm.GPUS[e["gpu"]], l2_mb=math.inf)
         for shape in (pm.MoEShape(**d), pm.MoEShape(**d, ranks_per_node=d["W"]),
                       pm.MoEShape(**d, ranks_per_node=d["W"], node_first=False)):
@@ -425,16 +435,17 @@ def test_node_traffic_formulas():
     flat = pm.MoEShape(**{**s.__dict__, "node_first": False})
     q = 1 - math.comb(32, 4) / math.comb(64, 4)
     assert pm.expected_distinct_nodes(W, E, k, P) == pytest.approx(2 * q)
-    far = T * k * (W - P) / W  # remote-node slot rows
+    p_hit = pm.hit_probability(W, E, k)
+    far = T * (W - P) * p_hit  # (token, remote-node rank) rows: a token once per rank
     tf = pm.node_traffic(flat, 0)
-    assert tf.local == pytest.approx(T * k / W)
-    assert tf.same_node == pytest.approx(T * k * (P - 1) / W)
+    assert tf.local == pytest.approx(T * k - T * (W - 1) * p_hit)  # M = T k rows, the rest local
+    assert tf.same_node == pytest.approx(T * (P - 1) * p_hit)
     assert tf.nic == pytest.approx(far) and tf.fanout_nvlink == tf.fanout_local == 0
     tn_ = pm.node_traffic(s, 0)
     assert tn_.nic == pytest.approx(T * (2 - 1) * q)  # one row per (token, remote node)
     assert tn_.fanout_nvlink == pytest.approx(far * (P - 1) / P)
     assert tn_.fanout_local == pytest.approx(far / P)
-    assert tn_.nvlink == pytest.approx(T * k * (P - 1) / P)
+    assert tn_.nvlink == pytest.approx(T * (P - 1) * p_hit + far * (P - 1) / P)
     # layer1: one partial row per (token, sending rank), same with or without node-first
     p_hit = pm.hit_probability(W, E, k)
     for shape in (s, flat):
@@ -474,9 +485,8 @@ def test_node_first_never_increases_internode_bytes(shape):
     flat = pm.MoEShape(**{**shape.__dict__, "node_first": False})
     nf, fl = pm.internode_bytes(shape, 0), pm.internode_bytes(flat, 0)
     assert nf <= fl * (1 + 1e-12)
-    el_node = shape.E // shape.nodes
-    if shape.nodes > 1 and shape.k >= 2 and el_node >= 2 and shape.T > 0:
-        assert nf < fl * (1 - 1e-9)  # two slots of a token can share a node: strictly fewer
+    if shape.nodes > 1 and shape.k >= 2 and shape.ranks_per_node >= 2 and shape.T > 0:
+        assert nf < fl * (1 - 1e-9)  # two ranks of a token can share a node: strictly fewer
     # layer1 is not reduced by the hierarchy
     assert pm.internode_bytes(shape, 1) == pm.internode_bytes(flat, 1)
 
@@ -731,9 +741,7 @@ def test_tp_size_1_is_the_model_without_tp_bit_for_bit():
     tests/data/perfmodel_one_node.json) and reports the direct path."""
     entries = _golden_entries()
     for e in entries[::7]:
-        d = dict(e["shape"])
-        if "expert_rows" in d:
-            d["expert_rows"] = tuple(d["expert_rows"])
+        d = _golden_shape(e)
         spec = dataclasses.replace(pm.GPUS[e["gpu"]], l2_mb=math.inf)
         shape = pm.MoEShape(**d, tp_size=1)
         assert shape.ep_size == shape.W and shape.E_local == shape.E // shape.W
@@ -757,10 +765,10 @@ def test_tp_traffic_formulas_one_node():
     assert sum(pm.expert_rows(s)) == pytest.approx(t * T * k)  # every rank of an EP rank: all rows
     d0 = pm.tp_traffic(s, 0, "direct")
     assert d0.local + d0.same_node == pytest.approx(t * T * k) and d0.nic == 0
-    assert d0.same_node == pytest.approx(T * k * (W - 1) / EP)
+    assert d0.same_node == pytest.approx(T * p * (W - 1))  # a token once per (source, rank)
     g0 = pm.tp_traffic(s, 0, "group")
-    assert g0.same_node == pytest.approx(T * p * (W - 1))  # de-duplicated per (token, EP rank)
-    assert g0.same_node / d0.same_node == pytest.approx(EP * p / k)
+    assert g0.same_node == pytest.approx(T * p * (W - 1))  # the same rows, in two hops
+    assert g0.same_node == pytest.approx(d0.same_node)
     assert g0.local == pytest.approx(T * p + t * T * k)  # own stage + the expansion into slots
     d1, g1 = pm.tp_traffic(s, 1, "direct"), pm.tp_traffic(s, 1, "group")
     assert d1.same_node == pytest.approx(T * p * (W - 1)) and d1.local == pytest.approx(T * p)
@@ -772,15 +780,16 @@ def test_tp_traffic_formulas_one_node():
 
 
 def test_tp_group_paths_cut_the_nic_rows():
-    """Across nodes (2 x 8, t = 4): layer0's group path moves EP p / (k t) <= 1/t of direct's NIC
-    rows, layer1's 1/t; and the model picks the group path for layer1 there."""
+    """Across nodes (2 x 8, t = 4): layer0's group path moves 1/t of direct's NIC rows (a token
+    once per EP rank, not once per tp rank), layer1's 1/t; and the model picks the group path
+    for layer1 there."""
     s = _tp(W=16, E=64, k=4, t=4, P=8, H=4096, N=512)
     EP, k, t = 4, 4, 4
     p = pm.hit_probability(EP, 64, k)
     n0 = {path: pm.tp_traffic(s, 0, path).nic for path in pm.TP_PATHS}
     n1 = {path: pm.tp_traffic(s, 1, path).nic for path in pm.TP_PATHS}
-    assert n0["group"] / n0["direct"] == pytest.approx(EP * p / (k * t))
-    assert n0["group"] <= n0["direct"] / t
+    assert n0["group"] == pytest.approx(n0["direct"] / t)
+    assert n0["direct"] == pytest.approx((16 - 8) * 1024 * p)
     assert n1["group"] == pytest.approx(n1["direct"] / t)
     spec = pm.GPUS["h800"]
     assert pm.choose_tp_path(s, spec, 1) == "group"
@@ -801,8 +810,9 @@ def test_tp_choice_is_the_shorter_comm_and_explicit_paths_are_honoured():
                 fixed = dataclasses.replace(s, tp_path=path)
                 assert pm.predict(fixed, spec, 10, layer)["tp_path"] == path
                 assert pm.comm_time(fixed, spec, spec.max_blocks, layer) == alt[path]["comm_full"]
-    # E32 top4 over EP1 x TP8: 4 slots per token collapse into one row per EP rank
-    assert pm.choose_tp_path(_tp(t=8, H=8192, N=1024), spec, 0) == "group"
+    # E32 top4 over EP1 x TP8: the built path already sends a token once per rank, so the
+    # group path's second hop buys nothing on one node
+    assert pm.choose_tp_path(_tp(t=8, H=8192, N=1024), spec, 0) == "direct"
 
 
 @FAST

@@ -264,6 +264,12 @@ def model_tp_lines() -> List[str]:
     return cli.tp_table().splitlines()
 
 
+def model_dedup_lines() -> List[str]:
+    """layer0's rows before and after the dispatch sent a token once per destination rank."""
+    from comet.tune import cli
+    return cli.dedup_table().splitlines()
+
+
 def model_fp8_lines() -> List[str]:
     from comet.tune import cli
     return cli.fp8_table().splitlines()
@@ -289,6 +295,7 @@ FIGURES: Dict[str, Figure] = {
     "model-node-reduce": Figure("docs/tuning.md", model_node_reduce_lines),
     "model-activation": Figure("docs/tuning.md", model_activation_lines),
     "model-tp": Figure("README.md", model_tp_lines),
+    "model-dedup": Figure("README.md", model_dedup_lines),
     "model-fp8": Figure("README.md", model_fp8_lines),
     "model-decode": Figure("README.md", model_decode_lines),
     "model-skew": Figure("docs/tuning.md", model_skew_lines),

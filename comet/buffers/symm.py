@@ -12,6 +12,7 @@ import secrets
 import threading
 import weakref
 import zlib
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -67,6 +68,14 @@ def tp_size_setting(tp_size, world: int) -> int:
         raise ValueError(f"comet: tp_size must be an int >= 1 dividing the group size {world}, "
                          f"got {tp_size!r}")
     return tp
+
+
+class Traffic(NamedTuple):
+    """Buffer.traffic(): what this rank's comm blocks moved across links in its last calls."""
+    layer0_rows: int   # token rows received from other ranks (once per token and rank)
+    layer0_bytes: int  # their bytes (FP8: packed rows with their scales)
+    layer1_rows: int   # partial rows sent to other ranks
+    layer1_bytes: int
 
 
 class Buffer:
@@ -259,6 +268,12 @@ class Buffer:
     def link_stats(self) -> tuple[int, int]:
         """(puts issued, bytes delivered) by this rank's link to other nodes (CPU backend)."""
         return tuple(_C.heap_link_stats(self.handle))
+
+    def traffic(self) -> "Traffic":
+        """The token rows (and their bytes) this rank received from other ranks in its last
+        layer0 call and sent to other ranks in its last layer1 call, as its comm blocks counted
+        them; a rank's own rows do not count, FP8 rows count their packed bytes."""
+        return Traffic(*(int(v) for v in _C.heap_traffic(self.handle)))
 
     def __repr__(self):
         return (f"comet.Buffer(rank={self.rank}, world={self.world}, "

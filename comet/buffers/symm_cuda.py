@@ -260,6 +260,10 @@ class Buffer:
         """The largest data segment a call or reserve() of this buffer asked for so far."""
         return int(_ops().buffer_requested(self.handle))
 
+    def traffic(self):
+        """comet.Buffer.traffic (comet/buffers/symm.py), as the GPU's comm blocks counted it."""
+        return symm.Traffic(*(int(v) for v in _ops().buffer_traffic(self.handle)))
+
     @property
     def stream(self) -> int | None:
         """The cudaStream_t (as an int) the buffer's calls are bound to; None before the first."""

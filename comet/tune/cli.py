@@ -3,7 +3,7 @@
     python -m comet.tune --model mixtral --world 8 [--tokens 4096] [--dtype bf16] [--gpu h800]
     python -m comet.tune --model qwen2 --world 16 --ranks-per-node 8 --gpu h800 [--flat] [--node-reduce]
     python -m comet.tune --model custom ... --world 8 --tp 4 [--dtype fp8]   # EP2 x TP4, FP8
-    python -m comet.tune --table tp|fp8|decode   # docs/tuning.md's TP, FP8 and decode tables (markdown)
+    python -m comet.tune --table tp|fp8|dedup|decode   # the TP, FP8, dispatch and decode tables (markdown)
 
 It always prints, for both fused layers, the cost model's split and predicted times (clearly
 labelled: model, not measured), with the communication split into its NVLink (intra-node) and
@@ -309,7 +309,8 @@ def _profile(args, model, arch: str, sm_count: int, tuner: tn.Tuner, say=print) 
 def _tp_note(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int, path: str) -> str:
     """One line: the model's TP path for ``layer`` and both paths' rows per link."""
     alt = pm.tp_alternatives(shape, spec, layer)
-    what = ("direct = every slot row to each of the t TP ranks; group = once per (token, EP rank), "
+    what = ("direct = a token once to each TP rank of each EP rank it hits; group = once per "
+            "(token, EP rank), "
             "then an all-gather in the TP group" if layer == 0 else
             "direct = t partial rows home; group = reduce-scatter over H in the TP group, then H/t "
             "columns home")
@@ -341,11 +342,19 @@ def _best(shape: pm.MoEShape, spec: pm.GpuSpec, layer: int) -> Dict[str, object]
     return pm.predict(shape, spec, pm.choose_n_comm(shape, spec, layer), layer)
 
 
+def _per_slot_rows(shape: pm.MoEShape) -> float:
+    """layer0's rows over the links if every slot's row crossed (one per (token, slot) per
+    destination rank), the dispatch before it sent a token once per destination rank."""
+    ep = shape.W // shape.tp_size
+    return shape.T * shape.k * (shape.W - 1) / ep
+
+
 def tp_table() -> str:
     """docs/tuning.md's expert-tensor-parallel table: for flux's four configurations, the model's
-    layer0 / layer1 prediction for the path the kernels implement (direct: every slot row to each
-    tp rank, t partial rows home) and for the group path they do not implement yet, beside flux's
-    published measurement, and the EP-only alternative (t = 1) on the same 8 ranks."""
+    layer0 / layer1 prediction for the path the kernels implement (a token once to each tp rank
+    of each EP rank it reaches, t partial rows home), beside flux's published measurement, and
+    the EP-only alternative (t = 1) on the same 8 ranks. layer0's NVLink rows are shown as they
+    were with one row per slot and as built."""
     spec = pm.GPUS["h100"]
     T = FLUX_TOKENS // FLUX_WORLD
     rows = []
@@ -354,19 +363,47 @@ def tp_table() -> str:
             tp = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN // t, T=T,
                              tp_size=t)
             ep_only = pm.MoEShape(W=FLUX_WORLD, E=E, k=k, H=FLUX_HIDDEN, N=FLUX_FFN, T=T)
-            built = _best(dataclasses.replace(tp, tp_path=pm.BUILT_TP_PATH), spec, layer)
-            group = _best(dataclasses.replace(tp, tp_path="group"), spec, layer)
+            shape = dataclasses.replace(tp, tp_path=pm.BUILT_TP_PATH)
+            built = _best(shape, spec, layer)
             q = _best(ep_only, spec, layer)
-            alt = pm.tp_alternatives(tp, spec, layer)
+            nvlink = pm.tp_traffic(shape, layer).same_node
+            before = f"{_per_slot_rows(shape):.0f} / " if layer == 0 else ""
             rows.append([f"E{E} top{k}", f"EP{ep} x TP{t}", f"layer{layer}",
-                         f"{alt['direct']['nvlink_rows']:.0f} / {alt['group']['nvlink_rows']:.0f}",
+                         f"{before}{nvlink:.0f}",
                          str(built["n_comm"]), _ms(built["comm"]), _ms(built["gemm"]),
-                         _ms(built["fused"]), _ms(group["fused"]), f"{flux_ms:.3f}",
-                         _ms(q["fused"])])
-    return _md_table(["experts", "ranks", "layer", "NVLink rows direct / group", "n_comm",
-                      "comm ms", "GEMM ms", "model fused ms (direct: built)",
-                      "model fused ms (group: not built)", "flux measured ms",
-                      "EP8 only, model ms"], rows, "llllrrrrrrr")
+                         _ms(built["fused"]), f"{flux_ms:.3f}", _ms(q["fused"])])
+    return _md_table(["experts", "ranks", "layer", "NVLink rows (one per slot / built)", "n_comm",
+                      "comm ms", "GEMM ms", "model fused ms", "flux measured ms",
+                      "EP8 only, model ms"], rows, "llllrrrrrr")
+
+
+# A DeepSeek-V3-shaped layer (E = 256, top-8, H = 7168, expert FFN 2048, gated) with 4096 tokens
+# per rank on H800s, EP8 on one node and EP16 on two nodes of 8.
+DEDUP_SHAPE = dict(E=256, k=8, H=7168, ffn=2048, T=4096, gpu="h800")
+DEDUP_LAYOUTS = ((8, 8), (16, 8))
+
+
+def dedup_table() -> str:
+    """README's dispatch table: layer0's rows over the links with one row per (token, slot) and
+    as built (one per (token, destination rank): d / k of them, d the expected distinct ranks
+    per token), for the DeepSeek-V3-shaped layer."""
+    c = DEDUP_SHAPE
+    spec = pm.GPUS[c["gpu"]]
+    rows = []
+    for W, rpn in DEDUP_LAYOUTS:
+        s = pm.MoEShape(W=W, E=c["E"], k=c["k"], H=c["H"], N=2 * c["ffn"], T=c["T"],
+                        ranks_per_node=rpn, node_first=W > rpn)
+        d = pm.expected_distinct_ranks(W, c["E"], c["k"])
+        built = pm.remote_rows(s, 0)
+        p = _best(s, spec, 0)
+        nic = pm.internode_rows(s, 0)
+        rows.append([f"E{c['E']} top{c['k']} H{c['H']}", f"EP{W} ({W // rpn} x {rpn})",
+                     f"{_per_slot_rows(s):.0f}", f"{built:.0f}", f"{d:.2f}",
+                     f"{built / _per_slot_rows(s):.3f}", f"{nic:.0f}", str(p["n_comm"]),
+                     _ms(p["comm"]), _ms(p["gemm"]), _ms(p["fused"])])
+    return _md_table(["shape", "ranks", "layer0 rows, one per slot", "layer0 rows, built", "d",
+                      "built / per slot", "NIC rows (node-first)", "n_comm", "comm ms", "GEMM ms",
+                      "model fused ms"], rows, "llrrrrrrrrr")
 
 
 FP8_WORLD, FP8_TOKENS, FP8_GPU = 8, 4096, "h800"
@@ -431,7 +468,7 @@ def decode_table() -> str:
         anchors, "lrr")
 
 
-TABLES = {"tp": tp_table, "fp8": fp8_table, "decode": decode_table}
+TABLES = {"tp": tp_table, "fp8": fp8_table, "dedup": dedup_table, "decode": decode_table}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -175,7 +175,12 @@ Layer0Call::Layer0Call(SymmHeap& heap, uint64_t epoch, const Layer0Problem& p, c
                         reinterpret_cast<int32_t*>(mine + reg.send_slot), send_pos);
     });
   }
-  if (T > 0) std::memcpy(mine + reg.x, p.x, size_t(T * row));
+  if (T > 0) {
+    std::memcpy(mine + reg.x, p.x, size_t(T * row));
+    // The routing and bucket positions, for the destinations' dedup (comm_layer0.h).
+    std::memcpy(mine + reg.ids, p.ids, size_t(T * k) * 4);
+    std::memcpy(mine + reg.send_pos, send_pos, size_t(T * k) * 4);
+  }
   // Ranks of other nodes get our bucket offsets in their bucket box for us (symm_layout.h), as
   // the GPU's begin kernel sends them, and size their dispatch layout from it.
   const size_t box_row = size_t(E + 1) * 4;
@@ -239,6 +244,11 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   ca.sources = sources_.data();
   ca.rows_ready = rows_ready_.data();
   ca.tp = p_.tp;
+  std::vector<uint32_t> mtile_rows(size_t(MT), 0);
+  ca.mtile_rows = mtile_rows.data();
+  ca.dedup = p_.dedup;
+  uint64_t received = 0;
+  ca.rows_received = &received;
   // n-tiles over the output's columns: with a gated activation each covers F's columns, its gate
   // and up halves read from both halves of w0 (comet/activation.h).
   const int64_t out_n = p_.out_cols();
@@ -268,6 +278,9 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
             block_tile_gemm(ctx, t, mt, col0, cols, tmp32, p_.activation);
         });
       });
+  SymmHeap::Traffic& tr = heap_.traffic();
+  tr.layer0_rows = int64_t(received);
+  tr.layer0_bytes = int64_t(received) * row;
 }
 
 template <class Acc>
@@ -350,6 +363,8 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
                          flags.data(), plan, per_item, heap.blocks_done(), T, p.ids, out,
                          p.output_kind()};
   la.tp = p.tp;
+  uint64_t sent = 0;
+  la.rows_sent = &sent;
   // Across nodes: partial rows for remote homes are staged in the symmetric segment (reg.stage)
   // and put whole, or (node-reduced) written into their relay's node_stage.
   if (heap.topology().nodes() > 1) {
@@ -386,6 +401,9 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   // SMs): node-reduced, its blocks wait on each other across the nodes (comet/block_roles.h).
   run_grid(&heap, barrier_grid(l), l.threads, l.stress_seed,
            [&](CpuContext& ctx) { layer1_combine(ctx, la); }, nullptr, l.resident);
+  SymmHeap::Traffic& tr = heap.traffic();
+  tr.layer1_rows = int64_t(sent);
+  tr.layer1_bytes = int64_t(sent) * H * scalar_bytes(p.output_kind());
 }
 
 template void layer1_call<float>(SymmHeap&, uint64_t, const Layer1Problem<float>&,

@@ -38,6 +38,8 @@ struct Layer0Problem {
   bool w0_transposed = false;
   const void* b0 = nullptr;  // [E_local, N0] (kind), or none
   int32_t tp = 1;            // tp_size (comet/layout.h): E_local = E / (W / tp), w0 the rank's shard
+  bool dedup = true;         // a token crosses once per destination rank (comm_layer0.h); false:
+                             // once per slot (tests compare the two bit for bit)
   // FP8 (comet/fp8_rows.h). kind F8E4M3: x holds packed rows [T, fp8_row_bytes(H)] (values and
   // their 1 x 128 scales, moved as one row). w_kind / out_kind: of w0 and of y0 (and b0) when they
   // differ from kind; F8E4M3 weights come with w0_scale [E_local, ceil(N0/128), ceil(H/128)].

@@ -154,6 +154,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     p.w0_transposed = w0_transposed;
     p.b0 = bias_ptr(b0);
     p.tp = int32_t(tp_size);
+    p.dedup = layer0_dedup_setting();
     p.w_kind = scalar_kind(w0.scalar_type());
     p.out_kind = scalar_kind(out_type);
     p.w0_scale = is_fp8(w0) ? w0_scale->data_ptr<float>() : nullptr;

@@ -125,6 +125,11 @@ class SymmHeap {
   std::vector<uint32_t>& tile_counts() { return tile_counts_; }
   std::vector<uint32_t>& chunk_counts() { return chunk_counts_; }
   uint32_t* blocks_done() { return &blocks_done_; }
+  // What the comm blocks of this rank's last layer0 / layer1 call counted (Buffer.traffic).
+  struct Traffic {
+    int64_t layer0_rows = 0, layer0_bytes = 0, layer1_rows = 0, layer1_bytes = 0;
+  };
+  Traffic& traffic() { return traffic_; }
 
  private:
   std::string segment_name(int32_t r, const char* kind, uint64_t gen) const;
@@ -174,6 +179,7 @@ class SymmHeap {
   std::vector<uint32_t> tile_counts_;
   std::vector<uint32_t> chunk_counts_;
   uint32_t blocks_done_ = 0;
+  Traffic traffic_;
 };
 
 // Registry of live heaps: ops receive an integer handle (keeps op schemas plain and traceable).

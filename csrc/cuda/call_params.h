@@ -67,6 +67,10 @@ struct DeviceState {
   unsigned long long first_bad_id;  // this call's first invalid expert id (slot index), or ~0
   unsigned long long kernel_start;  // %globaltimer at the fused kernel's first block start
   unsigned long long kernel_end;    // ... and at its last warp's exit (reset by begin)
+  // Buffer.traffic: rows the comm blocks pulled from other ranks in the last layer0 call and sent
+  // to other ranks in the last layer1 call (the op's own count reset by begin)
+  unsigned long long layer0_rows_received;
+  unsigned long long layer1_rows_sent;
 };
 
 struct CallParams {
@@ -117,6 +121,8 @@ struct CallParams {
   MTile* mtiles;          // [mtiles_cap]
   int64_t* mtile_order;   // [mtiles_cap]
   uint64_t* mtile_ready;  // [mtiles_cap] epoch-valued flags (layer0)
+  uint32_t* mtile_rows;   // [mtiles_cap] layer0: rows written per m-tile (zeroed per call)
+  int32_t dedup;          // layer0: a token crosses once per destination rank (comm_layer0.h)
   uint64_t* ntile_ready;  // [num_ntiles] epoch-valued flags (layer1)
   uint32_t* ntile_count;  // [num_ntiles] self-resetting counters (layer1)
   CallMeta* metas;        // [W] every rank's metadata of this call

@@ -45,6 +45,9 @@ static __device__ void layer0_comm_block(const CallParams& p, int32_t block, uin
                              p.row_slot,       nodes ? p.sources : nullptr,
                              nodes ? p.rows_ready : nullptr};
       a.tp = p.tp;
+      a.mtile_rows = p.mtile_rows;
+      a.dedup = p.dedup != 0;
+      a.rows_received = reinterpret_cast<uint64_t*>(&p.state->layer0_rows_received);
       layer0_comm(ctx, a);
     }
   }
@@ -74,6 +77,7 @@ static __device__ __forceinline__ Layer1CommArgs<float> layer1_comm_args(const C
                                // node-reduced: rows into the relays' node_stage, summed there
                                p.topo.node_reduce,  p.metas};
   a.tp = p.tp;
+  a.rows_sent = reinterpret_cast<uint64_t*>(&p.state->layer1_rows_sent);
   return a;
 }
 

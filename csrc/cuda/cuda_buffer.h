@@ -80,6 +80,8 @@ class CudaBuffer {
   // Calls without host synchronisation: outputs hold max_rows rows (-1: off, rows read back).
   int64_t max_rows() const { return max_rows_; }
   void set_max_rows(int64_t r) { max_rows_ = r; }
+  // Bytes of a row each op's comm blocks moved in its last call (Buffer.traffic: rows x bytes).
+  int64_t traffic_row_bytes[2] = {0, 0};
   int32_t bench_mode() const { return bench_mode_; }
   void set_bench_mode(int32_t m) { bench_mode_ = m; }
 

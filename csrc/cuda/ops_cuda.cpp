@@ -693,10 +693,14 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     p.plan_blocks = prologue_blocks(p.mtiles_cap, dev);
     take_grid_scratch(post, p, p.plan_blocks, W);
     const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
+    const size_t rows_at = post.take(p.mtile_rows, p.mtiles_cap);
     ws_post = post.allocate(dev);
     check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
                                size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
                "clearing tile flags");
+    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + rows_at, 0,
+                               size_t(p.mtiles_cap) * sizeof(uint32_t), stream),
+               "clearing tile row counts");
   };
   if (ok && max_rows >= 0) {  // known before the call: allocated before the proxy starts
     allocate_rows(max_rows);
@@ -746,6 +750,12 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   char* own = b.own_data();
   copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
   copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
+  // The routing and bucket positions: a destination fills a token's other slot rows from its
+  // primary one (comm_layer0.h: dedup).
+  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
+  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
+  p.dedup = layer0_dedup_setting() ? 1 : 0;
+  b.traffic_row_bytes[0] = p.row_bytes;
   if (fp8 && is_fp8(x))
     copy_packed_rows(own + p.regions.x, x, fp8_scale, p.row_bytes, stream);
   else if (fp8)
@@ -919,6 +929,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
   copy_async(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4, stream);
   copy_async(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4, stream);
+  b.traffic_row_bytes[1] = H * scalar_bytes(ScalarKind(p.out_kind));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 

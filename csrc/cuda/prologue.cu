@@ -221,6 +221,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     st->epoch = e;
     st->kernel_start = ~0ull;
     st->kernel_end = 0;
+    (layer0 ? st->layer0_rows_received : st->layer1_rows_sent) = 0;
     // Written in place: same-node peers read it here, and it is the source of the puts to other
     // nodes (unchanged until the call ends, when the proxy's quiet has delivered them).
     CallMeta& me = mine->meta;

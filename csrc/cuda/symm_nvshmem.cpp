@@ -36,6 +36,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
@@ -569,21 +570,34 @@ void buffer_reserve(int64_t h, int64_t bytes) {
   b->grow(size_t(bytes), stream);
 }
 
-// Duration of the last fused kernel on this buffer (seconds; waits for the buffer's stream, else
-// the current one).
-double buffer_kernel_time(int64_t h) {
+// The buffer's device state after its queued calls (waits for the buffer's stream, else the
+// current one); `what` names the read in an error.
+DeviceState settled_state(int64_t h, const char* what) {
   auto b = find_cuda_buffer(h);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(b->device()));
   cudaStream_t stream = b->has_stream() ? b->stream() : at::cuda::getCurrentCUDAStream().stream();
   DeviceState st{};
-  cuda_check(cudaMemcpyAsync(&st, b->state(), sizeof(st), cudaMemcpyDeviceToHost, stream),
-             "reading the kernel clock");
-  cuda_check(cudaStreamSynchronize(stream), "reading the kernel clock");
+  cuda_check(cudaMemcpyAsync(&st, b->state(), sizeof(st), cudaMemcpyDeviceToHost, stream), what);
+  cuda_check(cudaStreamSynchronize(stream), what);
+  return st;
+}
+
+// Duration of the last fused kernel on this buffer (seconds).
+double buffer_kernel_time(int64_t h) {
+  const DeviceState st = settled_state(h, "reading the kernel clock");
   if (st.kernel_end < st.kernel_start || st.kernel_start == ~0ull) return 0.0;
   return double(st.kernel_end - st.kernel_start) * 1e-9;
 }
 
 int64_t buffer_requested(int64_t h) { return int64_t(find_cuda_buffer(h)->requested()); }
+// Buffer.traffic: (layer0 rows, bytes, layer1 rows, bytes) the comm blocks counted in the last
+// call of each op.
+std::vector<int64_t> buffer_traffic(int64_t h) {
+  const DeviceState st = settled_state(h, "reading the traffic counts");
+  const int64_t r0 = int64_t(st.layer0_rows_received), r1 = int64_t(st.layer1_rows_sent);
+  const int64_t* row_bytes = find_cuda_buffer(h)->traffic_row_bytes;
+  return {r0, r0 * row_bytes[0], r1, r1 * row_bytes[1]};
+}
 // The buffer's bound stream (-1: none yet) and its proxy stream (0 on one node), as integers.
 int64_t buffer_stream(int64_t h) {
   auto b = find_cuda_buffer(h);
@@ -656,6 +670,7 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_rearm_round(int handle) -> int", &buffer_rearm_round);
   m.def("buffer_kernel_time(int handle) -> float", &buffer_kernel_time);
   m.def("buffer_requested(int handle) -> int", &buffer_requested);
+  m.def("buffer_traffic(int handle) -> int[]", &buffer_traffic);
   m.def("buffer_stream(int handle) -> int", &buffer_stream);
   m.def("buffer_proxy_stream(int handle) -> int", &buffer_proxy_stream);
   m.def("buffer_heap_bytes(int world, int data_bytes) -> int", &buffer_heap_bytes);

@@ -57,11 +57,11 @@ def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
 
     With ``P = ranks_per_node``, ``n = W / P`` nodes and ``R`` = :func:`remote_rows` (rows to or
     from other ranks, any node): a share ``(P - 1) / (W - 1)`` of ``R`` stays in the node, the
-    rest, ``F = R (W - P) / (W - 1)``, involves other nodes.  layer0 flat: ``F`` slot rows over the
-    NIC.  layer0 node-first: ``T (n - 1) q`` token rows over the NIC, ``q = 1 - C(E - E/n, k) /
-    C(E, k)`` (a token's probability of a slot on a given node), i.e. ``F`` times
-    ``(n - 1) q / (k (W - P) / W)`` (<= 1, < 1 for k >= 2 with several experts per node); the
-    ``F`` slot rows are then read from mirrors, ``1 / P`` of them from this rank's own.  layer1:
+    rest, ``F = R (W - P) / (W - 1)``, involves other nodes.  layer0 flat: ``F`` token rows (one
+    per (token, remote rank)) over the NIC.  layer0 node-first: ``T (n - 1) q`` token rows over
+    the NIC, ``q = 1 - C(E - E/n, k) / C(E, k)`` (a token's probability of a slot on a given
+    node), i.e. ``F`` times ``(n - 1) q / ((W - P) p_hit)`` (<= 1); the ``F`` token rows are then
+    read from mirrors, ``1 / P`` of them from this rank's own.  layer1:
     ``F`` partial rows over the NIC (one per (token, sending rank)); node-reduced, ``T (n - 1) q``
     (one per (token, node), sent by the relays) after ``F`` rows into the relays' stages.
     One node: ``same_node = R``, nothing else moves -- the single-node model unchanged.
@@ -88,8 +88,10 @@ def node_traffic(shape: MoEShape, layer: int) -> NodeTraffic:
         return NodeTraffic(loc, same, nic, far * (P - 1) / P, far / P)
     if not shape.node_first:
         return NodeTraffic(loc, same, far)
-    slots_far = shape.k * (W - P) / W  # expected remote-node slots per token
-    return NodeTraffic(loc, same, far * tokens_far / slots_far, far * (P - 1) / P, far / P)
+    # F = T (W - P) p_hit (token, remote-node rank) rows read from mirrors; T (n - 1) q crossed
+    ranks_far = (W - P) * hit_probability(W, shape.E, shape.k)
+    nic = far * tokens_far / ranks_far if ranks_far > 0 else 0.0
+    return NodeTraffic(loc, same, nic, far * (P - 1) / P, far / P)
 
 
 def internode_rows(shape: MoEShape, layer: int) -> float:

@@ -18,9 +18,11 @@ k) / C(E, k) with E_l = E / EP (a token's probability of a slot on a given EP ra
 the expected number of distinct EP ranks per token, <= k):
 
 layer0 (every rank of EP rank ep needs all M = t T k slot rows routed to ep's experts):
-  direct: each (token, slot) row is pulled by each of the t ranks of the slot's EP rank, as
-          without TP.  A source sends T k / EP slot rows to each rank: local T k / EP (own
-          tokens, HBM copy), over NVLink T k (P - 1) / EP, over the NIC T k (W - P) / EP.
+  direct (built, csrc/include/comet/comm_layer0.h): each of the t ranks of an EP rank pulls a
+          token once, however many of its slots land there, and fills the token's other slot
+          rows locally.  A rank receives T p token rows from each source: over NVLink
+          (P - 1) T p, over the NIC (W - P) T p; the rest of its M = W T k / EP slot rows are
+          HBM copies (its own tokens' rows and the pulled tokens' extra slots).
   group (MoNTA's split: cross-group traffic once, then an all-gather inside the group): source
           (ep', j) sends each token once per EP rank it hits, to that EP rank's rank j (the same
           tp index: rail-aligned), into a token stage: T p rows per (source, EP rank); then each
@@ -29,10 +31,10 @@ layer0 (every rank of EP rank ep needs all M = t T k slot rows routed to ep's ex
           own stage T p + expansion t T k (HBM copies, read + write), over NVLink
           (P / t - 1) T p (cross-group, same node) + (t - 1) EP T p (all-gather), over the NIC
           (W - P) / t * T p.  Two dependent hops: two link latencies.
-  One node: NVLink rows direct T k (W - 1) / EP, group T p (W - 1): the group path moves
-  EP p / k of direct's bytes (<= 1: it de-duplicates a token's slots per EP rank; k / EP slots
-  per token and EP rank versus p), at the price of the expansion copy.  Across nodes the NIC
-  rows shrink by EP p / (k t) <= 1 / t: a token crosses once per EP rank, not t times per slot.
+  One node: NVLink rows direct T p (W - 1), group T p (W - 1): the same (both de-duplicate a
+  token's slots per rank), the group path with a second hop and its staging copy.  Across
+  nodes the group path's NIC rows are 1 / t of direct's: a token crosses once per EP rank, not
+  once per tp rank (groups spanning nodes are refused with t > 1, so it is not built).
 
 layer1 (rank (ep, j) has a partial of the output row of every token that hits ep, summed over
 its local slots and its 1/t of N; the home needs the sum over the t ranks and the EP ranks):
@@ -69,9 +71,10 @@ from .shape import NodeTraffic, TP_PATHS, _check_layer, _link_elem_bytes, hit_pr
 # TP group in step (a policy margin, not a measured constant).
 TP_PATH_SLACK = 0.02
 
-# The path comet's kernels implement (csrc/include/comet/layout.h, comm_layer1.h): layer0's tp ranks
-# each pull every slot row from its source, layer1's t partial rows all go home. The tuner prices
-# real calls with it; "group" (MoNTA's split) is modelled so the docs can say what it would save.
+# The path comet's kernels implement (csrc/include/comet/comm_layer0.h, comm_layer1.h): layer0's
+# tp ranks each pull a token once from its source, layer1's t partial rows all go home. The tuner
+# prices real calls with it; "group" (MoNTA's split) is modelled for what it would save across
+# nodes.
 BUILT_TP_PATH = "direct"
 
 
@@ -95,8 +98,8 @@ def tp_traffic(shape: "MoEShape", layer: int, path: Optional[str] = None) -> "No
     T, k = shape.T, shape.k
     p = hit_probability(EP, shape.E, k)
     if layer == 0:
-        if path == "direct":
-            return NodeTraffic(T * k / EP, T * k * (P - 1) / EP, T * k * (W - P) / EP)
+        if path == "direct":  # one row per (token, rank), the rest of the M slot rows local
+            return NodeTraffic(W * T * k / EP - (W - 1) * T * p, (P - 1) * T * p, (W - P) * T * p)
         return NodeTraffic(T * p + t * T * k, (P // t - 1) * T * p + (t - 1) * EP * T * p,
                            (W - P) // t * T * p)
     if path == "direct":

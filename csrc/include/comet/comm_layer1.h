@@ -71,6 +71,9 @@ struct Layer1CommArgs {
   // Expert tensor parallelism (comet/layout.h; flat partials only): each of the t ranks of an EP
   // rank sends its partial row of a token, the home adds EPs x t partials (partial_slot).
   int32_t tp = 1;
+  // += partial rows this rank sends to other ranks (Buffer.traffic), or null: one per reduce-plan
+  // entry whose row goes to another rank (its home, or the home's relay here when node-reduced)
+  uint64_t* rows_sent = nullptr;
 };
 
 template <class Acc>
@@ -190,11 +193,20 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const int64_t chunks = ceil_div(a.plan.entries, a.entries_per_item);
   const int64_t items = chunks * a.num_ntiles;
   const int64_t pstride = a.tmax * a.hidden;  // elements per partial slot
+  uint64_t sent = 0;  // this thread's share of the rows sent to other ranks
   for (int64_t i = ctx.block(); i < items; i += ctx.blocks()) {
     const int32_t n = int32_t(i / chunks);
     const int64_t first = (i % chunks) * a.entries_per_item;
     const int64_t last = first + a.entries_per_item < a.plan.entries ? first + a.entries_per_item
                                                                      : a.plan.entries;
+    if (n == 0 && a.rows_sent != nullptr)  // each chunk's rows counted once, at its first n-tile
+      for (int64_t e = first + ctx.thread(); e < last; e += ctx.threads()) {
+        const int32_t home = a.plan.entry_source[e];
+        const int32_t to = other_node(a, home) && node_reduced(a)
+                               ? topology_of(a).relay(home, topology_of(a).node(a.rank))
+                               : home;
+        sent += to != a.rank;
+      }
     ctx.wait(&a.ntile_ready[n], a.epoch, WaitSite::ColumnTile, n);
     const int32_t col0 = n * a.tile_n;
     const int32_t cols = a.hidden - col0 < a.tile_n ? a.hidden - col0 : a.tile_n;
@@ -239,6 +251,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     if (several_nodes(a) && !node_reduced(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
     ctx.delay();
   }
+  if (sent > 0) counter_add(a.rows_sent, sent);
   // Publish "all my partials for you are written" to every rank (also those that got none, so a
   // home rank simply waits for all W).
   ctx.fence_peers();

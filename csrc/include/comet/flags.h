@@ -58,16 +58,22 @@ COMET_HD uint64_t flag_relaxed(uint64_t* flag) {
   return flag_ref(*flag).load(mo::memory_order_relaxed);
 }
 
-// Arrive on a counter shared by `expected` producers. The last arriver resets the counter (so the
-// next call starts from zero without a host pass) and publishes `epoch` on `flag` with release;
-// acq_rel on the counter chains every earlier producer's writes into that release.
+// Arrive on a counter shared by `expected` arrivals (`n` at once: layer0 counts an m-tile's rows
+// as they are written, by whichever comm block writes them). The last arriver resets the counter
+// (so the next call starts from zero without a host pass) and publishes `epoch` on `flag` with
+// release; acq_rel on the counter chains every earlier producer's writes into that release.
 COMET_HD bool arrive_and_publish(uint32_t* counter, uint32_t expected, uint64_t* flag,
-                                 uint64_t epoch) {
-  uint32_t before = count_ref(*counter).fetch_add(1u, mo::memory_order_acq_rel);
-  if (before + 1u != expected) return false;
+                                 uint64_t epoch, uint32_t n = 1) {
+  uint32_t before = count_ref(*counter).fetch_add(n, mo::memory_order_acq_rel);
+  if (before + n != expected) return false;
   count_ref(*counter).store(0u, mo::memory_order_relaxed);
   flag_release(flag, epoch);
   return true;
+}
+
+// Adds n to a statistics counter (relaxed: read after the kernel, e.g. layer0's received rows).
+COMET_HD void counter_add(uint64_t* counter, uint64_t n) {
+  flag_ref(*counter).fetch_add(n, mo::memory_order_relaxed);
 }
 
 }  // namespace comet

@@ -66,6 +66,23 @@ COMET_HD int64_t dispatch_row(const int64_t* seg_off, int32_t world, int32_t des
   return seg_off[el * (world + 1) + ring_position(dest, source, world)] + pos;
 }
 
+// The destination rank of slot j of a token if j is the token's first slot on that rank, else -1:
+// a token contributes one reduce-plan entry (and one partial) per distinct destination, and
+// crosses the link to a destination once, as the row of this slot (layer0's primary row,
+// comm_layer0.h: the token's other slot rows there are local copies of it).
+// Compares with the token's earlier slots (at most k-1, in registers / L1): the work counted is
+// the k slots of each token.
+COMET_HD int32_t first_slot_destination(const int32_t* token_ids, int32_t j, int32_t num_experts,
+                                        int32_t experts_local) {
+  const int32_t e = token_ids[j];
+  if (e < 0 || e >= num_experts) return -1;
+  const int32_t d = e / experts_local;
+  for (int32_t i = 0; i < j; ++i)
+    if (token_ids[i] >= 0 && token_ids[i] < num_experts && token_ids[i] / experts_local == d)
+      return -1;
+  return d;
+}
+
 // Inverse lookup for a row of local expert el: its ring position (a linear scan over W entries,
 // cheap next to copying a row) and index within the segment.
 struct RowOrigin {

@@ -4,9 +4,10 @@
 // own segment, so every put reads from this rank's symmetric segment at the same offsets it lands
 // at in the mirror.
 //
-//   layer0_push_program  1. (grid thread 0) per remote node: the bucket offsets and the node's
-//                           range of the send plan, then signal MirrorMeta: the destinations'
-//                           prologue (dispatch layout) needs only this;
+//   layer0_push_program  1. (grid thread 0) per remote node: the bucket offsets, the routing and
+//                           bucket positions (ids, send_pos) and the node's range of the send
+//                           plan, then signal MirrorMeta: the destinations' prologue (dispatch
+//                           layout) needs only this;
 //                        2. (every block, a contiguous range of the tokens) per remote node: each
 //                           maximal run of consecutive tokens of the range with at least one slot
 //                           on that node as ONE put of their rows (push_node_rows): a token
@@ -123,6 +124,15 @@ COMET_HD void layer0_push_program(Ctx& ctx, const GridBarrier& bar, const NodePu
       ctx.put_signal(relay, mirror + a.regions.bucket_off, bucket_off,
                      size_t(a.num_experts + 1) * 4, nullptr, 0);
       const int64_t s0 = bucket_off[e0], s1 = bucket_off[e0 + per_node];
+      // The routing and bucket positions, where the node gets rows: a destination there finds a
+      // token's slot rows from its primary one (comm_layer0.h), so the token crosses once per
+      // destination rank.
+      const size_t slots = s1 > s0 ? size_t(a.tokens) * size_t(a.topk) * 4 : 0;
+      // (one call site in a loop: two inlined puts made the GPU's publish kernel spill)
+      for (int i = 0; i < 2; ++i) {
+        const size_t at = i == 0 ? a.regions.ids : a.regions.send_pos;
+        ctx.put_signal(relay, mirror + at, mine + at, slots, nullptr, 0);
+      }
       const size_t at = a.regions.send_slot + size_t(s0) * 4;
       ctx.put_signal(relay, mirror + at, mine + at, size_t(s1 - s0) * 4,
                      header_flag(hdr, t.world, PeerFlag::MirrorMeta, a.rank), a.epoch);

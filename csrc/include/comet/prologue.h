@@ -59,21 +59,6 @@ COMET_HD int64_t send_plan_program(Ctx& ctx, const PrologueScratch& s, const int
                             send_pos, s.sort);
 }
 
-// The destination rank of slot j of a token if j is the token's first slot on that rank, else -1:
-// a token contributes one reduce-plan entry (and one partial) per distinct destination.
-// Compares with the token's earlier slots (at most k-1, in registers / L1): the work counted is
-// the k slots of each token.
-COMET_HD int32_t first_slot_destination(const int32_t* token_ids, int32_t j, int32_t num_experts,
-                                        int32_t experts_local) {
-  const int32_t e = token_ids[j];
-  if (e < 0 || e >= num_experts) return -1;
-  const int32_t d = e / experts_local;
-  for (int32_t i = 0; i < j; ++i)
-    if (token_ids[i] >= 0 && token_ids[i] < num_experts && token_ids[i] / experts_local == d)
-      return -1;
-  return d;
-}
-
 // layer1, source side: pair_off[W+1] and pair_slot[pairs] = t*k + j of token t's first slot on
 // destination d, ordered by (d, t). One step over tokens (a thread walks its tokens' k slots and
 // keys each by first_slot_destination), then the stable counting sort over the slots by key.

@@ -133,7 +133,8 @@ struct DataRegions {
   size_t bucket_box;
   size_t send_slot;   // int32 [tmax*k]
   size_t x;           // elem  [tmax, H]
-  // layer1, written by the source rank: its routing and weights
+  // layer1 (and layer0, where a destination finds a token's other slot rows from its primary
+  // one: comm_layer0.h), written by the source rank: its routing and weights
   size_t ids;         // int32 [tmax*k]
   size_t send_pos;    // int32 [tmax*k]
   size_t weights;     // acc   [tmax*k]
@@ -179,6 +180,8 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.bucket_off = take(size_t(num_experts + 1) * 4);
     r.bucket_box = take(mirrors > 0 ? size_t(world) * size_t(num_experts + 1) * 4 : 0);
     r.send_slot = take(slots * 4);
+    r.ids = take(slots * 4);
+    r.send_pos = take(slots * 4);
     r.x = take(size_t(tmax) * hidden * elem_bytes);
     r.source_bytes = off;
   } else {
