@@ -97,6 +97,37 @@ COMET_HD SlotGroups groups_of(const Layer1CommArgs<Acc>& a, int32_t home, int32_
   return slot_groups(node_reduced(a) ? a.ranks_per_node : 0, home, sender);
 }
 
+// The reduce-plan entries whose home is on this rank's node, [lo, hi): entries are in ascending
+// source order (prologue.h: reduce_plan_program) and a node's ranks are consecutive, so they are
+// one range. They need no staging row; the others take the stage's rows in entry order
+// (stage_row), so the stage holds at most the other nodes' ranks' tokens: (W - P) * tmax rows
+// (symm_layout.h), not one per entry.
+struct EntryRange {
+  int64_t lo, hi;
+};
+
+template <class Acc>
+COMET_HD EntryRange own_node_entries(const Layer1CommArgs<Acc>& a) {
+  const int32_t first = a.rank / a.ranks_per_node * a.ranks_per_node;
+  auto lower = [&](int32_t src) {  // the first entry whose source is >= src
+    int64_t lo = 0, hi = a.plan.entries;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (a.plan.entry_source[mid] < src)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo;
+  };
+  return EntryRange{lower(first), lower(first + a.ranks_per_node)};
+}
+
+// The staging row of entry e, whose home is on another node.
+COMET_HD int64_t stage_row(const EntryRange& own, int64_t e) {
+  return e < own.lo ? e : e - (own.hi - own.lo);
+}
+
 constexpr int32_t kColGroup = 8;
 
 // Whether both steps may use 16-byte vectors: fp32 accumulation, 8-column groups that never
@@ -158,8 +189,8 @@ COMET_HD void load_group_as(const void* p, ScalarKind kind, float (&v)[kColGroup
 // columns), the threads of the block each taking rows. The count is published with release after
 // the block's stores (fence, barrier), and the last arriver acquires every other block's.
 template <class Ctx, class Acc>
-COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, int64_t chunk,
-                               int64_t first, int64_t last, int64_t pstride) {
+COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, const EntryRange& own,
+                               int64_t chunk, int64_t first, int64_t last, int64_t pstride) {
   int32_t* complete = static_cast<int32_t*>(ctx.block_shared());
   ctx.fence_peers();
   ctx.sync();
@@ -177,8 +208,8 @@ COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, int64_t c
       if (!other_node(a, home)) continue;
       const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
                          int64_t(a.plan.entry_token[e]) * a.hidden;
-      ctx.put_signal(home, ctx.data(a.rank) + a.regions.recv + at * eb, a.stage + e * int64_t(row),
-                     row, nullptr, 0);
+      ctx.put_signal(home, ctx.data(a.rank) + a.regions.recv + at * eb,
+                     a.stage + stage_row(own, e) * int64_t(row), row, nullptr, 0);
     }
   }
   ctx.sync();  // `complete` is rewritten by the next item
@@ -190,6 +221,8 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const int64_t chunks = ceil_div(a.plan.entries, a.entries_per_item);
   const int64_t items = chunks * a.num_ntiles;
   const int64_t pstride = a.tmax * a.hidden;  // elements per partial slot
+  const bool staged = several_nodes(a) && !node_reduced(a);
+  const EntryRange own = staged ? own_node_entries(a) : EntryRange{0, 0};
   for (int64_t i = ctx.block(); i < items; i += ctx.blocks()) {
     const int32_t n = int32_t(i / chunks);
     const int64_t first = (i % chunks) * a.entries_per_item;
@@ -218,7 +251,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
                a.plan.entry_partial[e]) * a.tmax + a.plan.entry_token[e]) * a.hidden + col;
       } else if (other_node(a, home)) {
         part = a.stage;
-        at = e * a.hidden + col;
+        at = stage_row(own, e) * a.hidden + col;
       }
       if (vec) {
         float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -236,7 +269,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
         store_as<Acc>(part, at, a.out_kind, acc);
       }
     }
-    if (several_nodes(a) && !node_reduced(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
+    if (staged) send_staged_rows(ctx, a, own, i % chunks, first, last, pstride);
     ctx.delay();
   }
   // Publish "all my partials for you are written" to every rank (also those that got none, so a
