@@ -128,6 +128,21 @@ COMET_HD int64_t stage_row(const EntryRange& own, int64_t e) {
   return e < own.lo ? e : e - (own.hi - own.lo);
 }
 
+// Rows [first, last) of an ordered list, each sent by a put when sends(i): a maximal run of rows
+// in which each follows(i) its predecessor (same target, the next row both where it is read and
+// where it lands) goes as one put, put(i, n), as layer0's dispatch sends runs of tokens
+// (node_push.h). Each thread takes the runs that start in its share of the rows.
+template <class Ctx, class Sends, class Follows, class Put>
+COMET_HD void put_runs(Ctx& ctx, int64_t first, int64_t last, Sends&& sends, Follows&& follows,
+                       Put&& put) {
+  for (int64_t i = first + ctx.thread(); i < last; i += ctx.threads()) {
+    if (!sends(i) || (i > first && sends(i - 1) && follows(i))) continue;  // not a run's start
+    int64_t n = 1;
+    while (i + n < last && sends(i + n) && follows(i + n)) ++n;
+    put(i, n);
+  }
+}
+
 constexpr int32_t kColGroup = 8;
 
 // Whether both steps may use 16-byte vectors: fp32 accumulation, 8-column groups that never
@@ -185,8 +200,9 @@ COMET_HD void load_group_as(const void* p, ScalarKind kind, float (&v)[kColGroup
 }
 
 // After one (chunk, n-tile) item: the block that completes the chunk's last n-tile sends the
-// chunk's staged rows whose home is on another node, one put per row (a whole partial row of H
-// columns), the threads of the block each taking rows. The count is published with release after
+// chunk's staged rows whose home is on another node (whole partial rows of H columns), one put
+// per run of entries of one home with consecutive tokens in one partial slot (put_runs), the
+// threads of the block each taking runs. The count is published with release after
 // the block's stores (fence, barrier), and the last arriver acquires every other block's.
 template <class Ctx, class Acc>
 COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, const EntryRange& own,
@@ -203,14 +219,20 @@ COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, const Ent
   if (*complete) {
     const int64_t eb = scalar_bytes(a.out_kind);
     const size_t row = size_t(a.hidden) * size_t(eb);
-    for (int64_t e = first + ctx.thread(); e < last; e += ctx.threads()) {
-      const int32_t home = a.plan.entry_source[e];
-      if (!other_node(a, home)) continue;
-      const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
-                         int64_t(a.plan.entry_token[e]) * a.hidden;
-      ctx.put_signal(home, ctx.data(a.rank) + a.regions.recv + at * eb,
-                     a.stage + stage_row(own, e) * int64_t(row), row, nullptr, 0);
-    }
+    const ReducePlan<Acc>& pl = a.plan;
+    put_runs(
+        ctx, first, last, [&](int64_t e) { return other_node(a, pl.entry_source[e]); },
+        [&](int64_t e) {  // both of one remote home: adjacent stage rows (stage_row)
+          return pl.entry_source[e] == pl.entry_source[e - 1] &&
+                 pl.entry_partial[e] == pl.entry_partial[e - 1] &&
+                 pl.entry_token[e] == pl.entry_token[e - 1] + 1;
+        },
+        [&](int64_t e, int64_t n) {
+          const int64_t at = int64_t(pl.entry_partial[e]) * pstride +
+                             int64_t(pl.entry_token[e]) * a.hidden;
+          ctx.put_signal(pl.entry_source[e], ctx.data(a.rank) + a.regions.recv + at * eb,
+                         a.stage + stage_row(own, e) * int64_t(row), size_t(n) * row, nullptr, 0);
+        });
   }
   ctx.sync();  // `complete` is rewritten by the next item
 }
@@ -302,8 +324,9 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
 // slot (= ascending sending rank) into its first row, rounded to the partials' dtype, and that
 // row is put into h's receive buffer at the node's slot in h's order: one row per (token, node)
 // crosses the link. Tokens split over blocks, (token, column group) pairs over threads, then the
-// block's threads put its tokens' rows; the last block to finish signals every h (after its puts:
-// the link is FIFO per target).
+// block's threads put its tokens' rows, one put per run of consecutive tokens in one slot
+// (put_runs); the last block to finish signals every h (after its puts: the link is FIFO per
+// target).
 template <class Ctx, class Acc>
 COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const NodeTopology t = topology_of(a);
@@ -352,14 +375,21 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     ctx.fence_peers();  // the sums are in memory before the transport reads them
     ctx.sync();
     const size_t row = size_t(a.hidden) * size_t(eb);
-    for (int64_t tok = t0 + ctx.thread(); tok < t1; tok += ctx.threads()) {
-      const int32_t* tid = ids + tok * a.topk;
-      if (partial_slot(tid, a.topk, a.experts_local, a.rank, within).count == 0) continue;
-      const int32_t slot = partial_slot(tid, a.topk, a.experts_local, a.rank,
-                                        SlotGroups{rpn, h, -1}).ordinal;
-      ctx.put_signal(h, ctx.data(a.rank) + a.regions.recv + (slot * pstride + tok * a.hidden) * eb,
-                     stage + (base + tok) * int64_t(row), row, nullptr, 0);
-    }
+    auto sends = [&](int64_t tok) {
+      return partial_slot(ids + tok * a.topk, a.topk, a.experts_local, a.rank, within).count > 0;
+    };
+    auto slot_of = [&](int64_t tok) {  // the node's slot in h's order for this token
+      return partial_slot(ids + tok * a.topk, a.topk, a.experts_local, a.rank,
+                          SlotGroups{rpn, h, -1}).ordinal;
+    };
+    put_runs(
+        ctx, t0, t1, sends, [&](int64_t tok) { return slot_of(tok) == slot_of(tok - 1); },
+        [&](int64_t tok, int64_t n) {
+          ctx.put_signal(h,
+                         ctx.data(a.rank) + a.regions.recv +
+                             (slot_of(tok) * pstride + tok * a.hidden) * eb,
+                         stage + (base + tok) * int64_t(row), size_t(n) * row, nullptr, 0);
+        });
     ctx.sync();
   }
   ctx.fence_peers();
