@@ -108,6 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           comet::cpu::device_collective(*find_heap(h), blocks, tag, timeout_s);
         },
         py::call_guard<py::gil_scoped_release>());
+  // Resident-block slots of the heap's device held now by any kernel (tests of the SM margin).
+  m.def("heap_slots_in_use", [](int64_t h) {
+    comet::cpu::SlotPool* pool = find_heap(h)->slot_pool();
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    return pool->used;
+  });
   m.def("heap_set_data_limit", [](int64_t h, int64_t bytes) {
     if (bytes < 0)
       throw py::value_error("comet: heap_bytes must be >= 0 (0: no cap), got " +

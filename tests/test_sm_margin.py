@@ -62,18 +62,38 @@ def _run(margin, monkeypatch):
         except Exception as e:  # noqa: BLE001
             results[("coll", r)] = e
 
-    # Rank 0: the comet call, then (once its kernel holds its slots) the collective; rank 1: the
-    # collective (filling its device), then the comet call.
-    plan = [(0.0, comet_call, 0), (0.0, collective, 1), (0.3, comet_call, 1),
-            (1.0, collective, 0)]
+    # Rank 1: the collective, filling its device; then both ranks' comet call; rank 0's
+    # collective once rank 0's comet kernel holds its slots (S - margin of them), waiting for
+    # rank 1's data. Each step starts when the slots say the one before it is in place.
     threads = []
-    start = time.monotonic()
+
+    def start(fn, r):
+        t = threading.Thread(target=fn, args=(r,), daemon=True)
+        t.start()
+        threads.append(t)
+
+    def until(rank, slots, steady=0.3):
+        """Until rank's device has had >= slots slots in use for `steady` seconds (a kernel
+        waiting, not a prologue passing by)."""
+        deadline, since = time.monotonic() + 10, None
+        while True:
+            now = time.monotonic()
+            if _C.heap_slots_in_use(bufs[rank].handle) >= slots:
+                since = now if since is None else since
+                if now - since >= steady:
+                    return
+            else:
+                since = None
+            assert now < deadline, f"rank {rank} never held {slots} slots"
+            time.sleep(0.005)
+
     try:
-        for at, fn, r in plan:
-            time.sleep(max(0.0, start + at - time.monotonic()))
-            t = threading.Thread(target=fn, args=(r,), daemon=True)
-            t.start()
-            threads.append(t)
+        start(collective, 1)
+        until(1, S)
+        start(comet_call, 0)
+        start(comet_call, 1)
+        until(0, S - margin)
+        start(collective, 0)
         for t in threads:
             t.join(timeout=COLLECTIVE_TIMEOUT + 20)
             assert not t.is_alive(), "a group of calls hung"

@@ -324,9 +324,8 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
 // slot (= ascending sending rank) into its first row, rounded to the partials' dtype, and that
 // row is put into h's receive buffer at the node's slot in h's order: one row per (token, node)
 // crosses the link. Tokens split over blocks, (token, column group) pairs over threads, then the
-// block's threads put its tokens' rows, one put per run of consecutive tokens in one slot
-// (put_runs); the last block to finish signals every h (after its puts: the link is FIFO per
-// target).
+// block's threads put its tokens' rows, one put per run of consecutive tokens in one slot; the
+// last block to finish signals every h (after its puts: the link is FIFO per target).
 template <class Ctx, class Acc>
 COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const NodeTopology t = topology_of(a);
@@ -375,21 +374,21 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     ctx.fence_peers();  // the sums are in memory before the transport reads them
     ctx.sync();
     const size_t row = size_t(a.hidden) * size_t(eb);
-    auto sends = [&](int64_t tok) {
-      return partial_slot(ids + tok * a.topk, a.topk, a.experts_local, a.rank, within).count > 0;
+    // The node's slot in h's order for a token, -1 when this node sends it nothing; a run is
+    // the consecutive tokens of one slot (their rows adjacent in node_stage and at h).
+    auto slot_of = [&](int64_t tok) -> int32_t {
+      const int32_t* tid = ids + tok * a.topk;
+      if (partial_slot(tid, a.topk, a.experts_local, a.rank, within).count == 0) return -1;
+      return partial_slot(tid, a.topk, a.experts_local, a.rank, SlotGroups{rpn, h, -1}).ordinal;
     };
-    auto slot_of = [&](int64_t tok) {  // the node's slot in h's order for this token
-      return partial_slot(ids + tok * a.topk, a.topk, a.experts_local, a.rank,
-                          SlotGroups{rpn, h, -1}).ordinal;
-    };
-    put_runs(
-        ctx, t0, t1, sends, [&](int64_t tok) { return slot_of(tok) == slot_of(tok - 1); },
-        [&](int64_t tok, int64_t n) {
-          ctx.put_signal(h,
-                         ctx.data(a.rank) + a.regions.recv +
-                             (slot_of(tok) * pstride + tok * a.hidden) * eb,
-                         stage + (base + tok) * int64_t(row), size_t(n) * row, nullptr, 0);
-        });
+    for (int64_t tok = t0 + ctx.thread(); tok < t1; tok += ctx.threads()) {
+      const int32_t slot = slot_of(tok);
+      if (slot < 0 || (tok > t0 && slot_of(tok - 1) == slot)) continue;  // not a run's start
+      int64_t n = 1;
+      while (tok + n < t1 && slot_of(tok + n) == slot) ++n;
+      ctx.put_signal(h, ctx.data(a.rank) + a.regions.recv + (slot * pstride + tok * a.hidden) * eb,
+                     stage + (base + tok) * int64_t(row), size_t(n) * row, nullptr, 0);
+    }
     ctx.sync();
   }
   ctx.fence_peers();
