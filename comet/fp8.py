@@ -75,11 +75,11 @@ def _undeferred(fn):
 class _MasterLayer0(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w0, b0, topk_ids, static):
-        num_experts, handle, cfg, bound, out_dtype, dispatch, tp = static
+        num_experts, handle, cfg, bound, out_dtype, dispatch, tp, margin = static
         q, s = quantize_blocks(w0)
         args = _schema_args("moe_layer0", (x, q, topk_ids, num_experts, handle, *cfg, b0, False,
                                            bound), tp_size=tp, w0_scale=s, out_dtype=out_dtype,
-                            dispatch_fp8=dispatch)
+                            dispatch_fp8=dispatch, sm_margin=margin)
         out = torch.ops.comet.moe_layer0(*args)
         ctx.inner = _OpCtx(_needs(args, {0: x.requires_grad, 1: w0.requires_grad,
                                          9: b0 is not None and b0.requires_grad}))
@@ -96,12 +96,13 @@ class _MasterLayer0(torch.autograd.Function):
 class _MasterLayer1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w1, topk_weights, b1, layout_tensors, static):
-        num_experts, handle, cfg, bound, band, out_dtype, quantize_h, tp = static
+        num_experts, handle, cfg, bound, band, out_dtype, quantize_h, tp, margin = static
         q, s = quantize_blocks(w1)
         hq, hs = quantize_rows(h) if quantize_h else (h, None)
         args = _schema_args("moe_layer1", (hq, q, topk_weights, *layout_tensors, num_experts,
                                            handle, *cfg, b1, False, bound, band),
-                            tp_size=tp, h_scale=hs, w1_scale=s, out_dtype=out_dtype)
+                            tp_size=tp, h_scale=hs, w1_scale=s, out_dtype=out_dtype,
+                            sm_margin=margin)
         out = torch.ops.comet.moe_layer1(*args)
         ctx.inner = _OpCtx(_needs(args, {0: h.requires_grad, 1: w1.requires_grad,
                                          2: topk_weights.requires_grad,
@@ -117,7 +118,8 @@ class _MasterLayer1(torch.autograd.Function):
 
 def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, dispatch_fp8: bool = True,
                out_dtype: torch.dtype | None = None, max_rows: int | None = None, group=None,
-               n_comm: int | None = None, tile=None, buffer=None, tp_size: int | None = None):
+               n_comm: int | None = None, tile=None, buffer=None, tp_size: int | None = None,
+               sm_margin: int | None = None):
     """comet.moe_layer0 in FP8 from bf16 (master) weights: w0 [E_local, N0, H] is quantised per
     call (quantize_blocks), x travels as FP8 rows (dispatch_fp8, the default) or as it is.
     Differentiable: x gets its gradient in its dtype, w0 (and b0) in bf16 (x's dtype).
@@ -125,23 +127,25 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, dispatch_fp8: bool
     Returns (y0, Layout) as comet.moe_layer0."""
     # comet.moe_layer0's preamble (device check on every rank, tp_size, bound, launch config).
     buf = ops.call_buffer(buffer, group, x)
+    margin = ops.call_margin(buf, 0, sm_margin)
     if getattr(buf, "placement", None) is not None:  # FP8 runs on the contiguous map only
         ops._no_fp8_with_placement(buf, 0, w0_scale=True, dispatch_fp8=dispatch_fp8 or None)
     c = ops.layer0_call(buf, x, w0, topk_ids, num_experts=num_experts, b0=b0, max_rows=max_rows,
                         n_comm=n_comm, tile=tile, tp_size=tp_size, fp8=True)
     return c.layout(num_experts, topk_ids, _MasterLayer0.apply(
         x, w0, b0, topk_ids, (int(num_experts), c.buf.handle, c.cfg, c.rows, out_dtype,
-                              bool(dispatch_fp8), c.tp)))
+                              bool(dispatch_fp8), c.tp, margin)))
 
 
 def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
                out_dtype: torch.dtype | None = None, group=None, n_comm: int | None = None,
-               tile=None, buffer=None, band: int | None = None):
+               tile=None, buffer=None, band: int | None = None, sm_margin: int | None = None):
     """comet.moe_layer1 in FP8 from bf16 (master) weights: w1 [E_local, H, N1] quantised per call,
     h quantised per row (quantize_rows) unless quantize_h=False. Differentiable: h, w1 (and b1) get
     bf16 gradients (h's dtype), topk_weights its own dtype. A layout made with a placement
     raises on every rank (FP8 runs on the contiguous map). Returns out [T, H]."""
     buf = ops.layer1_buffer(buffer, group, h, layout)
+    margin = ops.call_margin(buf, 1, sm_margin)
     if layout.routes is not None:
         ops._no_fp8_with_placement(buf, 1, h_scale=quantize_h or None, w1_scale=True)
     c = ops.layer1_call(buf, h, w1, topk_weights, layout, b1=b1, n_comm=n_comm, tile=tile,
@@ -149,4 +153,4 @@ def moe_layer1(h, w1, topk_weights, layout, *, b1=None, quantize_h: bool = True,
     return _MasterLayer1.apply(
         h, w1, topk_weights, b1, (layout.topk_ids, layout.send_pos, layout.recv_counts),
         (layout.num_experts, c.buf.handle, c.cfg, c.rows, c.band_n, out_dtype, bool(quantize_h),
-         c.tp))
+         c.tp, margin))

@@ -240,7 +240,8 @@ class CometMoELayer(MoELayer):
     expert-parallel group, or with expert tensor parallelism the tp_ep group; default: the ops'
     buffer of that group on the tokens' backend - the NVSHMEM one
     for CUDA tensors, created on first forward), ``n_comm`` / ``tile`` (launch
-    overrides), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
+    overrides), ``sm_margin`` (SMs the ops leave free for the collectives Megatron overlaps with
+    them on other streams; default the buffer's, see docs/gpu.md "SM margin"), ``delay_wgrad`` (defer expert weight gradients to backward_dw), ``max_rows`` (the
     ops' row bound; default: from config.moe_expert_capacity_factor, see the module docstring),
     ``cache_expert_weights`` (default True: keep stacked SequentialMLP weights between forwards
     until a parameter's version or the process's optimizer step count changes; see the module
@@ -248,7 +249,7 @@ class CometMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  buffer=None, n_comm=None, tile=None, delay_wgrad=None, max_rows=None,
-                 cache_expert_weights=True):
+                 cache_expert_weights=True, sm_margin=None):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         build_config = config
@@ -274,7 +275,7 @@ class CometMoELayer(MoELayer):
                              f"the layer's group has {group_size} ranks (expert_model_parallel_"
                              "size x expert_tensor_parallel_size)")
         self.comet_buffer = buffer
-        self.comet_launch = dict(n_comm=n_comm, tile=tile)
+        self.comet_launch = dict(n_comm=n_comm, tile=tile, sm_margin=sm_margin)
         if delay_wgrad is None:
             delay_wgrad = bool(getattr(config, "delay_wgrad_compute", False))
         self.wgrad_queue = cag.DeferredWeightGrads() if delay_wgrad else None

@@ -151,6 +151,8 @@ class MoE(nn.Module):
         shared_ffn_hidden_size: S, hidden size of an optional shared expert (None: none).
         shared_expert_gate: scale the shared expert's output by a learned sigmoid gate per token.
         n_comm, tile: launch overrides passed to the ops (default: the tuner's choice).
+        sm_margin: SMs the ops leave free for other kernels peers wait on (None: the buffer's;
+            docs/gpu.md, "SM margin").
         capacity_factor: drop slots beyond each expert's capacity (see the module docstring) and
             take the sync-free path with the bound that implies (None: no dropping).
         max_rows: the ops' row bound: an int, WORST_CASE, -1 (dynamic even with a capacity), or
@@ -185,7 +187,8 @@ class MoE(nn.Module):
                  seed: int = 0, init_std: float = 0.02, num_layers: int | None = None,
                  shared_ffn_hidden_size: int | None = None, shared_expert_gate: bool = False,
                  capacity_factor: float | None = None, max_rows: int | str | None = None,
-                 tp_size: int | None = None, fp8: bool = False, placement=None):
+                 tp_size: int | None = None, fp8: bool = False, placement=None,
+                 sm_margin: int | None = None):
         super().__init__()
         self.fp8 = bool(fp8)
         self.fused_activation = None  # set by forward: the activation fused into layer0
@@ -234,6 +237,7 @@ class MoE(nn.Module):
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.renormalize, self.aux_loss_coeff = bool(renormalize), float(aux_loss_coeff)
         self.group, self.buffer, self.n_comm, self.tile = group, buffer, n_comm, tile
+        self.sm_margin = sm_margin
         self.rank, self.world, self.tp_size = rank, world, tp
         self.placement = placement
         if placement is None:
@@ -420,7 +424,8 @@ class MoE(nn.Module):
         capacity = self.capacity(tokens.shape[0])
         ids = routed_ids if capacity is None else \
             drop_over_capacity(routed_ids, self.num_experts, capacity)
-        kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile)
+        kw = dict(group=self.group, buffer=self.buffer, n_comm=self.n_comm, tile=self.tile,
+                  sm_margin=self.sm_margin)
         ready = sidestream.mark_ready(tokens) if self.shared_w0 is not None else None
         if self.fp8:  # master weights quantised per call, results in the module's dtype
             from comet import fp8

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu/block_runner.h"
+#include "cpu/device_collective.h"
 #include "cpu/symm_heap.h"
 
 namespace {
@@ -98,6 +99,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("heap_needs_rearm", [](int64_t h) { return find_heap(h)->needs_rearm(); });
   m.def("heap_rearm_round", [](int64_t h) { return int64_t(find_heap(h)->rearm_round()); });
+  m.def("heap_set_sm_margin", [](int64_t h, int32_t n) {
+    if (n < 0) throw py::value_error("comet: sm_margin must be >= 0, got " + std::to_string(n));
+    find_heap(h)->set_sm_margin(n);
+  });
+  m.def("heap_sm_margin", [](int64_t h) { return find_heap(h)->sm_margin(); });
+  // The device whose resident-block slots this heap's kernels share (csrc/cpu/slot_pool.h).
+  m.def("heap_set_device", [](int64_t h, int64_t key) { find_heap(h)->set_device(key); });
+  // Tests of the SM margin: a collective-like kernel on the heap's device (device_collective.h).
+  m.def("heap_device_collective",
+        [](int64_t h, int32_t blocks, int64_t tag, double timeout_s) {
+          comet::cpu::device_collective(*find_heap(h), blocks, tag, timeout_s);
+        },
+        py::call_guard<py::gil_scoped_release>());
+  // Resident-block slots of the heap's device held now by any kernel (tests of the SM margin).
+  m.def("heap_slots_in_use", [](int64_t h) {
+    comet::cpu::SlotPool* pool = find_heap(h)->slot_pool();
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    return pool->used;
+  });
+  m.def("heap_set_data_limit", [](int64_t h, int64_t bytes) {
+    if (bytes < 0)
+      throw py::value_error("comet: heap_bytes must be >= 0 (0: no cap), got " +
+                            std::to_string(bytes));
+    find_heap(h)->set_data_limit(size_t(bytes));
+  });
+  m.def("heap_data_limit", [](int64_t h) { return int64_t(find_heap(h)->data_limit()); });
   m.def("heap_capacity", [](int64_t h) { return int64_t(find_heap(h)->capacity()); });
   m.def("heap_requested", [](int64_t h) { return int64_t(find_heap(h)->requested()); });
   bind_engine(m);

@@ -12,6 +12,7 @@
 #include "op_checks.h"
 #include "comet/gemm_schedule.h"
 #include "comet/prologue.h"
+#include "comet/grow_rule.h"
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
 #include "comet/topology.h"
@@ -279,6 +280,15 @@ void bind_engine(py::module_& m) {
   });
   // dispatch_fp8's sending-side quantiser of the CPU backend (packed rows), for the same tests.
   e.def("fp8_quantize_pack_rows", [](const at::Tensor& x) { return comet::fp8_quantize_pack_rows(x); });
+  // comet/grow_rule.h: the sizes a segment grows to (first, second; 0: none), and the one a
+  // heap with a known limit picks (0: refused).
+  e.def("grow_steps", [](uint64_t need, uint64_t capacity, uint64_t align) {
+    const comet::GrowSteps s = comet::grow_steps(need, capacity, align);
+    return std::make_pair(uint64_t(s.first), uint64_t(s.second));
+  });
+  e.def("grow_size_within", [](uint64_t need, uint64_t capacity, uint64_t align, uint64_t limit) {
+    return uint64_t(comet::grow_size_within(need, capacity, align, limit));
+  });
   // comet/stream_rule.h, for tests with made-up stream ids: the StreamStep as an int.
   e.def("stream_step", [](bool has_bound, uint64_t bound, bool bound_capturing, uint64_t current,
                           bool current_capturing) {

@@ -253,7 +253,10 @@ bool Checker::launch(const LaunchShape& l) {
         value(l.tile_m >= 1 && l.tile_n >= 1, "tile shape must be positive, got " + tile) &&
         value(l.band_n >= 0 && l.band_n <= INT32_MAX,
               "band_n (n-tiles per column band of layer1; 0 = all) must be >= 0, got " +
-                  std::to_string(l.band_n))))
+                  std::to_string(l.band_n)) &&
+        value(l.sm_margin >= 0 && l.sm_margin <= INT32_MAX,
+              "sm_margin (SMs left free for other kernels; -1: the buffer's) must be >= 0, "
+              "got " + std::to_string(l.sm_margin))))
     return false;
   // The CUDA kernels have one tile shape (the tuner's tile choice applies to the CPU backend);
   // their grid is checked against the GPU's co-resident blocks when the call is planned.

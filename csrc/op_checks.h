@@ -102,6 +102,7 @@ inline constexpr int64_t kMaxCpuGrid = 1024;
 struct LaunchShape {
   int64_t n_comm, n_gemm, tile_m, tile_n;
   int64_t band_n = 1;  // layer1: n-tiles per column band (tile_order.h), 0 = all
+  int64_t sm_margin = 0;  // the call's SM margin after resolving -1 to the buffer's
 };
 
 // Validates one call's inputs for a backend: every tensor on `device`; dtypes the backend runs

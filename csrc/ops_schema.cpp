@@ -29,6 +29,10 @@
 //     out_dtype: of y0 / out (default bfloat16 when an input is FP8); dispatch_fp8: a 16/32-bit x
 //     is quantised on the sending side and travels as FP8 rows with their scales. With FP8 rows on
 //     the wire, layer0's `a` is the packed rows, uint8 [rows, fp8_row_bytes(H)].
+//   sm_margin >= 0: SMs (CPU: resident-block slots) the call's fused kernel and the kernels
+//     whose blocks wait on each other (prologue, combine) leave free for other kernels of the
+//     device that peers may wait on (a collective, another buffer's call); -1: the buffer's
+//     setting (Buffer(sm_margin=)). The result does not depend on it.
 //
 //   activation (layer0): "swiglu" / "geglu" / "silu" / "gelu" fused into the GEMM's epilogue
 //     (comet/activation.h): y0 is then h, [M, N0/2] for the gated forms (w0 = [gate; up]) or
@@ -47,13 +51,14 @@ TORCH_LIBRARY(comet, m) {
       "moe_layer0(Tensor x, Tensor w0, Tensor topk_ids, int num_experts, int buffer, int n_comm, "
       "int n_gemm, int tile_m, int tile_n, Tensor? b0=None, bool w0_transposed=False, "
       "int max_rows=-1, int tp_size=1, Tensor? x_scale=None, Tensor? w0_scale=None, "
-      "ScalarType? out_dtype=None, bool dispatch_fp8=False, str? activation=None, bool h_fp8=False) -> (Tensor y0, Tensor a, Tensor recv_counts, "
+      "ScalarType? out_dtype=None, bool dispatch_fp8=False, str? activation=None, bool h_fp8=False, int sm_margin=-1) -> (Tensor y0, Tensor a, Tensor recv_counts, "
       "Tensor send_pos, Tensor row_source, Tensor row_token, Tensor row_slot)");
   m.def(
       "moe_layer1(Tensor h, Tensor w1, Tensor topk_weights, Tensor topk_ids, Tensor send_pos, "
       "Tensor recv_counts, int num_experts, int buffer, int n_comm, int n_gemm, int tile_m, "
       "int tile_n, Tensor? b1=None, bool w1_transposed=False, int max_rows=-1, int band_n=1, "
-      "int tp_size=1, Tensor? h_scale=None, Tensor? w1_scale=None, ScalarType? out_dtype=None) -> Tensor");
+      "int tp_size=1, Tensor? h_scale=None, Tensor? w1_scale=None, ScalarType? out_dtype=None, "
+      "int sm_margin=-1) -> Tensor");
   m.def("fp8_quantize_rows(Tensor x) -> (Tensor q, Tensor scale)");
   m.def("fp8_quantize_blocks(Tensor w) -> (Tensor q, Tensor scale)");
 }

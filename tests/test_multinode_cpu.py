@@ -166,3 +166,43 @@ def test_relays_and_mirror_slots_are_a_bijection(nodes, rpn):
             assert 0 <= slot < nodes - 1
             seen.add((relay, slot))
         assert len(seen) == (nodes - 1) * rpn
+
+
+@pytest.mark.parametrize("node_reduce", [False, True], ids=["flat", "node-reduced"])
+def test_layer1_puts_runs_of_rows_not_rows(node_reduce):
+    """Every token of a rank goes to the rank with its local index on the other node (E = W,
+    k = 1): a home's partial rows are consecutive tokens in one partial slot, so the combine puts
+    runs of them (comm_layer1.h: put_runs), flat from the staging region or node-reduced from the
+    relay, not one put per row: layer1's puts per call are far fewer than its T rows, and the
+    results equal the reference."""
+    from comet import reference as ref
+    from tests.sim_world import run_threads
+
+    W, rpn, E, k, H, T = 4, 2, 4, 1, 8, 61
+    bufs = comet.Buffer.simulated_world(W, timeout=20, ranks_per_node=rpn, link_latency_us=0,
+                                        node_reduce=node_reduce)
+    g = torch.Generator().manual_seed(2)
+    w0 = [torch.randn(1, 6, H, generator=g) for _ in range(W)]
+    w1 = [torch.randn(1, H, 6, generator=g) for _ in range(W)]
+    xs = [torch.randn(T, H, generator=g) for _ in range(W)]
+    ids = [torch.full((T, k), (r + rpn) % W, dtype=torch.int64) for r in range(W)]
+    wts = [torch.rand(T, k, generator=g) for _ in range(W)]
+
+    def rank(r, b):
+        outs = []
+        for _ in range(2):  # the first call sizes the buffer (its growth sends flags)
+            y0, layout = comet.moe_layer0(xs[r], w0[r], ids[r], num_experts=E, buffer=b)
+            before = b.link_stats()[0]
+            outs.append((y0, comet.moe_layer1(y0, w1[r], wts[r], layout, buffer=b),
+                         b.link_stats()[0] - before))
+        return outs[1]
+
+    try:
+        got = run_threads(W, rank, buffers=bufs)
+    finally:
+        for b in bufs:
+            b.close()
+    out_ref = ref.layer1_sim([y0 for y0, _, _ in got], w1, wts, ids, E)
+    for r, (_y0, out, puts) in enumerate(got):
+        torch.testing.assert_close(out, out_ref[r], rtol=1e-5, atol=1e-5)
+        assert puts < T // 2, (r, puts)  # one per row would be T, plus routing and flags

@@ -103,6 +103,19 @@ class Buffer:
     node's sum to the activation dtype (results match the reference at the dtype's tolerance,
     not a single node's bits). Only matters when the group spans nodes; the same on every rank.
 
+    `sm_margin` (default 0 on the CPU backend): resident-block slots the calls' fused kernels and
+    the grids that wait on themselves leave free for other kernels of the rank's device (another
+    buffer's call, a kernel that waits across ranks), as `comet.buffers.symm_cuda.Buffer`'s leaves
+    SMs free (docs/gpu.md, "SM margin"). On the CPU backend every buffer of a rank shares one
+    device of `resident_blocks` slots (when that limit is set; without it nothing is shared and
+    the margin is moot); each call's own sm_margin= overrides it.
+
+    `heap_bytes` (CPU backend only; default $COMET_CPU_HEAP_BYTES, else 0: no cap) caps this
+    rank's data segment, as NVSHMEM_SYMMETRIC_SIZE caps a CUDA buffer's: a call whose need fits
+    the cap but not twice the old size grows to the need, and one whose need does not fit raises
+    on every rank, naming both, with the buffer still serving calls at its old capacity.
+    The same on every rank.
+
     `tp_size` (default 1): expert tensor parallelism, the default of the ops' tp_size for calls
     through this buffer. The group is TP-innermost: rank r is tp rank r % tp_size of EP rank
     r // tp_size, and EP = W / tp_size must divide num_experts (docs/api.md, "Expert tensor
@@ -117,8 +130,11 @@ class Buffer:
                  threads_per_block: int | None = None, ranks_per_node: int | None = None,
                  link_latency_us: float | None = None, link_gbps: float | None = None,
                  node_reduce: bool | None = None, resident_blocks: int | None = None,
-                 tp_size: int | None = None, placement=None, _simulated=None):
+                 tp_size: int | None = None, placement=None, heap_bytes: int | None = None,
+                 sm_margin: int | None = None, _simulated=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        heap_cap = heap_bytes_setting(heap_bytes)
+        margin = sm_margin_setting(sm_margin, CPU_SM_MARGIN)
         if _simulated is not None:  # built by Buffer.simulated_world
             self.rank, self.world, self.handle, self.group = _simulated
             self.ranks_per_node = _C.heap_ranks_per_node(self.handle)
@@ -141,6 +157,7 @@ class Buffer:
             reduce = node_reduce_setting(node_reduce)
             if _distributed(group):
                 _check_same_across_ranks(reduce, "node_reduce", group, self.world)
+                _check_same_across_ranks(heap_cap, "heap_bytes", group, self.world)
             self.handle = _C.heap_create(self.rank, self.world, job, _group_hash(members), timeout,
                                          *link)
             _C.heap_set_node_reduce(self.handle, reduce)
@@ -149,6 +166,8 @@ class Buffer:
             self._barrier()
             _C.heap_unlink_own(self.handle)
         self.node_reduce = _C.heap_node_reduce(self.handle)
+        _C.heap_set_data_limit(self.handle, heap_cap)
+        _C.heap_set_sm_margin(self.handle, margin)
         self.tp_size = tp_size_setting(tp_size, self.world)
         # The ops' default placement= (a comet.plan.Placement; None: the contiguous map).
         self.placement = placement_for_group(placement, self.world)
@@ -166,7 +185,9 @@ class Buffer:
                         link_gbps: float | None = None,
                         node_reduce: bool | None = None,
                         resident_blocks: int | None = None,
-                        tp_size: int | None = None, placement=None) -> list["Buffer"]:
+                        tp_size: int | None = None, placement=None,
+                        heap_bytes: int | None = None,
+                        sm_margin: int | None = None) -> list["Buffer"]:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
         The same shared-memory code path as separate processes, for fast tests."""
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
@@ -176,14 +197,18 @@ class Buffer:
         link = _link_settings(world, ranks_per_node, link_latency_us, link_gbps)
         reduce = node_reduce_setting(node_reduce)  # every setting checked before any segment exists
         handles = [_C.heap_create(r, world, job, gh, timeout, *link) for r in range(world)]
-        for h in handles:
+        for r, h in enumerate(handles):
             _C.heap_set_node_reduce(h, reduce)
+            _C.heap_set_device(h, r)  # each rank its own device (slot pool), as with W GPUs
         for h in handles:
             _C.heap_connect(h)
         for h in handles:
             _C.heap_unlink_own(h)
+        heap_bytes_setting(heap_bytes)
+        sm_margin_setting(sm_margin, CPU_SM_MARGIN)
         return [cls(_simulated=(r, world, h, None), threads_per_block=threads_per_block,
-                    resident_blocks=resident_blocks, tp_size=tp_size, placement=placement)
+                    resident_blocks=resident_blocks, tp_size=tp_size, placement=placement,
+                    heap_bytes=heap_bytes, sm_margin=sm_margin)
                 for r, h in enumerate(handles)]
 
     def set_timeout(self, seconds: float) -> None:
@@ -257,8 +282,22 @@ class Buffer:
 
     @property
     def capacity_bytes(self) -> int:
-        """This rank's data segment bytes now (grown to max(need, twice the old size))."""
+        """This rank's data segment bytes now (grown to max(need, twice the old size), or to the
+        need when the doubling passes heap_bytes: comet/grow_rule.h)."""
         return int(_C.heap_capacity(self.handle))
+
+    @property
+    def sm_margin(self) -> int:
+        """Resident-block slots this buffer's calls leave free for the rank's other kernels
+        (Buffer(sm_margin=); a call's own sm_margin= overrides it). It only matters under a
+        residency limit (resident_blocks), the slots of the rank's one device that every kernel of
+        every buffer of the rank shares."""
+        return int(_C.heap_sm_margin(self.handle))
+
+    @property
+    def heap_bytes(self) -> int:
+        """The cap on this rank's data segment (0: none; Buffer(heap_bytes=))."""
+        return int(_C.heap_data_limit(self.handle))
 
     @property
     def requested_bytes(self) -> int:
@@ -371,6 +410,28 @@ def node_reduce_setting(value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"comet: node_reduce must be a bool, got {value!r}")
     return value
+
+
+# The CPU backend's default sm_margin: 0, since its device is unlimited unless resident_blocks says
+# otherwise (the CUDA default, comet.buffers.symm_cuda.DEFAULT_SM_MARGIN, is argued in docs/gpu.md).
+CPU_SM_MARGIN = 0
+
+
+def sm_margin_setting(value, default: int) -> int:
+    """The sm_margin argument, else `default`: an int >= 0."""
+    margin = default if value is None else value
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"comet: sm_margin must be an int >= 0 (SMs left free for other "
+                         f"kernels), got {margin!r}")
+    return margin
+
+
+def heap_bytes_setting(value) -> int:
+    """The heap_bytes argument, else $COMET_CPU_HEAP_BYTES, else 0 (no cap): an int >= 0."""
+    cap = _env_number("COMET_CPU_HEAP_BYTES", 0, int) if value is None else value
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"comet: heap_bytes must be an int >= 0 (0: no cap), got {cap!r}")
+    return cap
 
 
 def _check_same_across_ranks(value, name, group, world):

@@ -55,6 +55,8 @@ from comet._native import _C
 DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
 DEFAULT_CAPACITY = int(os.environ.get("COMET_CUDA_BUFFER_BYTES", str(64 << 20)))
 NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM's own default symmetric size
+# SMs a call's kernels leave free by default (docs/gpu.md, "SM margin", says why 2).
+DEFAULT_SM_MARGIN = 2
 # Room left for NVSHMEM's own symmetric allocations (teams, collectives) and for allocator
 # alignment beside comet's buffer: a margin, not a measured figure.
 NVSHMEM_HEADROOM = 128 << 20
@@ -154,12 +156,17 @@ class Buffer:
     `reserve`: the largest shape its calls will have, dict(tokens=, hidden=, topk=, num_experts=,
     [dtype=, world=, ranks_per_node=, node_reduce=]): the first buffer of the process sets
     NVSHMEM_SYMMETRIC_SIZE from it (unless set), and the buffer reserves it at once.
+    `sm_margin` (default DEFAULT_SM_MARGIN, 2): SMs every call's kernels leave free for other
+    kernels that peers may wait on (a collective on another stream, another buffer's call;
+    docs/gpu.md, "SM margin"); a call's own sm_margin= overrides it.
     """
 
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
                  capacity_bytes: int | None = None, node_reduce: bool | None = None,
-                 reserve: dict | None = None, tp_size: int | None = None, placement=None):
+                 reserve: dict | None = None, tp_size: int | None = None, placement=None,
+                 sm_margin: int | None = None):
         self.device = _device(device)
+        margin = symm.sm_margin_setting(sm_margin, DEFAULT_SM_MARGIN)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         capacity = DEFAULT_CAPACITY if capacity_bytes is None else int(capacity_bytes)
@@ -193,6 +200,7 @@ class Buffer:
             if _distributed():
                 symm._check_same_across_ranks(self.node_reduce, "node_reduce", group, self.world)
             ops.buffer_set_node_reduce(self.handle, self.node_reduce)
+            ops.buffer_set_sm_margin(self.handle, margin)
         except (ValueError, RuntimeError):
             ops.buffer_release(self.handle)  # collective, like the creation
             raise
@@ -207,6 +215,11 @@ class Buffer:
             self.reserve(**{k: v for k, v in reserve.items() if k in _RESERVE_KEYS})
 
     # -- settings -----------------------------------------------------------------------------
+
+    @property
+    def sm_margin(self) -> int:
+        """SMs this buffer's calls leave free (Buffer(sm_margin=); a call's own overrides it)."""
+        return int(_ops().buffer_sm_margin(self.handle))
 
     @property
     def max_rows(self) -> int | None:

@@ -91,7 +91,7 @@ def result_dtype(act, w, fp8_wire: bool = False, out_dtype=None) -> torch.dtype:
 @torch.library.register_fake("comet::moe_layer0")
 def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, tile_n, b0=None,
                  w0_transposed=False, max_rows=-1, tp_size=1, x_scale=None, w0_scale=None,
-                 out_dtype=None, dispatch_fp8=False, activation=None, h_fp8=False):
+                 out_dtype=None, dispatch_fp8=False, activation=None, h_fp8=False, sm_margin=-1):
     world = symm.world_of_handle(buffer)
     ep = max(1, world // max(1, tp_size))
     # With a bound the shapes are static; without one M is data-dependent.
@@ -117,7 +117,8 @@ def _layer0_fake(x, w0, topk_ids, num_experts, buffer, n_comm, n_gemm, tile_m, t
 @torch.library.register_fake("comet::moe_layer1")
 def _layer1_fake(h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, buffer,
                  n_comm, n_gemm, tile_m, tile_n, b1=None, w1_transposed=False, max_rows=-1,
-                 band_n=1, tp_size=1, h_scale=None, w1_scale=None, out_dtype=None):
+                 band_n=1, tp_size=1, h_scale=None, w1_scale=None, out_dtype=None,
+                 sm_margin=-1):
     return h.new_empty(topk_ids.shape[0], w1.shape[2 if w1_transposed else 1],
                        dtype=result_dtype(h, w1, False, out_dtype))
 
@@ -459,6 +460,17 @@ def layer1_buffer(buffer, group, h, layout) -> object:
     return buf
 
 
+def call_margin(buf, op: int, sm_margin) -> int:
+    """A call's sm_margin for the op: -1 (the buffer's) when None; anything but an int fails the
+    call on every rank (a negative int is the op's own check, on every rank too)."""
+    if sm_margin is None:
+        return -1
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        buf.fail_call(op, f"comet.moe_layer{op}: sm_margin must be an int >= 0 (SMs left free "
+                          f"for other kernels), got {sm_margin!r}", TypeError)
+    return int(sm_margin)
+
+
 def call_tp(buf, tp_size: int | None) -> int:
     """A layer0 call's tp_size: the caller's, else the buffer's (1 unless Buffer(tp_size=))."""
     return int(getattr(buf, "tp_size", 1) if tp_size is None else tp_size)
@@ -503,7 +515,8 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
                tile: tuple[int, int] | None = None, buffer: symm.Buffer | None = None,
                tp_size: int | None = None, x_scale=None, w0_scale=None,
                out_dtype: torch.dtype | None = None, dispatch_fp8: bool = False,
-               placement=None, activation: str | None = None, h_fp8: bool = False):
+               placement=None, activation: str | None = None, h_fp8: bool = False,
+               sm_margin: int | None = None):
     """Dispatch tokens to their experts' ranks fused with the first expert GEMM.
 
     x [T, H], w0 [E_local, N0, H] (or [E_local, H, N0] with w0_transposed=True, read as it is),
@@ -533,9 +546,12 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     h_fp8=True (with an activation): h comes quantised for an FP8 layer1, ((h float8_e4m3fn
     [M, F], h_scale float32 [M, ceil(F/128)]), Layout): quantize_rows' bits of the fp32 h,
     quantised in the epilogue (not differentiable).
+    sm_margin: SMs (CPU backend: resident-block slots) the call's kernels leave free for other
+    kernels of the device that peers wait on (docs/gpu.md, "SM margin"); default the buffer's.
     Returns (y0 [M, N0] in the dispatch layout, or h with an activation, Layout).
     """
     buf = call_buffer(buffer, group, x)
+    margin = call_margin(buf, 0, sm_margin)
     if h_fp8 and activation is None:
         buf.fail_call(0, "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass "
                          "activation= too")
@@ -544,7 +560,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
             x, w0, topk_ids, num_experts=num_experts, b0=b0, w0_transposed=w0_transposed,
             max_rows=max_rows, group=group, n_comm=n_comm, tile=tile, buffer=buffer,
             tp_size=tp_size, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
-            dispatch_fp8=dispatch_fp8, placement=placement))
+            dispatch_fp8=dispatch_fp8, placement=placement, sm_margin=sm_margin))
         return (_fp8.quantize_rows(h.float()) if h_fp8 else h), layout
     if placement is None:
         placement = getattr(buf, "placement", None)
@@ -554,7 +570,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
         if h_fp8:
             _no_fp8_with_placement(buf, 0, h_fp8=True)
         return _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows,
-                              n_comm, tile, tp_size, placement, activation)
+                              n_comm, tile, tp_size, placement, activation, margin)
     c = layer0_call(buf, x, w0, topk_ids, num_experts=num_experts, b0=b0,
                     w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm, tile=tile,
                     tp_size=tp_size, fp8=bool(dispatch_fp8) or _is_fp8(x), x_scale=x_scale,
@@ -562,7 +578,8 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     h, layout = c.layout(num_experts, topk_ids, torch.ops.comet.moe_layer0(
         x, w0, topk_ids, int(num_experts), buf.handle, *c.cfg, b0, bool(w0_transposed), c.rows,
         c.tp, x_scale=x_scale, w0_scale=w0_scale, out_dtype=out_dtype,
-        dispatch_fp8=bool(dispatch_fp8), activation=activation, h_fp8=bool(h_fp8)))
+        dispatch_fp8=bool(dispatch_fp8), activation=activation, h_fp8=bool(h_fp8),
+        sm_margin=margin))
     if h_fp8:  # the packed rows as layer1 takes them: values and their scales
         n0 = w0.shape[2 if w0_transposed else 1]
         return _fp8.unpack_rows(h, _act.out_cols(activation, n0)), layout
@@ -589,7 +606,8 @@ def _activated_after(buf, activation, x, w0, w0_transposed, layer0):
 def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: bool = False,
                group=None, n_comm: int | None = None, tile: tuple[int, int] | None = None,
                buffer: symm.Buffer | None = None, band: int | None = None, h_scale=None,
-               w1_scale=None, out_dtype: torch.dtype | None = None):
+               w1_scale=None, out_dtype: torch.dtype | None = None,
+               sm_margin: int | None = None):
     """Second expert GEMM fused with the weighted top-k reduce and the combine back home.
 
     h [M, N1] in `layout`'s dispatch layout ([max_rows, N1] when layer0 had a bound), w1
@@ -601,20 +619,23 @@ def moe_layer1(h, w1, topk_weights, layout: Layout, *, b1=None, w1_transposed: b
     shard; out is the full sum over the t shards and the top-k slots (b1 added once).
     FP8: h and/or w1 float8_e4m3fn with h_scale [rows of h, ceil(N1/128)] / w1_scale [E_local,
     ceil(H/128), ceil(N1/128)] float32; out in out_dtype (default bfloat16 when FP8 is involved).
+    sm_margin: as moe_layer0's (default the buffer's).
     Returns out [T, H] on every rank for its own tokens.
     """
     buf = layer1_buffer(buffer, group, h, layout)
+    margin = call_margin(buf, 1, sm_margin)
     if layout.routes is not None:
         _no_fp8_with_placement(buf, 1, h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
         return _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile,
-                              band)
+                              band, margin)
     c = layer1_call(buf, h, w1, topk_weights, layout, b1=b1, w1_transposed=w1_transposed,
                     n_comm=n_comm, tile=tile, band=band, fp8=_is_fp8(h), h_scale=h_scale,
                     w1_scale=w1_scale)
     return torch.ops.comet.moe_layer1(h, w1, topk_weights, layout.topk_ids, layout.send_pos,
                                       layout.recv_counts, layout.num_experts, buf.handle, *c.cfg,
                                       b1, bool(w1_transposed), c.rows, c.band_n, c.tp,
-                                      h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype)
+                                      h_scale=h_scale, w1_scale=w1_scale, out_dtype=out_dtype,
+                                      sm_margin=margin)
 
 
 # -- With a placement (comet/layers/placed.py: the virtual slot space and the reduction by slot) --
@@ -652,7 +673,7 @@ def _check_slots(buf, op: int, routes, name: str, w) -> None:
 
 
 def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, n_comm, tile,
-                   tp_size, placement, activation=None):
+                   tp_size, placement, activation=None, sm_margin=-1):
     tp = call_tp(buf, tp_size)
     routes = _placed_routes(buf, 0, placement, num_experts, tp)
     _check_slots(buf, 0, routes, "w0", w0)
@@ -673,14 +694,15 @@ def _placed_layer0(buf, x, w0, topk_ids, num_experts, b0, w0_transposed, max_row
                                 num_experts=routes.num_virtual, b0=placed.pad_slots(b0, routes),
                                 w0_transposed=w0_transposed, max_rows=max_rows, n_comm=n_comm,
                                 tile=tile, buffer=_Placed(buf), tp_size=1,
-                                activation=activation)
+                                activation=activation, sm_margin=sm_margin)
     finally:
         buf.set_call_tag(0)
     layout.routes = routes
     return y0, layout
 
 
-def _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile, band):
+def _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, tile, band,
+                   sm_margin=-1):
     routes = layout.routes
     _check_slots(buf, 1, routes, "w1", w1)
     _check_slots(buf, 1, routes, "b1", b1)
@@ -696,7 +718,8 @@ def _placed_layer1(buf, h, w1, topk_weights, layout, b1, w1_transposed, n_comm, 
     try:
         out_slots = moe_layer1(h, placed.pad_slots(w1, routes), topk_weights.reshape(T * k, 1),
                                one, b1=placed.pad_slots(b1, routes), w1_transposed=w1_transposed,
-                               n_comm=n_comm, tile=tile, buffer=_Placed(buf), band=band)
+                               n_comm=n_comm, tile=tile, buffer=_Placed(buf), band=band,
+                               sm_margin=sm_margin)
     finally:
         buf.set_call_tag(0)
     return placed.sum_by_slot(out_slots, T, k, out_slots.dtype)

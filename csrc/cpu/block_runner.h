@@ -6,9 +6,13 @@
 // once. The first failure sets an abort flag that makes every other thread's waits and barriers
 // throw Aborted (and starts no further block); it is rethrown here once all threads have stopped.
 // A wait that can never be satisfied under S ends in the wait's timeout error, never a hang.
+// A kernel launched with its device's slots (slot_pool.h) also waits for a free slot of the
+// device before each block starts, and a grid that waits on itself takes all its slots at once
+// (a cooperative launch): kernels of several streams of one rank then share the device.
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -23,6 +27,7 @@
 
 #include "comet/block_roles.h"
 #include "cpu_context.h"
+#include "slot_pool.h"
 
 namespace comet::cpu {
 
@@ -61,35 +66,59 @@ inline int32_t co_resident(int32_t blocks, int32_t resident) {
 }
 
 // body(Team&, block, thread) runs on blocks x threads OS threads, at most `resident` blocks at a
-// time (0: all).
+// time (0: all), each holding a slot of `device`'s pool while it runs when one is given; `gang`:
+// every block's slot is taken at once before any block starts (a grid that waits on itself).
 template <class Body>
-void run_teams(int32_t blocks, int32_t threads, int32_t resident, Body&& body) {
+void run_teams(int32_t blocks, int32_t threads, int32_t resident, Body&& body,
+               DeviceSlots device = {}, bool gang = false) {
   if (blocks < 1 || threads < 1 || resident < 0)
     throw std::invalid_argument("run_teams: need at least one block of one thread and a residency "
                                 ">= 0, got " + std::to_string(blocks) + " x " +
                                 std::to_string(threads) + ", resident " + std::to_string(resident));
   const int32_t slots = co_resident(blocks, resident);
+  SlotPool own;  // no device pool: this kernel's own bookkeeping only
+  SlotPool& pool = device.pool ? *device.pool : own;
+  const int32_t capacity = device.pool ? device.capacity : INT32_MAX;
+  if (gang && slots > capacity)
+    throw std::invalid_argument("run_teams: a grid of " + std::to_string(slots) +
+                                " blocks that waits on itself cannot fit a device of " +
+                                std::to_string(capacity) + " resident blocks");
   std::atomic<bool> abort{false};
   std::exception_ptr first;
-  std::mutex mutex;                  // guards first, live
-  std::condition_variable slot_free;
+  std::mutex& mutex = pool.mutex;    // guards first, live, pool.used
+  std::condition_variable& slot_free = pool.freed;
   int32_t live = 0;                  // blocks started whose threads have not all returned
   std::vector<std::unique_ptr<Team>> teams(static_cast<size_t>(blocks));
   std::vector<std::unique_ptr<std::atomic<int32_t>>> running(static_cast<size_t>(blocks));
-  std::vector<std::thread> pool;
-  pool.reserve(size_t(blocks) * size_t(threads));
+  std::vector<std::thread> pool_threads;
+  pool_threads.reserve(size_t(blocks) * size_t(threads));
+  if (gang) {  // all at once, before any block starts (nothing can abort yet)
+    std::unique_lock<std::mutex> lock(mutex);
+    slot_free.wait(lock, [&] { return pool.used + slots <= capacity; });
+    pool.used += slots;
+    live = slots;
+  }
+  int32_t started = 0;
   for (int32_t b = 0; b < blocks; ++b) {
     {
       std::unique_lock<std::mutex> lock(mutex);
-      slot_free.wait(lock, [&] { return live < slots || abort.load(); });
+      if (!gang) {
+        slot_free.wait(lock, [&] {
+          return (live < slots && pool.used < capacity) || abort.load();
+        });
+      }
       if (abort.load()) break;  // the run failed: the blocks not yet started would only abort
-      ++live;
+      if (!gang) {
+        ++live;
+        ++pool.used;
+      }
     }
+    ++started;
     Team* team = (teams[size_t(b)] = std::make_unique<Team>(threads, abort)).get();
     std::atomic<int32_t>* left =
         (running[size_t(b)] = std::make_unique<std::atomic<int32_t>>(threads)).get();
     for (int32_t t = 0; t < threads; ++t)
-      pool.emplace_back([&, team, left, b, t] {
+      pool_threads.emplace_back([&, team, left, b, t] {
         try {
           body(*team, b, t);
         } catch (const Aborted&) {
@@ -102,11 +131,18 @@ void run_teams(int32_t blocks, int32_t threads, int32_t resident, Body&& body) {
         if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) {
           std::lock_guard<std::mutex> lock(mutex);
           --live;
+          --pool.used;
           slot_free.notify_all();
         }
       });
   }
-  for (auto& th : pool) th.join();
+  if (gang && started < slots) {  // slots taken for blocks that never started
+    std::lock_guard<std::mutex> lock(mutex);
+    live -= slots - started;
+    pool.used -= slots - started;
+    slot_free.notify_all();
+  }
+  for (auto& th : pool_threads) th.join();
   if (first) std::rethrow_exception(first);
 }
 
@@ -115,7 +151,8 @@ void run_teams(int32_t blocks, int32_t threads, int32_t resident, Body&& body) {
 // comm(CpuContext&) and gemm(CpuContext&, int32_t gemm_block) run on every thread of their block.
 template <class Comm, class Gemm>
 void run_blocks(const SymmHeap& heap, int32_t layer, int32_t n_comm, int32_t n_gemm,
-                int32_t threads, int32_t resident, uint64_t stress_seed, Comm&& comm, Gemm&& gemm) {
+                int32_t threads, int32_t resident, uint64_t stress_seed, Comm&& comm, Gemm&& gemm,
+                DeviceSlots device = {}) {
   run_teams(n_comm + n_gemm, threads, resident, [&](Team& team, int32_t b, int32_t t) {
     const BlockRole role = fused_block_role(layer, b, n_comm + n_gemm, n_comm);
     if (role.comm) {
@@ -125,7 +162,7 @@ void run_blocks(const SymmHeap& heap, int32_t layer, int32_t n_comm, int32_t n_g
       CpuContext ctx(&heap, team, role.index, role.count, t, stress_seed ? stress_seed + 17 : 0);
       gemm(ctx, role.index);
     }
-  });
+  }, device);
 }
 
 // A grid of blocks x threads whose blocks may all wait on each other (the multi-block prologue
@@ -135,7 +172,8 @@ void run_blocks(const SymmHeap& heap, int32_t layer, int32_t n_comm, int32_t n_g
 // receives each grid thread's ctx.work() count (index block * threads + thread).
 template <class Body>
 void run_grid(const SymmHeap* heap, int32_t blocks, int32_t threads, uint64_t stress_seed,
-              Body&& body, std::vector<int64_t>* work_per_thread = nullptr, int32_t resident = 0) {
+              Body&& body, std::vector<int64_t>* work_per_thread = nullptr, int32_t resident = 0,
+              DeviceSlots device = {}) {
   if (co_resident(blocks, resident) != blocks)
     throw std::invalid_argument("run_grid: the " + std::to_string(blocks) +
                                 " blocks of a grid that waits on itself must all be co-resident, "
@@ -146,7 +184,7 @@ void run_grid(const SymmHeap* heap, int32_t blocks, int32_t threads, uint64_t st
     CpuContext ctx(heap, team, b, blocks, t, stress_seed);
     ctx.count_work(&work[size_t(b) * size_t(threads) + size_t(t)]);
     body(ctx);
-  });
+  }, device, /*gang=*/true);
   if (work_per_thread) *work_per_thread = std::move(work);
 }
 

@@ -30,7 +30,7 @@ template <class Body>
 void run_prologue(const SymmHeap& heap, const CpuLaunch& l, GridScratch& scratch, Body&& body) {
   const PrologueScratch ps = scratch.view();
   run_grid(&heap, barrier_grid(l), l.threads, l.stress_seed,
-           [&](CpuContext& ctx) { body(ctx, ps); }, nullptr, l.resident);
+           [&](CpuContext& ctx) { body(ctx, ps); }, nullptr, l.resident, l.device);
 }
 
 // A fused layer's launches (comet/block_roles.h: one, or a staged layer's two steps).
@@ -40,7 +40,7 @@ void run_fused(const SymmHeap& heap, int32_t layer, const CpuLaunch& l, Comm&& c
   for (int32_t s = 0; s < fused_steps(l.n_comm); ++s) {
     const FusedStep step = fused_step(layer, s, blocks, l.n_comm);
     run_blocks(heap, layer, step.n_comm, step.n_gemm, l.threads, l.resident, l.stress_seed, comm,
-               gemm);
+               gemm, l.device);
   }
 }
 
@@ -96,16 +96,19 @@ std::vector<MTile> plan_tiles(const SymmHeap& heap, const CpuLaunch& l,
 
 // Publishes this rank's source data (written by the caller, and pushed to the other nodes'
 // mirrors by `push`) and waits for every source's: on this node its data flag, across nodes its
-// mirror's on this node's relay.
+// mirror's on this node's relay. The waits run on the call's grid, as the GPU's prologue kernels
+// wait for them, so they hold the call's resident-block slots of the rank's device while they
+// wait (slot_pool.h: what another kernel of the rank then cannot get).
 template <class Push>
 void exchange_sources(SymmHeap& heap, const CpuLaunch& l, uint64_t epoch, Push&& push) {
   flag_release(heap.header(heap.rank())->data_epoch, epoch);
-  if (heap.topology().nodes() > 1) {
-    GridScratch scratch(barrier_grid(l), l.threads, 0, 0, 0);
-    run_prologue(heap, l, scratch, push);
-  }
-  for (int32_t s = 0; s < heap.world(); ++s)
-    heap.wait(heap.source_ready(s), epoch, WaitSite::PeerData, s);
+  GridScratch scratch(barrier_grid(l), l.threads, 0, 0, 0);
+  if (heap.topology().nodes() > 1) run_prologue(heap, l, scratch, push);
+  run_prologue(heap, l, scratch, [&](CpuContext& ctx, const PrologueScratch& ps) {
+    for (int32_t s = ctx.block(); s < heap.world(); s += ctx.blocks())  // block-wide waits
+      ctx.wait(heap.source_ready(s), epoch, WaitSite::PeerData, s);
+    grid_sync(ctx, ps.bar);
+  });
 }
 
 // The GEMM of one layer for expert 0 (of_expert moves it to another): A [M, k] of a_kind (FP8:
@@ -400,7 +403,7 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
   // The combine as a follow-on step on every co-resident block (the GPU's combine kernel over all
   // SMs): node-reduced, its blocks wait on each other across the nodes (comet/block_roles.h).
   run_grid(&heap, barrier_grid(l), l.threads, l.stress_seed,
-           [&](CpuContext& ctx) { layer1_combine(ctx, la); }, nullptr, l.resident);
+           [&](CpuContext& ctx) { layer1_combine(ctx, la); }, nullptr, l.resident, l.device);
   SymmHeap::Traffic& tr = heap.traffic();
   tr.layer1_rows = int64_t(sent);
   tr.layer1_bytes = int64_t(sent) * H * scalar_bytes(p.output_kind());

@@ -25,7 +25,9 @@ struct CpuLaunch {
   uint64_t stress_seed;     // nonzero: random delays in every thread (cpu_context.h)
   int32_t band_n = 1;       // layer1: n-tiles per column band (tile_order.h), 0 = all
   int32_t resident = 0;     // blocks live at once, as on a GPU (block_runner.h); 0: all
+                            // (the device's slots less the call's sm_margin)
   int32_t raster_group = 0; // m-tiles per raster group of the tile orders (tile_order.h); 0: auto
+  DeviceSlots device;       // the rank's pool of resident-block slots (none when unlimited)
 };
 
 struct Layer0Problem {

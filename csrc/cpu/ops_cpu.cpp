@@ -72,6 +72,9 @@ auto guarded_call(SymmHeap& heap, uint64_t epoch, Body&& body) {
     auto result = body();
     heap.end_call(epoch);
     return result;
+  } catch (const SegmentRefused&) {
+    heap.end_call(epoch);  // refused alike on every rank before any data moved: nothing to re-arm
+    throw;
   } catch (const std::exception& e) {
     heap.mark_broken(e.what());
     throw;
@@ -84,13 +87,30 @@ int32_t block_threads(const SymmHeap& heap) {
 }
 
 
+// sm_margin: the call's (check_margin accepted it). Under a residency limit S (the rank's device
+// of S resident-block slots, shared by every kernel of the rank: slot_pool.h) the call's kernels
+// run on at most S - sm_margin of them; without one nothing is shared and the margin is moot.
 CpuLaunch cpu_launch(const SymmHeap& heap, uint64_t epoch, int64_t n_comm, int64_t n_gemm,
-                     int64_t tile_m, int64_t tile_n, int64_t band_n = 1) {
-  return CpuLaunch{int32_t(n_comm),       int32_t(n_gemm),
-                   int32_t(tile_m),       int32_t(tile_n),
-                   block_threads(heap),   stress_seed(epoch, heap.rank()),
-                   int32_t(band_n),       resident_blocks(heap),
-                   int32_t(std::max<int64_t>(raster_group_setting(), 0))};
+                     int64_t tile_m, int64_t tile_n, int64_t band_n, int64_t sm_margin) {
+  const int32_t S = resident_blocks(heap);
+  CpuLaunch l{int32_t(n_comm),       int32_t(n_gemm),
+              int32_t(tile_m),       int32_t(tile_n),
+              block_threads(heap),   stress_seed(epoch, heap.rank()),
+              int32_t(band_n),       S > 0 ? S - int32_t(sm_margin) : 0,
+              int32_t(std::max<int64_t>(raster_group_setting(), 0))};
+  if (S > 0) l.device = DeviceSlots{heap.slot_pool(), S};
+  return l;
+}
+
+// The call's margin (-1: the buffer's), and that it leaves the call a slot of the device.
+int64_t call_margin(const SymmHeap& heap, int64_t sm_margin) {
+  return sm_margin == -1 ? heap.sm_margin() : sm_margin;
+}
+void check_margin(Checker& c, const SymmHeap& heap, int64_t margin) {
+  const int32_t S = resident_blocks(heap);
+  c.value(S == 0 || margin < S,
+          "sm_margin=" + std::to_string(margin) + " leaves none of this rank's " +
+              std::to_string(S) + " resident blocks (resident_blocks) to the call's kernels");
 }
 
 // A bad $COMET_CPU_BLOCK_THREADS or $COMET_CPU_RESIDENT_BLOCKS fails here, before the call starts.
@@ -113,16 +133,19 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
                             const std::optional<at::Tensor>& x_scale,
                             const std::optional<at::Tensor>& w0_scale,
                             std::optional<at::ScalarType> out_dtype, bool dispatch_fp8,
-                            std::optional<c10::string_view> activation, bool h_fp8) {
+                            std::optional<c10::string_view> activation, bool h_fp8,
+                            int64_t sm_margin) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
-  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n};
+  const int64_t margin = call_margin(*heap, sm_margin);
+  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, 1, margin};
   Checker checker("comet.moe_layer0", at::kCPU, /*read_values=*/true);
   check_layer0(checker, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size,
                          x_scale, w0_scale, out_dtype, dispatch_fp8, activation_arg(activation),
                          h_fp8},
                heap->world(), launch);
   check_tp_topology(checker, *heap, tp_size);
+  check_margin(checker, *heap, margin);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   // FP8 rows on the wire: x's own, or a 16/32-bit x quantised here, on the sending side.
@@ -160,7 +183,7 @@ Layer0Result moe_layer0_cpu(const at::Tensor& x, const at::Tensor& w0, const at:
     p.w0_scale = is_fp8(w0) ? w0_scale->data_ptr<float>() : nullptr;
     p.activation = layer0_activation(activation);
     p.h_fp8 = h_fp8;
-    Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n),
+    Layer0Call call(*heap, epoch, p, cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, 1, margin),
                     send_pos.data_ptr<int32_t>(), recv_counts.data_ptr<int32_t>());
     const int64_t M = call.rows();
     if (max_rows >= 0) {
@@ -244,15 +267,17 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
                           int64_t max_rows, int64_t band_n, int64_t tp_size,
                           const std::optional<at::Tensor>& h_scale,
                           const std::optional<at::Tensor>& w1_scale,
-                          std::optional<at::ScalarType> out_dtype) {
+                          std::optional<at::ScalarType> out_dtype, int64_t sm_margin) {
   auto heap = heap_or_throw(buffer);
   check_launch_settings(*heap);
-  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n};
+  const int64_t margin = call_margin(*heap, sm_margin);
+  const LaunchShape launch{n_comm, n_gemm, tile_m, tile_n, band_n, margin};
   Checker checker("comet.moe_layer1", at::kCPU, /*read_values=*/true);
   check_layer1(checker, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                          w1_transposed, max_rows, tp_size, h_scale, w1_scale, out_dtype},
                heap->world(), launch);
   check_tp_topology(checker, *heap, tp_size);
+  check_margin(checker, *heap, margin);
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const at::ScalarType out_type = ok ? result_dtype(h, w1, false, out_dtype) : at::kFloat;
@@ -263,7 +288,7 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {
-    const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, band_n);
+    const CpuLaunch launch = cpu_launch(*heap, epoch, n_comm, n_gemm, tile_m, tile_n, band_n, margin);
     if (h.scalar_type() == at::kDouble || out_type == at::kDouble)
       return layer1_body<double>(*heap, epoch, h, w1, topk_weights, topk_ids, send_pos,
                                  recv_counts, num_experts, launch, b1, w1_transposed, tp_size,

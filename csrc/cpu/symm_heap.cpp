@@ -17,8 +17,18 @@
 
 #include "call_verdict.h"
 #include "comet/flags.h"
+#include "comet/grow_rule.h"
 
 namespace comet::cpu {
+
+std::shared_ptr<SlotPool> device_slot_pool(int64_t key) {
+  static std::mutex mutex;
+  static std::map<int64_t, std::shared_ptr<SlotPool>> pools;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<SlotPool>& p = pools[key];
+  if (!p) p = std::make_shared<SlotPool>();
+  return p;
+}
 
 SymmHeap::SymmHeap(int32_t rank, int32_t world, std::string job, int64_t group_hash,
                    double timeout_s, int32_t ranks_per_node, LinkSettings link)
@@ -212,7 +222,16 @@ std::string SymmHeap::verdict(const char* op_name) const {
 void SymmHeap::reserve(size_t bytes) {
   if (bytes > requested_) requested_ = bytes;
   if (bytes <= capacity_) return;
-  const size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
+  const size_t cap = grow_size_within(bytes, capacity_, 1, data_limit_);
+  if (cap == 0) {
+    std::ostringstream m;
+    m << "comet.buffers.symm: this call needs a data segment of " << bytes
+      << " bytes per rank, more than the heap's cap of " << data_limit_
+      << " bytes (Buffer(heap_bytes=) / $COMET_CPU_HEAP_BYTES, the CPU analog of "
+         "NVSHMEM_SYMMETRIC_SIZE); the buffer keeps its "
+      << capacity_ << " bytes and serves the calls that fit";
+    throw SegmentRefused(m.str());
+  }
   try {
     // The old generation goes before the new one exists, so a rank never holds both (the peak is
     // the new size, not old + new). Nothing refers to it any more: every peer finished reading

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,11 +30,19 @@
 #include "comet/topology.h"
 #include "link_proxy.h"
 #include "shm_segment.h"
+#include "slot_pool.h"
 
 namespace comet::cpu {
 
 // Thrown by every wait once any block of the same call failed, so the others stop quickly.
 struct Aborted {};
+
+// Thrown by reserve() when the data segment would have to outgrow the heap's cap, before anything
+// changed: every rank decides it alike (same cap, same need), so the call ends cleanly on every
+// rank and the buffer goes on at its old capacity (no re-arm).
+struct SegmentRefused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 class SymmHeap {
  public:
@@ -62,6 +71,14 @@ class SymmHeap {
   // $COMET_CPU_RESIDENT_BLOCKS (default no limit).
   int32_t resident_blocks() const { return resident_blocks_; }
   void set_resident_blocks(int32_t n) { resident_blocks_ = n; }
+  // The device this rank's kernels run on (slot_pool.h): every heap of a device shares its pool of
+  // resident-block slots. Key 0 (a rank per process) unless set; a simulated world sets its ranks'.
+  void set_device(int64_t key) { pool_ = device_slot_pool(key); }
+  SlotPool* slot_pool() const { return pool_.get(); }
+  // Resident-block slots the fused kernels and the grids that wait on themselves leave free for
+  // other kernels of the device (Buffer(sm_margin=)); a call's own sm_margin overrides it.
+  int32_t sm_margin() const { return sm_margin_; }
+  void set_sm_margin(int32_t n) { sm_margin_ = n; }
 
   // Null for ranks on other nodes.
   RankHeader* header(int32_t r) const { return reinterpret_cast<RankHeader*>(headers_[r]); }
@@ -90,10 +107,15 @@ class SymmHeap {
   uint64_t begin_call(CallMeta me);
   const std::vector<CallMeta>& metas() const { return metas_; }
   std::string verdict(const char* op_name) const;
-  // Grows the data segment (collective) to at least `bytes`: to max(bytes, twice the current
-  // size), freeing the old segment first.
+  // Grows the data segment (collective) to at least `bytes` by comet/grow_rule.h: to max(bytes,
+  // twice the current size), or to `bytes` when the doubling would pass the cap, freeing the old
+  // segment first. Throws SegmentRefused, changing nothing, when `bytes` itself passes the cap.
   void reserve(size_t bytes);
   size_t capacity() const { return capacity_; }
+  // The most bytes the data segment may take (0: no cap): the CPU analog of a fixed-size NVSHMEM
+  // heap (NVSHMEM_SYMMETRIC_SIZE). Buffer(heap_bytes=), the same on every rank.
+  size_t data_limit() const { return data_limit_; }
+  void set_data_limit(size_t bytes) { data_limit_ = bytes; }
   // The largest data segment any call (or reserve) of this heap asked for so far.
   size_t requested() const { return requested_; }
   void end_call(uint64_t epoch);
@@ -146,10 +168,13 @@ class SymmHeap {
   double timeout_s_;
   int32_t block_threads_ = 0;
   int32_t resident_blocks_ = -1;
+  int32_t sm_margin_ = 0;
+  std::shared_ptr<SlotPool> pool_ = device_slot_pool(0);
   uint64_t epoch_ = 0;
   uint64_t gen_ = 0;      // data segment generation, equal on every rank
   size_t capacity_ = 0;   // data segment bytes, equal on every rank
   size_t requested_ = 0;
+  size_t data_limit_ = 0;  // 0: no cap
   ShmSegment own_header_;
   std::vector<ShmSegment> peer_headers_;
   std::vector<char*> headers_;

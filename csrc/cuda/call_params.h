@@ -102,6 +102,7 @@ struct CallParams {
   int32_t mode;           // BenchMode
   int32_t num_ntiles;     // ceil(N_out / tile_n): N_out = N0 (layer0) / H (layer1)
   int32_t band_n;         // layer1: n-tiles per column band (comet/tile_order.h), 0 = all
+  int32_t sm_margin;      // SMs the grids that wait on themselves (prologue, combine) leave free
   int32_t raster_group;   // m-tiles per raster group of the tile orders (tile_order.h), 0 = auto
   int64_t rows_cap;       // rows the row-indexed outputs hold (M, or max_rows)
   int64_t max_rows;       // -1: rows known exactly (eager call)

@@ -44,7 +44,7 @@ void launch_combine(const CallParams& p, int grid, cudaStream_t stream) {
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, combine_kernel, kThreads, 0);
   if (e != cudaSuccess) return;  // reported by the caller's cudaGetLastError
-  const int fits = per_sm * sms;
+  const int fits = per_sm * (sms - p.sm_margin > 1 ? sms - p.sm_margin : 1);  // the call's margin
   CallParams args = p;
   void* argv[] = {&args};
   cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&combine_kernel),

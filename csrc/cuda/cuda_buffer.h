@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,12 @@
 #include "put_ring.h"
 
 namespace comet::gpu {
+
+// Thrown by CudaBuffer::grow when the need does not fit NVSHMEM's heap: the old capacity is
+// allocated again, so the call ends cleanly on every rank and the buffer serves what fits.
+struct SegmentRefused : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // What an eager call reads back after its begin kernel (the op's one host synchronisation).
 struct CallSummary {
@@ -52,6 +59,10 @@ class CudaBuffer {
   // The placement fingerprint the next calls announce (as SymmHeap::call_tag on the CPU).
   int32_t call_tag() const { return call_tag_; }
   void set_call_tag(int32_t t) { call_tag_ = t; }
+  // SMs a call's kernels leave free for other kernels peers may wait on (Buffer(sm_margin=); a
+  // call's own sm_margin overrides it; docs/gpu.md, "SM margin").
+  int32_t sm_margin() const { return sm_margin_; }
+  void set_sm_margin(int32_t n) { sm_margin_ = n; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double s) { timeout_s_ = s; }
   // Non-empty when some peer's memory is not reachable by pointer (another node, no P2P): which.
@@ -95,7 +106,9 @@ class CudaBuffer {
                          int32_t elem_bytes, int32_t tp = 1) const;
   // Collective: every rank grows together (they decide from the same call summary); for a
   // subgroup buffer, every process of the NVSHMEM world (reserve()). Frees the old segment
-  // before allocating the new one (the heap never holds both).
+  // before allocating the new one (the heap never holds both), then tries the sizes of
+  // comet/grow_rule.h. Throws SegmentRefused, with the old capacity allocated again, when even
+  // the need does not fit NVSHMEM's heap (on every rank alike).
   void grow(size_t bytes, cudaStream_t stream);
   // The largest data segment a call or reserve asked for so far.
   size_t requested() const { return requested_; }
@@ -144,6 +157,7 @@ class CudaBuffer {
   int device_;
   int64_t group_hash_;
   int32_t call_tag_ = 0;
+  int32_t sm_margin_ = 0;
   double timeout_s_;
   void* header_ = nullptr;
   void* data_ = nullptr;

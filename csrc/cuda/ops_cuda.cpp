@@ -179,6 +179,7 @@ struct LaunchPlan {
   bool vec = false;   // sm_80 path: 16-byte operand copies
   int grid = 0;
   int n_gemm = 0;
+  int sm_margin = 0;  // SMs every kernel of the call leaves free (docs/gpu.md, "SM margin")
   FusedKernelInfo info{};
 };
 
@@ -229,9 +230,10 @@ bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer,
 
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
-                       int64_t n_gemm, bool proxy_sm) {
+                       int64_t n_gemm, bool proxy_sm, int64_t sm_margin) {
   LaunchPlan lp;
   if (c.failed()) return lp;
+  lp.sm_margin = int(sm_margin);
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
   const std::string sm = "sm_" + std::to_string(prop.major * 10 + prop.minor);
   if (!c.value(prop.major >= 8, "the CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper; "
@@ -259,11 +261,18 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
                                                     lp.info.smem_bytes) != cudaSuccess)
     per_sm = 0;
-  const int sms = prop.multiProcessorCount - (proxy_sm ? 1 : 0);
-  const int64_t resident = int64_t(per_sm) * std::max(sms, 0);
+  // The SMs left to other kernels: sm_margin for whatever peers may wait on beside this call
+  // (a collective, another buffer's call), and one more for the inter-node proxy.
+  const int sms = prop.multiProcessorCount - (proxy_sm ? 1 : 0) - int(sm_margin);
+  if (!c.value(sms >= 1, "sm_margin=" + std::to_string(sm_margin) + " leaves none of this GPU's " +
+                             std::to_string(prop.multiProcessorCount) + " SMs to the call" +
+                             (proxy_sm ? " (one more is the inter-node proxy's)" : "")))
+    return lp;
+  const int64_t resident = int64_t(per_sm) * sms;
   std::ostringstream why;
   why << "this GPU's co-resident blocks of the fused kernel: " << per_sm << " per SM x " << sms
       << " SMs" << (proxy_sm ? ", one SM left to the inter-node proxy" : "")
+      << (sm_margin > 0 ? ", sm_margin=" + std::to_string(sm_margin) + " left free" : "")
       << "; the blocks wait on each other, so a larger grid could deadlock; n_gemm=0 uses "
          "every block n_comm leaves";
   // n_gemm = 0: every co-resident block n_comm leaves (at least one, or grid() refuses).
@@ -274,6 +283,11 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
   lp.grid = int(grid);
   lp.n_gemm = int(grid - n_comm);
   return lp;
+}
+
+// A call's sm_margin: its own, or -1 for the buffer's (Buffer(sm_margin=)).
+int64_t call_margin(const CudaBuffer& b, int64_t sm_margin) {
+  return sm_margin == -1 ? b.sm_margin() : sm_margin;
 }
 
 // The device decided that the call is rejected and which rank's input to name (bad_rank).
@@ -364,8 +378,8 @@ class Carver {
 // per SM (its grid barrier needs every block resident), and the scratch its programs need for
 // `keys` counting-sort keys. The inter-node proxy's one 32-thread block, when running, fits beside
 // a prologue block on any SM (256 threads, ~60 registers, 4 KiB of shared memory).
-int32_t prologue_blocks(int64_t items, int device) {
-  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+int32_t prologue_blocks(int64_t items, int device, int sm_margin) {
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount - sm_margin;
   return int32_t(std::clamp<int64_t>(ceil_div(std::max<int64_t>(items, 1),
                                               int64_t(kPrologueThreads) * 16),
                                      1, std::max(sms, 1)));
@@ -430,6 +444,7 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.raster_group = int32_t(std::max<int64_t>(raster_group_setting(), 0));
   p.num_ntiles = num_ntiles;
   p.max_rows = max_rows;
+  p.sm_margin = lp.sm_margin;
   return p;
 }
 
@@ -514,7 +529,15 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
                         "on every process first, or create it with a larger capacity_bytes");
     }
     proxy.pause();
-    b.grow(need, stream);
+    try {
+      b.grow(need, stream);
+    } catch (const SegmentRefused& e) {  // every rank alike; the old segment is back
+      p.datas = b.datas_table();
+      p.ring = b.put_ring();
+      proxy.resume();
+      launch_finish(p, stream);
+      TORCH_CHECK(false, op_name, ": ", e.what());
+    }
     p.datas = b.datas_table();
     p.ring = b.put_ring();
     proxy.resume();
@@ -595,7 +618,8 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                              const std::optional<at::Tensor>& x_scale,
                              const std::optional<at::Tensor>& w0_scale,
                              std::optional<at::ScalarType> out_dtype, bool dispatch_fp8,
-                             std::optional<c10::string_view> activation, bool h_fp8) {
+                             std::optional<c10::string_view> activation, bool h_fp8,
+                             int64_t sm_margin) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -610,7 +634,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Checker c = cuda_checker("comet.moe_layer0", dev);
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
                    w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
-               W, {n_comm, n_gemm, tile_m, tile_n});
+               W, {n_comm, n_gemm, tile_m, tile_n, 1, call_margin(b, sm_margin)});
   // The fused activation runs in the CPU backend's epilogue only so far: refused here (on every
   // rank, before any kernel) rather than ignored; comet.moe_layer0 applies it after the op.
   c.value(!activation || c.failed(),
@@ -633,7 +657,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const bool w_mn = shaped && w0_transposed;
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
                                     shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node());
+                                    b.multi_node(), call_margin(b, sm_margin));
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -667,7 +691,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   pre.take(p.rows_ready, W);
   pre.take(p.order_bucket, int64_t(W) + 1);
   pre.take(p.small, int64_t(std::max(El, W)) + 1);
-  p.source_blocks = prologue_blocks(T * k, dev);
+  p.source_blocks = prologue_blocks(T * k, dev, p.sm_margin);
   take_grid_scratch(pre, p, p.source_blocks, std::max(E, W));
   at::Tensor ws_pre = pre.allocate(dev);
 
@@ -690,7 +714,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     row_slot = at::empty({rows_cap}, i32);
     post.take(p.mtiles, p.mtiles_cap);
     post.take(p.mtile_order, p.mtiles_cap);
-    p.plan_blocks = prologue_blocks(p.mtiles_cap, dev);
+    p.plan_blocks = prologue_blocks(p.mtiles_cap, dev, p.sm_margin);
     take_grid_scratch(post, p, p.plan_blocks, W);
     const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
     const size_t rows_at = post.take(p.mtile_rows, p.mtiles_cap);
@@ -791,7 +815,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
                            int64_t tp_size,
                            const std::optional<at::Tensor>& h_scale,
                            const std::optional<at::Tensor>& w1_scale,
-                           std::optional<at::ScalarType> out_dtype) {
+                           std::optional<at::ScalarType> out_dtype, int64_t sm_margin) {
   std::string pending;
   auto buf = buffer_or_throw(buffer, &pending);
   CudaBuffer& b = *buf;
@@ -806,7 +830,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   Checker c = cuda_checker("comet.moe_layer1", dev);
   check_layer1(c, {h, w1, topk_weights, topk_ids, send_pos, recv_counts, num_experts, b1,
                    w1_transposed, max_rows, tp_size, h_scale, w1_scale, out_dtype},
-               W, {n_comm, n_gemm, tile_m, tile_n, band_n});
+               W, {n_comm, n_gemm, tile_m, tile_n, band_n, call_margin(b, sm_margin)});
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
   const int32_t tp = shaped ? int32_t(tp_size) : 1;
@@ -827,7 +851,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node());
+                                    b.multi_node(), call_margin(b, sm_margin));
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -865,8 +889,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.item_keys, T * k);
   ws.take(p.small, int64_t(std::max(El, W)) + 1);
   ws.take(p.order_bucket, int64_t(W) + 1);
-  p.source_blocks = prologue_blocks(T * k, dev);
-  p.plan_blocks = prologue_blocks(h_rows, dev);
+  p.source_blocks = prologue_blocks(T * k, dev, p.sm_margin);
+  p.plan_blocks = prologue_blocks(h_rows, dev, p.sm_margin);
   take_grid_scratch(ws, p, std::max(p.source_blocks, p.plan_blocks), W);
   ws.take(p.mtiles, p.mtiles_cap);
   ws.take(p.plan.entry_source, p.plan_cap);

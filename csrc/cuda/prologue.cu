@@ -413,13 +413,15 @@ __global__ void finish_kernel(const __grid_constant__ CallParams p) {
 }
 
 // Blocks of a prologue kernel that can be resident at once on this device (its occupancy with
-// kThreads threads and its static shared memory, times the SMs): the grid barrier needs them all.
-int coresident_blocks(const void* kernel) {
+// kThreads threads and its static shared memory, times the SMs the call's sm_margin leaves): the
+// grid barrier needs them all.
+int coresident_blocks(const void* kernel, int sm_margin) {
   int dev = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess)
     return 1;
+  sms -= sm_margin;
   return per_sm * sms > 1 ? per_sm * sms : 1;
 }
 
@@ -429,9 +431,9 @@ int coresident_blocks(const void* kernel) {
 // any grid size, and the scratch was sized for the larger `want`. No -rdc is needed: the barrier is
 // the engine's own (parallel.h), not cooperative_groups' grid sync.
 template <class... Args>
-void launch_grid_program(void (*kernel)(Args...), int want, cudaStream_t stream,
+void launch_grid_program(void (*kernel)(Args...), int want, int sm_margin, cudaStream_t stream,
                          const Args&... args) {
-  const int cap = coresident_blocks(reinterpret_cast<const void*>(kernel));
+  const int cap = coresident_blocks(reinterpret_cast<const void*>(kernel), sm_margin);
   const int blocks = want < 1 ? 1 : (want < cap ? want : cap);
   void* argv[] = {const_cast<void*>(static_cast<const void*>(&args))...};
   // An error is left for the caller's cudaGetLastError (the runtime records it there too).
@@ -456,15 +458,15 @@ int begin_blocks(const CallParams& p) {
 
 void launch_source(const CallParams& p, cudaStream_t stream) {
   if (p.ids == nullptr) return;  // rejected on the host: nothing to plan
-  launch_grid_program(source_kernel, p.source_blocks, stream, p);
+  launch_grid_program(source_kernel, p.source_blocks, p.sm_margin, stream, p);
 }
 
 void launch_begin(const CallParams& p, const CallMeta& me, cudaStream_t stream) {
-  launch_grid_program(begin_kernel, begin_blocks(p), stream, p, me);
+  launch_grid_program(begin_kernel, begin_blocks(p), p.sm_margin, stream, p, me);
 }
 
 void launch_publish(const CallParams& p, cudaStream_t stream) {
-  launch_grid_program(publish_kernel, p.plan_blocks, stream, p);
+  launch_grid_program(publish_kernel, p.plan_blocks, p.sm_margin, stream, p);
 }
 
 void launch_finish(const CallParams& p, cudaStream_t stream) {

@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "comet/grow_rule.h"
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
 #include "cuda_buffer.h"
@@ -55,20 +56,23 @@ size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 constexpr size_t kMinData = size_t(1) << 20;  // room for the bucket offsets of ~250k experts
 
+// Why an nvshmem_malloc of `bytes` for `what` failed, and what to do about it.
+std::string heap_full_message(size_t bytes, const char* what) {
+  const char* set = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+  std::ostringstream m;
+  m << "comet.buffers.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
+    << " failed: the NVSHMEM symmetric heap (NVSHMEM_SYMMETRIC_SIZE="
+    << (set != nullptr ? set : "unset: NVSHMEM's default, 1G") << ") is too small. Set "
+    << "NVSHMEM_SYMMETRIC_SIZE to at least the header plus " << bytes
+    << " bytes (plus NVSHMEM's own use) before the first comet call, or pass the largest "
+       "shape to comet.buffers.symm_cuda.init_nvshmem(reserve=dict(tokens=..., hidden=..., topk=..., "
+       "num_experts=...)) so comet sets it (comet.buffers.symm.required_bytes gives the data bytes)";
+  return m.str();
+}
+
 void* symmetric_alloc(size_t bytes, const char* what) {
   void* p = nvshmem_malloc(bytes);
-  if (p == nullptr) {
-    const char* set = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
-    std::ostringstream m;
-    m << "comet.buffers.symm (CUDA): nvshmem_malloc of " << bytes << " bytes for the " << what
-      << " failed: the NVSHMEM symmetric heap (NVSHMEM_SYMMETRIC_SIZE="
-      << (set != nullptr ? set : "unset: NVSHMEM's default, 1G") << ") is too small. Set "
-      << "NVSHMEM_SYMMETRIC_SIZE to at least the header plus " << bytes
-      << " bytes (plus NVSHMEM's own use) before the first comet call, or pass the largest "
-         "shape to comet.buffers.symm_cuda.init_nvshmem(reserve=dict(tokens=..., hidden=..., topk=..., "
-         "num_experts=...)) so comet sets it (comet.buffers.symm.required_bytes gives the data bytes)";
-    throw std::runtime_error(m.str());
-  }
+  if (p == nullptr) throw std::runtime_error(heap_full_message(bytes, what));
   return p;
 }
 
@@ -286,25 +290,42 @@ int64_t CudaBuffer::token_capacity(OpKind op, int64_t hidden, int32_t topk, int3
 void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
   if (bytes > requested_) requested_ = bytes;
   if (bytes <= capacity_) return;
-  size_t cap = bytes > 2 * capacity_ ? bytes : 2 * capacity_;
-  cap = round_up(cap, size_t(1) << 20);
-  try {
-    // The old segment goes first, so the heap never holds both (the peak is the new size, not
-    // old + new). Every rank is here between calls: in a call after reading its summary (the
-    // begin kernel waited until every peer was done with the previous call, and nothing of this
-    // call has been written to the data segment yet; the proxy is paused), in reserve() with
-    // the buffer's stream synchronised; nvshmem_free is collective (a barrier), so no rank
-    // allocates before every rank let go of its old segment.
-    nvshmem_free(data_);
-    data_ = nullptr;
-    capacity_ = 0;
-    data_ = symmetric_alloc(cap, "grown data segment");
-    capacity_ = cap;
-    refresh_tables(stream);
-  } catch (const std::exception& e) {
-    mark_dead(e.what());  // ranks may now hold different segments: nothing to re-arm
-    throw;
+  // The sizes to try (comet/grow_rule.h): the doubling, then the need alone, so a fixed-size
+  // NVSHMEM heap that holds the need never fails the call for the doubling's sake.
+  const GrowSteps steps = grow_steps(bytes, capacity_, size_t(1) << 20);
+  const size_t old = capacity_;
+  // The old segment goes first, so the heap never holds both (the peak is the new size, not
+  // old + new). Every rank is here between calls: in a call after reading its summary (the
+  // begin kernel waited until every peer was done with the previous call, and nothing of this
+  // call has been written to the data segment yet; the proxy is paused), in reserve() with
+  // the buffer's stream synchronised; nvshmem_free is collective (a barrier), so no rank
+  // allocates before every rank let go of its old segment. nvshmem_malloc is collective too and
+  // every rank's heap holds the same allocations, so every rank gets the same answer to each try.
+  nvshmem_free(data_);
+  data_ = nullptr;
+  capacity_ = 0;
+  for (const size_t cap : {steps.first, steps.second}) {
+    if (cap == 0) continue;
+    data_ = nvshmem_malloc(cap);
+    if (data_ != nullptr) {
+      capacity_ = cap;
+      refresh_tables(stream);
+      return;
+    }
   }
+  // Neither fits: the old size did a moment ago, so the buffer goes on at it and the call raises.
+  const std::string why = heap_full_message(steps.second != 0 ? steps.second : steps.first,
+                                            "grown data segment");
+  data_ = nvshmem_malloc(old);
+  if (data_ == nullptr) {
+    mark_dead(why + " (and the old segment of " + std::to_string(old) +
+              " bytes could not be allocated again)");
+    throw std::runtime_error(dead_);
+  }
+  capacity_ = old;
+  refresh_tables(stream);
+  throw SegmentRefused(why + "; the buffer keeps its " + std::to_string(old) +
+                       " bytes and serves the calls that fit");
 }
 
 void CudaBuffer::clear_error() { std::memset(error_host_, 0, sizeof(ErrorRecord)); }
@@ -551,6 +572,11 @@ void buffer_set_node_reduce(int64_t h, bool on) { find_cuda_buffer(h)->set_node_
 void buffer_release(int64_t h) { release_cuda_buffer(h); }
 void buffer_set_call_tag(int64_t h, int64_t t) { find_cuda_buffer(h)->set_call_tag(int32_t(t)); }
 void buffer_set_max_rows(int64_t h, int64_t r) { find_cuda_buffer(h)->set_max_rows(r); }
+void buffer_set_sm_margin(int64_t h, int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0 && n <= INT32_MAX, "comet: sm_margin must be >= 0, got ", n);
+  find_cuda_buffer(h)->set_sm_margin(int32_t(n));
+}
+int64_t buffer_sm_margin(int64_t h) { return find_cuda_buffer(h)->sm_margin(); }
 int64_t buffer_max_rows(int64_t h) { return find_cuda_buffer(h)->max_rows(); }
 void buffer_set_bench_mode(int64_t h, int64_t m) {
   TORCH_CHECK_VALUE(m >= 0 && m <= 2, "bench mode must be 0 (fused), 1 (comm only) or 2 (GEMM only)");
@@ -658,6 +684,8 @@ TORCH_LIBRARY(comet_cuda, m) {
   m.def("buffer_set_node_reduce(int handle, bool on) -> ()", &buffer_set_node_reduce);
   m.def("buffer_release(int handle) -> ()", &buffer_release);
   m.def("buffer_set_call_tag(int handle, int tag) -> ()", &buffer_set_call_tag);
+  m.def("buffer_set_sm_margin(int handle, int margin) -> ()", &buffer_set_sm_margin);
+  m.def("buffer_sm_margin(int handle) -> int", &buffer_sm_margin);
   m.def("buffer_set_max_rows(int handle, int max_rows) -> ()", &buffer_set_max_rows);
   m.def("buffer_max_rows(int handle) -> int", &buffer_max_rows);
   m.def("buffer_set_bench_mode(int handle, int mode) -> ()", &buffer_set_bench_mode);

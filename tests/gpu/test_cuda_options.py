@@ -414,3 +414,36 @@ def test_max_rows_on_one_rank_only_raises_on_every_rank(world):
     y0, layout, h, out = run_layers(case, rank, inputs, biases, bias=False, transposed=False)
     _buffer().check()
     check_reference(case, BF16, rank, w, y0, layout, h, out, inputs, biases, bias=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# SM margin (docs/gpu.md, "SM margin")
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sm_margin_changes_no_bit_and_one_that_leaves_no_sm_is_refused(world):
+    """The buffer's default (2), a call's own margin and none give the same bits; a margin of
+    every SM is refused on every rank (here: every rank passes it) and the buffer serves the next
+    call."""
+    from comet.buffers import symm_cuda
+
+    rank, w = world
+    case = cases_for(w)[0]
+    inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
+    x, w0, w1, tid, tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
+    buf = _buffer()
+    assert buf.sm_margin == symm_cuda.DEFAULT_SM_MARGIN == 2
+    outs = []
+    for margin in (None, 0, 5):
+        y0, layout = comet.moe_layer0(x, w0, tid, num_experts=case.experts, sm_margin=margin)
+        out = comet.moe_layer1(h_from_y0(y0, case.n1), w1, tw, layout, sm_margin=margin)
+        torch.cuda.synchronize()
+        outs.append((y0, out))
+    for y0, out in outs[1:]:
+        assert torch.equal(y0, outs[0][0]) and torch.equal(out, outs[0][1])
+    sms = torch.cuda.get_device_properties(_device()).multi_processor_count
+    with pytest.raises(ValueError, match=f"sm_margin={sms} leaves none of this GPU's {sms} SMs"):
+        comet.moe_layer0(x, w0, tid, num_experts=case.experts, sm_margin=sms)
+    y0, layout = comet.moe_layer0(x, w0, tid, num_experts=case.experts)
+    torch.cuda.synchronize()
+    assert torch.equal(y0, outs[0][0])

@@ -100,6 +100,52 @@ COMET_HD SlotGroups groups_of(const Layer1CommArgs<Acc>& a, int32_t home, int32_
   return slot_groups(node_reduced(a) ? a.ranks_per_node : 0, home, sender);
 }
 
+// The reduce-plan entries whose home is on this rank's node, [lo, hi): entries are in ascending
+// source order (prologue.h: reduce_plan_program) and a node's ranks are consecutive, so they are
+// one range. They need no staging row; the others take the stage's rows in entry order
+// (stage_row), so the stage holds at most the other nodes' ranks' tokens: (W - P) * tmax rows
+// (symm_layout.h), not one per entry.
+struct EntryRange {
+  int64_t lo, hi;
+};
+
+template <class Acc>
+COMET_HD EntryRange own_node_entries(const Layer1CommArgs<Acc>& a) {
+  const int32_t first = a.rank / a.ranks_per_node * a.ranks_per_node;
+  auto lower = [&](int32_t src) {  // the first entry whose source is >= src
+    int64_t lo = 0, hi = a.plan.entries;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (a.plan.entry_source[mid] < src)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo;
+  };
+  return EntryRange{lower(first), lower(first + a.ranks_per_node)};
+}
+
+// The staging row of entry e, whose home is on another node.
+COMET_HD int64_t stage_row(const EntryRange& own, int64_t e) {
+  return e < own.lo ? e : e - (own.hi - own.lo);
+}
+
+// Rows [first, last) of an ordered list, each sent by a put when sends(i): a maximal run of rows
+// in which each follows(i) its predecessor (same target, the next row both where it is read and
+// where it lands) goes as one put, put(i, n), as layer0's dispatch sends runs of tokens
+// (node_push.h). Each thread takes the runs that start in its share of the rows.
+template <class Ctx, class Sends, class Follows, class Put>
+COMET_HD void put_runs(Ctx& ctx, int64_t first, int64_t last, Sends&& sends, Follows&& follows,
+                       Put&& put) {
+  for (int64_t i = first + ctx.thread(); i < last; i += ctx.threads()) {
+    if (!sends(i) || (i > first && sends(i - 1) && follows(i))) continue;  // not a run's start
+    int64_t n = 1;
+    while (i + n < last && sends(i + n) && follows(i + n)) ++n;
+    put(i, n);
+  }
+}
+
 constexpr int32_t kColGroup = 8;
 
 // Whether both steps may use 16-byte vectors: fp32 accumulation, 8-column groups that never
@@ -157,12 +203,13 @@ COMET_HD void load_group_as(const void* p, ScalarKind kind, float (&v)[kColGroup
 }
 
 // After one (chunk, n-tile) item: the block that completes the chunk's last n-tile sends the
-// chunk's staged rows whose home is on another node, one put per row (a whole partial row of H
-// columns), the threads of the block each taking rows. The count is published with release after
+// chunk's staged rows whose home is on another node (whole partial rows of H columns), one put
+// per run of entries of one home with consecutive tokens in one partial slot (put_runs), the
+// threads of the block each taking runs. The count is published with release after
 // the block's stores (fence, barrier), and the last arriver acquires every other block's.
 template <class Ctx, class Acc>
-COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, int64_t chunk,
-                               int64_t first, int64_t last, int64_t pstride) {
+COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, const EntryRange& own,
+                               int64_t chunk, int64_t first, int64_t last, int64_t pstride) {
   int32_t* complete = static_cast<int32_t*>(ctx.block_shared());
   ctx.fence_peers();
   ctx.sync();
@@ -175,14 +222,20 @@ COMET_HD void send_staged_rows(Ctx& ctx, const Layer1CommArgs<Acc>& a, int64_t c
   if (*complete) {
     const int64_t eb = scalar_bytes(a.out_kind);
     const size_t row = size_t(a.hidden) * size_t(eb);
-    for (int64_t e = first + ctx.thread(); e < last; e += ctx.threads()) {
-      const int32_t home = a.plan.entry_source[e];
-      if (!other_node(a, home)) continue;
-      const int64_t at = int64_t(a.plan.entry_partial[e]) * pstride +
-                         int64_t(a.plan.entry_token[e]) * a.hidden;
-      ctx.put_signal(home, ctx.data(a.rank) + a.regions.recv + at * eb, a.stage + e * int64_t(row),
-                     row, nullptr, 0);
-    }
+    const ReducePlan<Acc>& pl = a.plan;
+    put_runs(
+        ctx, first, last, [&](int64_t e) { return other_node(a, pl.entry_source[e]); },
+        [&](int64_t e) {  // both of one remote home: adjacent stage rows (stage_row)
+          return pl.entry_source[e] == pl.entry_source[e - 1] &&
+                 pl.entry_partial[e] == pl.entry_partial[e - 1] &&
+                 pl.entry_token[e] == pl.entry_token[e - 1] + 1;
+        },
+        [&](int64_t e, int64_t n) {
+          const int64_t at = int64_t(pl.entry_partial[e]) * pstride +
+                             int64_t(pl.entry_token[e]) * a.hidden;
+          ctx.put_signal(pl.entry_source[e], ctx.data(a.rank) + a.regions.recv + at * eb,
+                         a.stage + stage_row(own, e) * int64_t(row), size_t(n) * row, nullptr, 0);
+        });
   }
   ctx.sync();  // `complete` is rewritten by the next item
 }
@@ -194,6 +247,8 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const int64_t items = chunks * a.num_ntiles;
   const int64_t pstride = a.tmax * a.hidden;  // elements per partial slot
   uint64_t sent = 0;  // this thread's share of the rows sent to other ranks
+  const bool staged = several_nodes(a) && !node_reduced(a);
+  const EntryRange own = staged ? own_node_entries(a) : EntryRange{0, 0};
   for (int64_t i = ctx.block(); i < items; i += ctx.blocks()) {
     const int32_t n = int32_t(i / chunks);
     const int64_t first = (i % chunks) * a.entries_per_item;
@@ -230,7 +285,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
                a.plan.entry_partial[e]) * a.tmax + a.plan.entry_token[e]) * a.hidden + col;
       } else if (other_node(a, home)) {
         part = a.stage;
-        at = e * a.hidden + col;
+        at = stage_row(own, e) * a.hidden + col;
       }
       if (vec) {
         float acc[kColGroup] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -248,7 +303,7 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
         store_as<Acc>(part, at, a.out_kind, acc);
       }
     }
-    if (several_nodes(a) && !node_reduced(a)) send_staged_rows(ctx, a, i % chunks, first, last, pstride);
+    if (staged) send_staged_rows(ctx, a, own, i % chunks, first, last, pstride);
     ctx.delay();
   }
   if (sent > 0) counter_add(a.rows_sent, sent);
@@ -282,8 +337,8 @@ COMET_HD void layer1_reduce_send(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
 // slot (= ascending sending rank) into its first row, rounded to the partials' dtype, and that
 // row is put into h's receive buffer at the node's slot in h's order: one row per (token, node)
 // crosses the link. Tokens split over blocks, (token, column group) pairs over threads, then the
-// block's threads put its tokens' rows; the last block to finish signals every h (after its puts:
-// the link is FIFO per target).
+// block's threads put its tokens' rows, one put per run of consecutive tokens in one slot; the
+// last block to finish signals every h (after its puts: the link is FIFO per target).
 template <class Ctx, class Acc>
 COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
   const NodeTopology t = topology_of(a);
@@ -332,13 +387,20 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
     ctx.fence_peers();  // the sums are in memory before the transport reads them
     ctx.sync();
     const size_t row = size_t(a.hidden) * size_t(eb);
-    for (int64_t tok = t0 + ctx.thread(); tok < t1; tok += ctx.threads()) {
+    // The node's slot in h's order for a token, -1 when this node sends it nothing; a run is
+    // the consecutive tokens of one slot (their rows adjacent in node_stage and at h).
+    auto slot_of = [&](int64_t tok) -> int32_t {
       const int32_t* tid = ids + tok * a.topk;
-      if (partial_slot(tid, a.topk, a.experts_local, a.rank, within).count == 0) continue;
-      const int32_t slot = partial_slot(tid, a.topk, a.experts_local, a.rank,
-                                        SlotGroups{rpn, h, -1}).ordinal;
+      if (partial_slot(tid, a.topk, a.experts_local, a.rank, within).count == 0) return -1;
+      return partial_slot(tid, a.topk, a.experts_local, a.rank, SlotGroups{rpn, h, -1}).ordinal;
+    };
+    for (int64_t tok = t0 + ctx.thread(); tok < t1; tok += ctx.threads()) {
+      const int32_t slot = slot_of(tok);
+      if (slot < 0 || (tok > t0 && slot_of(tok - 1) == slot)) continue;  // not a run's start
+      int64_t n = 1;
+      while (tok + n < t1 && slot_of(tok + n) == slot) ++n;
       ctx.put_signal(h, ctx.data(a.rank) + a.regions.recv + (slot * pstride + tok * a.hidden) * eb,
-                     stage + (base + tok) * int64_t(row), row, nullptr, 0);
+                     stage + (base + tok) * int64_t(row), size_t(n) * row, nullptr, 0);
     }
     ctx.sync();
   }

@@ -145,8 +145,9 @@ struct DataRegions {
   size_t recv;        // elem  [partials, tmax, H]
   // layer1 across nodes: this rank's partial rows for homes on other nodes, staged as the source
   // of their puts (symmetric memory: a put's source over IB must be registered), one row per
-  // reduce-plan entry (entries <= W * tmax: one per (source, token))
-  size_t stage;       // elem  [W * tmax, H] when mirrors > 0 and partials go per rank
+  // reduce-plan entry of such a home (one per (source, token): at most the other nodes' ranks'
+  // tokens; comm_layer1.h: stage_row)
+  size_t stage;       // elem  [(W - P) * tmax, H] when mirrors > 0 and partials go per rank
   // layer1 node-reduced (comet/topology.h): written by this node's ranks, the partial rows of the
   // tokens of the homes this rank relays (one per remote node), before this rank sums and sends
   // them: [mirrors][min(k, ranks_per_node)][tmax, H], slot = the sender's ordinal in its node
@@ -194,8 +195,10 @@ COMET_HD DataRegions data_regions(OpKind op, int64_t tmax, int32_t hidden, int32
     r.pair_slot = take(slots * 4);
     r.source_bytes = off;
     r.recv = take(size_t(partials) * tmax * hidden * elem_bytes);
-    // node_stage_rows > 0: node-reduced partials (no per-rank staging for puts)
-    r.stage = take(mirrors > 0 && node_stage_rows == 0 ? size_t(world) * tmax * hidden * elem_bytes
+    // node_stage_rows > 0: node-reduced partials (no per-rank staging for puts). The ranks of
+    // the other nodes: W - P with P = W / (mirrors + 1) ranks per node.
+    const size_t remote_ranks = size_t(world) - size_t(world) / size_t(mirrors + 1);
+    r.stage = take(mirrors > 0 && node_stage_rows == 0 ? remote_ranks * tmax * hidden * elem_bytes
                                                        : 0);
     r.node_stage = take(size_t(mirrors) * size_t(node_stage_rows) * tmax * hidden * elem_bytes);
   }
