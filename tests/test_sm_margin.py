@@ -173,3 +173,12 @@ def test_buffer_and_call_margins(monkeypatch):
             comet.moe_layer0(x, w0, ids, num_experts=E, buffer=buf, sm_margin=0.5)
     finally:
         buf.close()
+
+
+def test_cuda_default_margin_only_where_peers_exist():
+    """The stated rule (docs/gpu.md, "SM margin"): the margin guards against a deadlock across
+    ranks, so a CUDA buffer created without one leaves 2 SMs free in a group of several ranks and
+    none in a world of one."""
+    from comet.buffers import symm_cuda
+
+    assert [symm_cuda.default_sm_margin(w) for w in (1, 2, 3, 8, 16)] == [0, 2, 2, 2, 2]

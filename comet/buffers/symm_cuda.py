@@ -55,8 +55,16 @@ from comet._native import _C
 DEFAULT_TIMEOUT = symm.DEFAULT_TIMEOUT
 DEFAULT_CAPACITY = int(os.environ.get("COMET_CUDA_BUFFER_BYTES", str(64 << 20)))
 NVSHMEM_DEFAULT_HEAP = 1 << 30  # NVSHMEM's own default symmetric size
-# SMs a call's kernels leave free by default (docs/gpu.md, "SM margin", says why 2).
+# SMs a call's kernels leave free by default in a group of several ranks (docs/gpu.md, "SM
+# margin", says why 2).
 DEFAULT_SM_MARGIN = 2
+
+
+def default_sm_margin(world: int) -> int:
+    """The sm_margin of a buffer created without one: DEFAULT_SM_MARGIN where peers exist, 0 in a
+    world of one, where no kernel waits on another rank (the margin guards against a deadlock
+    across ranks), so the GEMM keeps every SM."""
+    return DEFAULT_SM_MARGIN if world > 1 else 0
 # Room left for NVSHMEM's own symmetric allocations (teams, collectives) and for allocator
 # alignment beside comet's buffer: a margin, not a measured figure.
 NVSHMEM_HEADROOM = 128 << 20
@@ -156,7 +164,8 @@ class Buffer:
     `reserve`: the largest shape its calls will have, dict(tokens=, hidden=, topk=, num_experts=,
     [dtype=, world=, ranks_per_node=, node_reduce=]): the first buffer of the process sets
     NVSHMEM_SYMMETRIC_SIZE from it (unless set), and the buffer reserves it at once.
-    `sm_margin` (default DEFAULT_SM_MARGIN, 2): SMs every call's kernels leave free for other
+    `sm_margin` (default DEFAULT_SM_MARGIN, 2; 0 in a world of one: default_sm_margin): SMs
+    every call's kernels leave free for other
     kernels that peers may wait on (a collective on another stream, another buffer's call;
     docs/gpu.md, "SM margin"); a call's own sm_margin= overrides it.
     """
@@ -166,7 +175,8 @@ class Buffer:
                  reserve: dict | None = None, tp_size: int | None = None, placement=None,
                  sm_margin: int | None = None):
         self.device = _device(device)
-        margin = symm.sm_margin_setting(sm_margin, DEFAULT_SM_MARGIN)
+        # checked now, the default chosen once the group's size is known
+        margin = None if sm_margin is None else symm.sm_margin_setting(sm_margin, DEFAULT_SM_MARGIN)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         capacity = DEFAULT_CAPACITY if capacity_bytes is None else int(capacity_bytes)
@@ -200,7 +210,8 @@ class Buffer:
             if _distributed():
                 symm._check_same_across_ranks(self.node_reduce, "node_reduce", group, self.world)
             ops.buffer_set_node_reduce(self.handle, self.node_reduce)
-            ops.buffer_set_sm_margin(self.handle, margin)
+            ops.buffer_set_sm_margin(self.handle,
+                                     default_sm_margin(self.world) if margin is None else margin)
         except (ValueError, RuntimeError):
             ops.buffer_release(self.handle)  # collective, like the creation
             raise

@@ -422,7 +422,7 @@ def test_max_rows_on_one_rank_only_raises_on_every_rank(world):
 
 
 def test_sm_margin_changes_no_bit_and_one_that_leaves_no_sm_is_refused(world):
-    """The buffer's default (2), a call's own margin and none give the same bits; a margin of
+    """The buffer's default (2 with peers, 0 in a world of one), a call's own margin and none give the same bits; a margin of
     every SM is refused on every rank (here: every rank passes it) and the buffer serves the next
     call."""
     from comet.buffers import symm_cuda
@@ -432,7 +432,7 @@ def test_sm_margin_changes_no_bit_and_one_that_leaves_no_sm_is_refused(world):
     inputs, biases = make_inputs(case, BF16), make_biases(case, BF16)
     x, w0, w1, tid, tw, _b0, _b1 = layer_args(rank, inputs, biases, bias=False, transposed=False)
     buf = _buffer()
-    assert buf.sm_margin == symm_cuda.DEFAULT_SM_MARGIN == 2
+    assert buf.sm_margin == (2 if w > 1 else 0) and symm_cuda.DEFAULT_SM_MARGIN == 2
     outs = []
     for margin in (None, 0, 5):
         y0, layout = comet.moe_layer0(x, w0, tid, num_experts=case.experts, sm_margin=margin)
