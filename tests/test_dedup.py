@@ -8,7 +8,9 @@ Two kinds of check, ranks simulated as threads on the CPU backend:
   and random delays (COMET_STRESS);
 - Buffer.traffic() against a count written here from the routing: the distinct (token,
   destination) pairs with destination != source, on awkward routing (skewed, a token with all k
-  slots on one rank, the same expert twice in a token's top-k, dropped slots, empty ranks)."""
+  slots on one rank, the same expert twice in a token's top-k, dropped slots, empty ranks);
+  across nodes also the node-reduced layer1, whose relays count the node-summed rows they
+  forward (one per (token, node) with a slot there) as sent."""
 import pytest
 import torch
 
@@ -54,7 +56,8 @@ def distinct_remote_pairs(ids, rank, ep_rank_of_expert, ep_rank_of_rank):
 
 
 def run(world, ids, E, *, dtype=torch.float32, H=32, N=24, tp=1, rpn=None, threads=None,
-        resident=None, placement=None, fp8_rows=False, n_comm=2, dedup=True, monkeypatch=None):
+        resident=None, placement=None, fp8_rows=False, n_comm=2, dedup=True, node_reduce=None,
+        monkeypatch=None):
     """layer0 -> tanh -> layer1 on every rank: (y0, a, row origins, out, traffic) per rank."""
     if monkeypatch is not None:
         monkeypatch.setenv("COMET_LAYER0_DEDUP", "1" if dedup else "0")
@@ -66,7 +69,7 @@ def run(world, ids, E, *, dtype=torch.float32, H=32, N=24, tp=1, rpn=None, threa
     wts = [torch.rand(len(t), t.shape[1], generator=g) for t in ids]
     bufs = comet.Buffer.simulated_world(world, timeout=30, tp_size=tp,
                                         ranks_per_node=rpn or world, threads_per_block=threads,
-                                        resident_blocks=resident)
+                                        resident_blocks=resident, node_reduce=node_reduce)
 
     def rank(r, buf):
         if placement is not None:
@@ -201,3 +204,56 @@ def test_cost_model_rows_are_the_distinct_pairs(W, E, k, tp):
     shape = pm.MoEShape(W=W, E=E, k=k, H=128, N=128, T=T, tp_size=tp,
                         tp_path=pm.BUILT_TP_PATH if tp > 1 else None)
     assert pm.remote_rows(shape, 0) == pytest.approx(count, rel=0.02)
+
+
+def layer1_sent_node_reduced(ids, r, el, rpn):
+    """Rows rank r sends in a node-reduced layer1, counted here from the routing alone, as
+    (partials, forwarded): per (home h != r, token) with a slot on r, one partial row to h when h
+    is on r's node, else to h's relay on r's node (the rank there with h's local index), which is
+    another rank unless that relay is r; and, as relay, one node-summed row per (token of h, r's
+    node) for every home h on another node with r's local index whose token has a slot on r's
+    node."""
+    node = lambda x: x // rpn
+    partials = forwarded = 0
+    for h, t_ids in enumerate(ids):
+        for row in t_ids.tolist():
+            ranks = {e // el for e in row if e >= 0}
+            if h != r and r in ranks:
+                to = h if node(h) == node(r) else node(r) * rpn + h % rpn
+                partials += to != r
+            if node(h) != node(r) and h % rpn == r % rpn:
+                forwarded += any(node(d) == node(r) for d in ranks)
+    return partials, forwarded
+
+
+@pytest.mark.parametrize("node_reduce", [False, True], ids=["flat", "node-reduced"])
+@pytest.mark.parametrize("world,rpn", [(4, 2), (6, 3)], ids=["2x2", "2x3"])
+def test_traffic_across_nodes(world, rpn, node_reduce):
+    """Two nodes, bf16, skewed routing with dropped slots and an empty rank: layer0 counts the
+    distinct (token, rank) reads at each destination; layer1 counts every rank's partial rows to
+    other ranks, and node-reduced also the relays' forwarded node-summed rows."""
+    E, k, H = {4: 8, 6: 6}[world], 4, 32  # 2x3: E_local = 1, E = 6 not a power of two
+    tokens = (7, 0, 11, 5, 9, 3)[:world]
+    ids = routing(tokens, E, k, seed=77 + world, skew=True)
+    res = run(world, ids, E, dtype=torch.bfloat16, rpn=rpn, node_reduce=node_reduce, H=H)
+    el = E // world
+    relayed = 0
+    for r in range(world):
+        pairs = distinct_remote_pairs(ids, r, lambda e: e // el, lambda d: d)
+        sent = pairs
+        if node_reduce:
+            partials, forwarded = layer1_sent_node_reduced(ids, r, el, rpn)
+            sent, relayed = partials + forwarded, relayed + forwarded
+        assert res[r][3] == comet.Traffic(pairs, pairs * H * 2, sent, sent * H * 2), r
+    assert relayed > 0 or not node_reduce  # the routing makes the relays forward rows
+
+
+def test_traffic_across_nodes_fp8_rows():
+    """FP8 rows across two nodes: the destinations' reads count their packed bytes."""
+    world, E, k = 4, 8, 4
+    ids = routing((9, 0, 7, 6), E, k, seed=5, skew=True)
+    res = run(world, ids, E, fp8_rows=True, H=256, N=128, rpn=2)
+    rb = fp8.row_bytes(256)
+    for r in range(world):
+        pairs = distinct_remote_pairs(ids, r, lambda e: e // 2, lambda d: d)
+        assert res[r][3][:2] == (pairs, pairs * rb), r

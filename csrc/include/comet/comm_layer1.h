@@ -72,7 +72,8 @@ struct Layer1CommArgs {
   // rank sends its partial row of a token, the home adds EPs x t partials (partial_slot).
   int32_t tp = 1;
   // += partial rows this rank sends to other ranks (Buffer.traffic), or null: one per reduce-plan
-  // entry whose row goes to another rank (its home, or the home's relay here when node-reduced)
+  // entry whose row goes to another rank (its home, or the home's relay here when node-reduced),
+  // and, node-reduced, one per node-summed row this rank forwards as relay (layer1_node_relay)
   uint64_t* rows_sent = nullptr;
 };
 
@@ -401,6 +402,9 @@ COMET_HD void layer1_node_relay(Ctx& ctx, const Layer1CommArgs<Acc>& a) {
       while (tok + n < t1 && slot_of(tok + n) == slot) ++n;
       ctx.put_signal(h, ctx.data(a.rank) + a.regions.recv + (slot * pstride + tok * a.hidden) * eb,
                      stage + (base + tok) * int64_t(row), size_t(n) * row, nullptr, 0);
+      // Sent rows (Buffer.traffic), counted where they are put: one add per run, not a running
+      // total (which made the combine kernel spill).
+      if (a.rows_sent != nullptr) counter_add(a.rows_sent, uint64_t(n));
     }
     ctx.sync();
   }
