@@ -9,13 +9,14 @@ source rank is assumed to route like the histogram (the same expert shares on ev
   token holds an expert at most once, so ``k p_e <= 1``: shares above ``1 / k`` are capped and
   the excess is spread over the others in proportion (:func:`slot_shares`).
 * Rows: source ``s`` sends ``T k p_e`` rows of expert ``e`` to the replica
-  :func:`comet.plan.choose_replica` picks.  Rank ``r``'s GEMM rows per slot, its layer0 rows
-  received (from ``s != r``) follow exactly.
-* layer1 partial rows: one per (token, remote rank it has a slot on).  For source ``s`` and rank
+  :func:`comet.plan.choose_replica` picks.  Rank ``r``'s GEMM rows per slot follow exactly.
+* layer0 rows received and layer1 partial rows: one per (token, remote rank it has a slot on)
+  (layer0 pulls a token once per destination rank, its other slot rows there are local copies).  For source ``s`` and rank
   ``r`` serving experts with inclusion probabilities ``pi_i = k p_i`` (descending), the model
   takes ``P(no slot on r) = prod_i max(0, 1 - pi_i / (1 - sum_{j<i} pi_j / k))``: exact for one
   expert and for uniform routing (the hypergeometric ``C(E - E_l, k) / C(E, k)``), an
-  approximation in between.  Partial rows sent by ``r`` = ``T sum_{s != r} P(slot on r)``.
+  approximation in between.  Rows received by ``r`` in layer0 and partial rows sent by ``r`` in
+  layer1 are both ``T sum_{s != r} P(slot on r)``.
 * Each rank becomes a :class:`comet.tune.perfmodel.MoEShape` with these measured ``expert_rows`` and
   ``remote_rows`` (padded to the largest slot count with empty experts); the rest of the model is
   unchanged.  Approximations beyond the uniform model: layer1's local partials and its combine
@@ -44,7 +45,7 @@ class RankRows(NamedTuple):
     """One rank's expected rows per step (see the module doc)."""
 
     slot_rows: tuple  # GEMM rows per local slot, ascending logical expert id
-    received: float  # layer0 rows pulled from other ranks
+    received: float  # layer0 rows pulled from other ranks (one per (token, remote source))
     partials_sent: float  # layer1 partial rows to other ranks' tokens
     partials_local: float  # layer1 partial rows for this rank's own tokens
 
@@ -104,21 +105,20 @@ def rank_rows(placement: Placement, loads: Sequence[float], tokens: int, k: int,
     p = slot_shares(loads, k)
     table = route_table(placement, ranks_per_node)
     rows = [[0.0] * E for _ in range(W)]  # rows[r][e]: rows rank r serves for expert e
-    received = [0.0] * W
     served = [[[] for _ in range(W)] for _ in range(W)]  # served[s][r]: inclusion probs
     for s in range(W):
         for e in range(E):
             r = table[s][e]
             n = tokens * k * p[e]
             rows[r][e] += n
-            if r != s:
-                received[r] += n
             served[s][r].append(k * p[e])
     out = []
     for r in range(W):
         hit = [_p_slot_on(served[s][r], k) for s in range(W)]
-        out.append(RankRows(tuple(rows[r][e] for e in placement.local_experts(r)), received[r],
-                            tokens * sum(h for s, h in enumerate(hit) if s != r),
+        # tokens of other ranks with a slot here: layer0 pulls each once, layer1 sends each a
+        # partial (the same count, two directions)
+        remote = tokens * sum(h for s, h in enumerate(hit) if s != r)
+        out.append(RankRows(tuple(rows[r][e] for e in placement.local_experts(r)), remote, remote,
                             tokens * hit[r]))
     return out
 
