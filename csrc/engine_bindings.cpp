@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "comet/activation.h"
 #include "comet/fp8_rows.h"
 #include "fp8_quant.h"
 #include "op_checks.h"
@@ -263,6 +264,16 @@ void bind_engine(py::module_& m) {
       py::arg("world"), py::arg("elem_bytes"), py::arg("acc_bytes") = 4,
       py::arg("ranks_per_node") = 0, py::arg("node_reduce") = false, py::arg("tp") = 1);
   e.def("header_bytes", [](int32_t world) { return int64_t(comet::header_bytes(world)); });
+  // comet/activation.h's B-row remap of a fused activation's tile of h's columns [j0, j0 + half):
+  // the w0 row each of its 2 * half B rows loads, -1 where out of range.
+  e.def("activation_b_rows", [](int64_t half, int64_t f, int64_t j0) {
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < 2 * half; ++i)
+      rows.push_back(comet::activation_b_row_valid(i, half, f, j0)
+                         ? comet::activation_b_row(i, half, f, j0)
+                         : -1);
+    return rows;
+  });
   // comet/fp8_rows.h: bytes of one packed FP8 token row of `hidden` values and the offset of its
   // scales (comet.fp8.row_bytes / unpack_rows, required_bytes for FP8 rows).
   e.def("fp8_row_bytes", [](int64_t hidden) { return comet::fp8_row_bytes(hidden); });

@@ -476,3 +476,24 @@ def test_any_tile_and_split_gives_the_oracle_and_the_same_bits(f, tile_m, tile_n
                      launch=dict(n_comm=n_comm, tile=(tile_m, tile_n)))[0]
     for (a, _), (b, _) in zip(base, again):
         assert torch.equal(a, b), (tile_m, tile_n, n_comm)
+
+
+# -- The B-row remap every backend's loader uses (hypothesis) ------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(f=st.integers(1, 300), half=st.sampled_from([1, 3, 8, 64]))
+def test_b_row_remap_covers_each_w0_row_once(f, half):
+    """The tiles of h's columns [j0, j0 + half) (the CUDA tiles: half = 64) load, in B rows
+    [0, half), the gate rows j0 + i and, in [half, 2 half), the up rows F + j0 + i, out of range
+    past F; over all tiles every row of w0 = [gate; up] exactly once."""
+    from comet._C import engine
+
+    seen = []
+    for j0 in range(0, f, half):
+        rows = engine.activation_b_rows(half, f, j0)
+        assert len(rows) == 2 * half
+        for i, r in enumerate(rows):
+            col = j0 + i % half
+            assert r == (-1 if col >= f else col if i < half else f + col), (j0, i)
+        seen += [r for r in rows if r >= 0]
+    assert sorted(seen) == list(range(2 * f))

@@ -69,6 +69,14 @@ int main() {
               sm90::GemmConfig<cutlass::bfloat16_t>::kThreads);
   std::printf("sm90_fp8 %d %d\n", sm90::Fp8GemmConfig::kSmemBytes, sm90::Fp8GemmConfig::kThreads);
   std::printf("sm89_fp8 %d %d\n", sm89::Fp8TileGemm::kSmemBytes, sm89::Fp8TileGemm::kThreads);
+  // The fused activation's epilogue pairs accumulator halves (epilogue.cuh, store_tile_act).
+  using B16 = sm80::TileGemm<cutlass::bfloat16_t>;
+  using F16 = sm80::TileGemm<cutlass::half_t>;
+  std::printf("pairs:sm80 %d 0\n",
+              int(fragment_halves_pair<B16::TiledMma, B16::kBM, B16::kBN>() &&
+                  fragment_halves_pair<F16::TiledMma, F16::kBM, F16::kBN>()));
+  using F8 = sm89::Fp8TileGemm;
+  std::printf("pairs:sm89_fp8 %d 0\n", int(fragment_halves_pair<F8::TiledMma, F8::kBM, F8::kBN>()));
   return 0;
 }
 """
@@ -169,7 +177,8 @@ def compile_one(source: str, outdir: str, objdump: str | None):
 
 
 def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
-    """{family: (bytes, threads)} from a host-only probe (empty on failure)."""
+    """{family: (bytes, threads)} from a host-only probe (empty on failure); also
+    {"pairs:<family>": (1 or 0, 0)}, the fused activation's pairing check."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.cu")
         exe = os.path.join(tmp, "probe")
@@ -241,6 +250,14 @@ def main(argv=None) -> int:
         print(f"total compile time {time.time() - t0:.0f} s with {args.jobs} job(s)")
 
     smem = {} if args.no_smem_probe or args.log else dynamic_smem(archs)
+    # The probe's "pairs:<family> <ok> 0" lines: the fused activation's accumulator pairing.
+    pairs = {k: v[0] for k, v in smem.items() if k.startswith("pairs:")}
+    smem = {k: v for k, v in smem.items() if not k.startswith("pairs:")}
+    for k, ok in sorted(pairs.items()):
+        print(f"fused activation: {k[6:]} accumulator halves pair in one thread: "
+              f"{'yes' if ok else 'NO'}")
+        if not ok:
+            problems.append(f"{k[6:]}: store_tile_act's pairing does not hold for its TiledMma")
     names = demangle(sorted({r["kernel"] for r in rows}))
     header = ("kernel", "arch", "regs", "smem static", "smem dynamic", "stack", "spill st",
               "spill ld", "source")

@@ -542,7 +542,9 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     activation: "swiglu" / "geglu" (w0 = [gate; up], N0 even: h [M, N0 / 2] = act(gate) * up)
     or "silu" / "gelu" (h [M, N0] = act(y0)), from the fp32 accumulators with b0 added, rounded
     once; returned in y0's place (docs/api.md). Fused into the GEMM's epilogue on the CPU
-    backend; on CUDA applied after the op (not fused yet).
+    backend, the sm_80 path's CUDA kernels (sm_80 / sm_86 / sm_89 and newer GPUs) and the sm_89
+    FP8 kernel (gated forms: N0 a multiple of 128); applied after the op from the rounded y0
+    elsewhere on CUDA (sm_90 GPUs, h_fp8; not fused there yet).
     h_fp8=True (with an activation): h comes quantised for an FP8 layer1, ((h float8_e4m3fn
     [M, F], h_scale float32 [M, ceil(F/128)]), Layout): quantize_rows' bits of the fp32 h,
     quantised in the epilogue (not differentiable).
@@ -555,7 +557,8 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     if h_fp8 and activation is None:
         buf.fail_call(0, "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass "
                          "activation= too")
-    if activation is not None and _unfused_activation(x):
+    if activation is not None and _unfused_activation(x, w0, w0_transposed, activation,
+                                                      dispatch_fp8, h_fp8):
         h, layout = _activated_after(buf, activation, x, w0, w0_transposed, lambda: moe_layer0(
             x, w0, topk_ids, num_experts=num_experts, b0=b0, w0_transposed=w0_transposed,
             max_rows=max_rows, group=group, n_comm=n_comm, tile=tile, buffer=buffer,
@@ -586,9 +589,19 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     return h, layout
 
 
-def _unfused_activation(x) -> bool:
-    """Whether the op cannot fuse an activation for x's device (the CUDA kernels, so far)."""
-    return isinstance(x, torch.Tensor) and x.device.type == "cuda"
+def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8, h_fp8) -> bool:
+    """Whether the op cannot fuse the activation of this call (csrc/cuda/ops_cuda.cpp refuses it
+    there, the same rule): on CUDA the sm_80 path's kernels (sm_80 / sm_86 / sm_89 and newer
+    GPUs) and the sm_89 FP8 kernel fuse it; h_fp8, any call on an sm_90 GPU (the sm_90a kernels)
+    and a gated form in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet)."""
+    if not (isinstance(x, torch.Tensor) and x.device.type == "cuda"):
+        return False
+    if h_fp8 or torch.cuda.get_device_capability(x.device)[0] == 9:
+        return True
+    fp8 = bool(dispatch_fp8) or _is_fp8(x) or _is_fp8(w0)
+    shaped = isinstance(w0, torch.Tensor) and w0.dim() == 3
+    n0 = w0.shape[2 if w0_transposed else 1] if shaped else 0
+    return fp8 and activation in _act.GATED and n0 % 128 != 0
 
 
 def _activated_after(buf, activation, x, w0, w0_transposed, layer0):

@@ -104,10 +104,9 @@ inline void tile_gemm(const TileGemmArgs& g, int64_t row0, int64_t rows, int64_t
   scratch.resize(size_t((srcs + 1) * g.k));
   Acc* bt = scratch.data();
   Acc* arow = bt + srcs * g.k;
-  // B columns: the tile's gate (or only) columns, then its up columns.
-  auto src_col = [&](int64_t c) {
-    return c < cols ? activation_gate_col(col0 + c) : activation_up_col(col0 + c - cols, out_n);
-  };
+  // B columns: the tile's gate (or only) columns, then its up columns (the remap every backend's
+  // B loader uses, with half = the tile's h columns).
+  auto src_col = [&](int64_t c) { return activation_b_row(c, cols, out_n, col0); };
   for (int64_t c = 0; c < srcs; ++c) widen_b_col(g, src_col(c), bt + c * g.k);
   const int64_t a_stride = g.a_stride ? g.a_stride : g.k;
   // FP8 output (c_kind F8E4M3): packed rows of out_n values and their 1 x 128 scales

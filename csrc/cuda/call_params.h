@@ -166,6 +166,10 @@ struct CallParams {
   // rows (comet/fp8_rows.h: the values, then their 1 x 128 scales, moved as one row).
   int64_t row_bytes;
   int32_t out_kind;       // ScalarKind of y0 and b0 (layer0) / of out and b1 (layer1)
+  // layer0: the Activation fused into the epilogue (comet/activation.h; None: y0). With one, y0
+  // is h [rows_cap, activation_cols(activation, cols)] and num_ntiles counts h's n-tiles (a
+  // gated tile covers tile_n / 2 of h's columns, its GEMM tile_n columns through the B-row remap).
+  int32_t activation;
   // FP8 GEMM operands (the FP8 kernels only: kind == F8E4M3; both operands FP8 on CUDA):
   //   A's values: layer0 the packed rows of a (row stride a_ld = row_bytes bytes), layer1 h
   //   (a_ld = N1); A's 1 x 128 block scales: row r, K block kb at a_scale[r * a_scale_ld + kb]

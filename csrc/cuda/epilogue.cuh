@@ -15,6 +15,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "comet/activation.h"
+
 namespace comet::gpu {
 
 static __device__ __forceinline__ uint16_t cvt_out(float v, cutlass::bfloat16_t*) {
@@ -114,6 +116,71 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const Coord& coord, i
       if (r1 < rows && c1 < cols)
         store_one(base + (int64_t(r1 - r0) * ld + (c1 - c0)),
                   bias0 != nullptr ? acc(i + 1) + bias_one(bias0 + (c1 - c0)) : acc(i + 1));
+    }
+  }
+}
+
+// store_tile_act's pairing, checked on the host (tools/check_ptxas.py's probe runs it for every
+// kernel that calls store_tile_act): for each of the TiledMma's threads over a kBM x kBN tile,
+// the first half of its accumulator fragment holds columns c < kBN / 2 and element i + size / 2
+// is the same row's column c + kBN / 2.
+template <class TiledMma, int kBM, int kBN>
+__host__ bool fragment_halves_pair() {
+  TiledMma mma;
+  for (int t = 0; t < int(cute::size(mma)); ++t) {
+    auto c = mma.get_slice(t).partition_C(
+        cute::make_identity_tensor(cute::Shape<cute::Int<kBM>, cute::Int<kBN>>{}));
+    const int n = int(cute::size(c));
+    for (int i = 0; i < n / 2; ++i)
+      if (!(cute::get<1>(c(i)) < kBN / 2 && cute::get<0>(c(i + n / 2)) == cute::get<0>(c(i)) &&
+            cute::get<1>(c(i + n / 2)) == cute::get<1>(c(i)) + kBN / 2))
+        return false;
+  }
+  return true;
+}
+
+// layer0's fused activation (comet/activation.h) in place of store_tile: h[r, c] of the tile's
+// in-range rows and h columns, act applied in fp32 to the accumulators with their bias added,
+// rounded once. kGated: the tile's GEMM ran through the B-row remap, so the first half of the
+// fragment holds gate columns c < half and acc(i + size / 2) is the up column c + half of the
+// same row (the mma.sync layouts of the kernels that call this: fragment_halves_pair), and h's tile is half as wide; bias_up is then the tile's slice of the up
+// half's bias. Plain forms: every element is its own h column, bias_up unused.
+template <bool kGated, class T, class B, class Acc, class Coord>
+__device__ __forceinline__ void store_tile_act(const Acc& acc, const Coord& coord, int rows,
+                                               int cols, T* dst, int64_t ld, const B* bias_gate,
+                                               const B* bias_up, Activation act) {
+  constexpr int kAll = decltype(cute::size(acc))::value;
+  constexpr int kOut = kGated ? kAll / 2 : kAll;
+  static_assert(kOut % 2 == 0, "fragments come in column pairs");
+  const int c0 = cute::get<1>(coord(0));
+  const int r0 = cute::get<0>(coord(0));
+  T* const base = dst + int64_t(r0) * ld + c0;
+  // One output element: its gate (or only) accumulator i, and up accumulator i + kOut.
+  auto value = [&](int i, int dc) {
+    float g = acc(i);
+    if (bias_gate != nullptr) g += bias_one(bias_gate + c0 + dc);
+    float u = 0.0f;
+    if constexpr (kGated) {
+      u = acc(i + kOut);
+      if (bias_up != nullptr) u += bias_one(bias_up + c0 + dc);
+    }
+    return activate(act, g, u);
+  };
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kOut; i += 2) {
+    const int r = cute::get<0>(coord(i));
+    const int c = cute::get<1>(coord(i));
+    const int r1 = cute::get<0>(coord(i + 1));
+    const int c1 = cute::get<1>(coord(i + 1));
+    const bool adjacent = r1 == r && c1 == c + 1;
+    if (r >= rows) continue;
+    T* p = base + (int64_t(r - r0) * ld + (c - c0));
+    if (adjacent && c + 1 < cols && (reinterpret_cast<uintptr_t>(p) & (2 * sizeof(T) - 1)) == 0) {
+      store_two(p, value(i, c - c0), value(i + 1, c1 - c0));
+    } else {
+      if (c < cols) store_one(p, value(i, c - c0));
+      if (r1 < rows && c1 < cols)
+        store_one(base + (int64_t(r1 - r0) * ld + (c1 - c0)), value(i + 1, c1 - c0));
     }
   }
 }

@@ -12,7 +12,13 @@
 //   MN-major (the ops' transposed weights, N contiguous: w0 [El, H, N0], w1 [El, N1, H]): TileGemm's
 //            MN-major B (shared-memory layout for N-contiguous rows, ldmatrix.trans).
 // vec (16-byte operand copies) is the host's decision: K % 8 == 0, 16-byte aligned A and B, and
-// for MN-major B also N % 8 == 0 (its k-row stride).
+// for MN-major B also N % 8 == 0 (its k-row stride; gated activation: F % 8 == 0 too).
+//
+// layer0 with a fused activation (p.activation, kAct: its own instantiation, so the plain kernel
+// is unchanged): a gated form's n-tile nt covers h's columns [j0, j0 + kBN / 2), j0 = nt * kBN / 2,
+// its GEMM the gate rows [j0, ..) and up rows [F + j0, ..) of w0 (comet/activation.h's remap in
+// TileGemm's B loader); the epilogue pairs them in registers (store_tile_act). Plain forms: y0's
+// tiles, the function applied in the epilogue.
 #pragma once
 
 #include "comet/gemm_schedule.h"
@@ -35,7 +41,37 @@ __device__ __forceinline__ typename Tile::Operand weight_tile(const T* B, int32_
                                   int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN)};
 }
 
-template <class T, int kLayer, bool kMnB>
+// layer0's tile with the fused activation: h's tile of n-tile nt (see above).
+template <class Tile, bool kMnB, class T>
+__device__ __forceinline__ void activation_tile(char* smem, const CallParams& p, const MTile& mt,
+                                                int32_t nt, bool vec) {
+  const Activation act = Activation(p.activation);
+  const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
+  const T* A = reinterpret_cast<const T*>(p.a);
+  const T* B = static_cast<const T*>(p.w0);
+  const T* bias = static_cast<const T*>(p.b0);  // [El, N0] or null
+  const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
+  const bool gated = activation_gated(act);
+  const int half = gated ? Tile::kBN / 2 : Tile::kBN;
+  const int64_t j0 = int64_t(nt) * half;
+  // B's origin at the tile's gate row j0; the up rows F further (the remap, relative to it).
+  typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, j0, K, N0);
+  b.rows = int(F - j0 < half ? F - j0 : half);
+  b.half = half;
+  b.up = F;
+  const T* bias_gate = bias != nullptr ? bias + int64_t(mt.expert) * N0 + j0 : nullptr;
+  T* out = static_cast<T*>(p.y0) + mt.row_begin * F + j0;
+  // One mainloop (plain forms: half = kBN, the remap the identity), two epilogues.
+  Tile::template run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
+    if (gated)
+      store_tile_act<true>(acc, coord, a.rows, b.rows, out, F, bias_gate,
+                           bias_gate != nullptr ? bias_gate + F : nullptr, act);
+    else
+      store_tile_act<false>(acc, coord, a.rows, b.rows, out, F, bias_gate, bias_gate, act);
+  });
+}
+
+template <class T, int kLayer, bool kMnB, bool kAct = false>
 __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
   using Tile = TileGemm<T, kMnB>;
@@ -57,12 +93,16 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
     const T* bias = static_cast<const T*>(p.b0);  // [El, N] or null
     T* Y = static_cast<T*>(p.y0);
     layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
+      if constexpr (kAct) {
+        activation_tile<Tile, kMnB, T>(smem, p, mt, nt, vec);
+      } else {
       const int64_t col0 = int64_t(nt) * Tile::kBN;
       const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
       const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, N);
       T* out = Y + mt.row_begin * N + col0;
       Tile::run(smem, a, b, K, vec, out, N,
                 bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
+      }
     });
   } else {
     const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
@@ -84,29 +124,41 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
 }
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <class T, int kLayer, bool kMnB>
+template <class T, int kLayer, bool kMnB, bool kAct = false>
 FusedKernelInfo info() {
   using Tile = TileGemm<T, kMnB>;
-  auto* k = &fused_kernel<T, kLayer, kMnB>;
+  auto* k = &fused_kernel<T, kLayer, kMnB, kAct>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
 }
 
-template <class T, int kLayer, bool kMnB>
+template <class T, int kLayer, bool kMnB, bool kAct = false>
 void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
   using Tile = TileGemm<T, kMnB>;
-  info<T, kLayer, kMnB>();
-  fused_kernel<T, kLayer, kMnB><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
+  info<T, kLayer, kMnB, kAct>();
+  fused_kernel<T, kLayer, kMnB, kAct><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
 }
 
-// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B).
+// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B). act
+// (layer0 only): the fused activation's instantiation.
 template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major) {
+FusedKernelInfo info(bool b_mn_major, bool act = false) {
+  if constexpr (kLayer == 0)
+    if (act) return b_mn_major ? info<T, 0, true, true>() : info<T, 0, false, true>();
   return b_mn_major ? info<T, kLayer, true>() : info<T, kLayer, false>();
 }
 
 template <class T, int kLayer>
 void launch(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
+  if constexpr (kLayer == 0) {
+    if (p.activation != int32_t(Activation::None)) {
+      if (b_mn_major)
+        launch<T, 0, true, true>(p, vec, grid, stream);
+      else
+        launch<T, 0, false, true>(p, vec, grid, stream);
+      return;
+    }
+  }
   if (b_mn_major)
     launch<T, kLayer, true>(p, vec, grid, stream);
   else

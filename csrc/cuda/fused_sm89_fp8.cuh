@@ -14,6 +14,11 @@
 //           [h_rows, H], bias b1 bf16 [El, H].
 // vec (16-byte operand copies) is decided on the host from p (fp8_vec below).
 //
+// layer0 with a fused activation (p.activation; kAct, its own instantiation): as the sm80 kernel
+// (fused_sm80.cuh), a gated n-tile covers h's columns [j0, j0 + kBN / 2) through the B-row remap,
+// the gate half's weight scales from w0's block row j0 / 128, the up half's from (F + j0) / 128
+// (the host asks F % 64 == 0 of a gated form, so each half lies in one block); h in bf16.
+//
 // Compiled for sm_89 only: the kernel body is inside `#if __CUDA_ARCH__ == 890` (FP8 mma.sync needs
 // sm_89; other targets get an empty kernel, never launched there).
 #pragma once
@@ -83,9 +88,41 @@ __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bo
   Tile::run(smem, a, b, K, vec, out_base + mt.row_begin * N + col0, N,
             bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
 }
+
+// layer0's tile with the fused activation: h's tile of n-tile nt.
+__device__ __forceinline__ void activation_tile(char* smem, const CallParams& p, bool vec,
+                                                const MTile& mt, int32_t nt) {
+  const Activation act = Activation(p.activation);
+  const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
+  const bool gated = activation_gated(act);
+  const int half = gated ? Tile::kBN / 2 : Tile::kBN;
+  const int64_t j0 = int64_t(nt) * half;
+  const Tile::Operand a{a_values<0>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
+                        p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld};
+  const float* scales = p.w_scale + int64_t(mt.expert) * scale_blocks(N0) * scale_blocks(K);
+  Tile::Operand b{static_cast<const uint8_t*>(p.w0) + (int64_t(mt.expert) * N0 + j0) * K,
+                  int(F - j0 < half ? F - j0 : half), K,
+                  scales + (j0 / Tile::kBN) * scale_blocks(K)};
+  b.half = half;
+  b.up = F;
+  b.scale_up = gated ? scales + ((F + j0) / Tile::kBN) * scale_blocks(K) : b.scale;
+  const auto* bias = static_cast<const cutlass::bfloat16_t*>(p.b0);  // [El, N0] or null
+  const cutlass::bfloat16_t* bias_gate =
+      bias != nullptr ? bias + int64_t(mt.expert) * N0 + j0 : nullptr;
+  auto* out = static_cast<cutlass::bfloat16_t*>(p.y0) + mt.row_begin * F + j0;
+  // One mainloop (plain forms: half = kBN, the remap the identity, both B scales the tile's),
+  // two epilogues.
+  Tile::run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
+    if (gated)
+      store_tile_act<true>(acc, coord, a.rows, b.rows, out, F, bias_gate,
+                           bias_gate != nullptr ? bias_gate + F : nullptr, act);
+    else
+      store_tile_act<false>(acc, coord, a.rows, b.rows, out, F, bias_gate, bias_gate, act);
+  });
+}
 #endif
 
-template <int kLayer>
+template <int kLayer, bool kAct = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
 #if COMET_SM89_FP8_DEVICE
@@ -101,7 +138,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     const GemmScheduleArgs ga = layer0_schedule_args(p, epoch);
     auto* y0 = static_cast<cutlass::bfloat16_t*>(p.y0);
     layer0_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
-      compute_tile<0>(smem, p, vec, mt, nt, y0, p.b0);
+      if constexpr (kAct)
+        activation_tile(smem, p, vec, mt, nt);
+      else
+        compute_tile<0>(smem, p, vec, mt, nt, y0, p.b0);
     });
   } else {
     const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
@@ -114,17 +154,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 }
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <int kLayer>
+// kAct (layer0): the fused activation's instantiation.
+template <int kLayer, bool kAct = false>
 FusedKernelInfo info() {
-  auto* k = &fused_kernel<kLayer>;
+  auto* k = &fused_kernel<kLayer, kAct>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
 }
 
-template <int kLayer>
+template <int kLayer, bool kAct = false>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
-  info<kLayer>();
-  fused_kernel<kLayer><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, fp8_vec<kLayer>(p));
+  info<kLayer, kAct>();
+  fused_kernel<kLayer, kAct>
+      <<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, fp8_vec<kLayer>(p));
 }
 
 }  // namespace comet::gpu::sm89

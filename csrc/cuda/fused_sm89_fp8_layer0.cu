@@ -3,10 +3,15 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm89_fp8_layer0_info() { return sm89::info<0>(); }
+FusedKernelInfo fused_sm89_fp8_layer0_info(bool act) {
+  return act ? sm89::info<0, true>() : sm89::info<0>();
+}
 
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream) {
-  sm89::launch<0>(p, grid, stream);
+  if (p.activation != int32_t(Activation::None))
+    sm89::launch<0, true>(p, grid, stream);
+  else
+    sm89::launch<0>(p, grid, stream);
 }
 
 }  // namespace comet::gpu

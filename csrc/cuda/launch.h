@@ -55,8 +55,9 @@ struct FusedKernelInfo {
 // layout, read in place (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), else the usual
 // K-contiguous layout. vec: 16-byte operand copies allowed (K % 8 == 0, 16-byte aligned operands,
 // and N % 8 == 0 when b_mn_major).
-// One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu).
-FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major);
+// One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu). layer0 with a fused
+// activation (p.activation, comet/activation.h) runs its own instantiation: act names it here.
+FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major, bool act = false);
 FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major);
 void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
                               int grid, cudaStream_t stream);
@@ -82,13 +83,14 @@ void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 // y0 (layer0) in bf16, C (layer1) in fp32 as the 16-bit kernels.
 //  sm_90a (fused_sm90_fp8_layer*.cu): CUTLASS's blockwise-scaled FP8 wgmma mainloop; K % 16 == 0
 //   and 16-byte aligned operands (TMA); devices of compute capability 9.0.
-//  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K.
+//  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K. layer0
+//   with a fused activation (p.activation) runs its own instantiation: act names it here.
 // sm_80 has no FP8 tensor cores: the ops refuse FP8 there.
 FusedKernelInfo fused_sm90_fp8_layer0_info();
 FusedKernelInfo fused_sm90_fp8_layer1_info();
 void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
-FusedKernelInfo fused_sm89_fp8_layer0_info();
+FusedKernelInfo fused_sm89_fp8_layer0_info(bool act = false);
 FusedKernelInfo fused_sm89_fp8_layer1_info();
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);

@@ -112,6 +112,7 @@ void preload_kernels(int device) {
   for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
     for (bool b_mn : {false, true}) {
       fused.push_back(fused_sm80_layer0_info(kind, b_mn).func);
+      fused.push_back(fused_sm80_layer0_info(kind, b_mn, true).func);  // fused activation
       fused.push_back(fused_sm80_layer1_info(kind, b_mn).func);
       if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
         fused.push_back(fused_sm90_layer0_info(kind, b_mn).func);
@@ -125,6 +126,7 @@ void preload_kernels(int device) {
     fused.push_back(fused_sm90_fp8_layer1_info().func);
   } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
     fused.push_back(fused_sm89_fp8_layer0_info().func);
+    fused.push_back(fused_sm89_fp8_layer0_info(true).func);  // fused activation
     fused.push_back(fused_sm89_fp8_layer1_info().func);
   }
   cudaError_t e = preload_prologue_kernels();
@@ -635,14 +637,29 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
                    w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n, 1, call_margin(b, sm_margin)});
-  // The fused activation runs in the CPU backend's epilogue only so far: refused here (on every
-  // rank, before any kernel) rather than ignored; comet.moe_layer0 applies it after the op.
-  c.value(!activation || c.failed(),
-          "activation='" + (activation ? std::string(*activation) : std::string()) +
-              "' is not fused into the CUDA kernels: call comet.moe_layer0(activation=...), "
-              "which applies it after the op on CUDA");
+  // The fused activation (comet/activation.h) runs in the sm_80 path's kernels and the sm_89 FP8
+  // kernel; the others refuse it here (on every rank, before any kernel) rather than ignore it,
+  // and comet.moe_layer0 applies it after the op there (comet/layers/ops.py mirrors this rule).
+  if (activation && !c.failed()) {
+    const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(dev);  // cached by ATen
+    const std::string act = "activation='" + std::string(*activation) + "'";
+    const std::string after = ": call comet.moe_layer0(activation=...), which applies it after "
+                              "the op there";
+    const int64_t n0 = w0_out(w0, w0_transposed);
+    const bool fp8_call = is_fp8(x) || is_fp8(w0) || dispatch_fp8;
+    c.value(!h_fp8, "h_fp8=True is not fused into the CUDA kernels yet" + after) &&
+        c.value(prop.major != 9, act + " is not fused into the sm_90a kernels yet (this GPU is "
+                                 "sm_" + std::to_string(prop.major * 10 + prop.minor) + ")" +
+                                     after) &&
+        // FP8: each half of a gated tile within one 128-row weight scale block (fused_sm89_fp8.cuh)
+        c.value(!fp8_call || !activation_gated(layer0_activation(activation)) || n0 % 128 == 0,
+                act + " on the FP8 CUDA kernel needs F = N0 / 2 a multiple of 64 (each half of a "
+                      "tile in one 128-row weight scale block), got N0 = " + std::to_string(n0) +
+                    after);
+  }
   check_tp_topology(c, b, tp_size);
   const bool shaped = !c.failed();
+  const Activation act = shaped ? layer0_activation(activation) : Activation::None;
   const int32_t tp = shaped ? int32_t(tp_size) : 1;
   const int64_t T = shaped ? x.size(0) : 0, H = shaped ? x.size(1) : 0;
   const int64_t N0 = shaped ? w0_out(w0, w0_transposed) : 0, k = shaped ? topk_ids.size(1) : 0;
@@ -655,9 +672,15 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int32_t elem = fp8 ? 1 : 2;
   // w0 read in place: [El, N0, H], or [El, H, N0] when transposed (MN-major B).
   const bool w_mn = shaped && w0_transposed;
-  const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
-                                    shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node(), call_margin(b, sm_margin));
+  // h's columns (N0 without an activation); a gated form's MN-major B reads its up half F columns
+  // into each k-row, so 16-byte copies there need F % 8 == 0 as well (plan_launch's n_out).
+  const int64_t F = activation_cols(act, N0);
+  LaunchPlan lp = plan_launch(c, 0, kind, dev, H, activation_gated(act) ? F : N0, nullptr,
+                              shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
+                              b.multi_node(), call_margin(b, sm_margin));
+  if (act != Activation::None && !lp.sm90 && !c.failed())  // its own instantiation
+    lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(true)
+                           : fused_sm80_layer0_info(kind, lp.b_mn, true);
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -666,9 +689,12 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const CallMeta me =
       make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, max_rows, check,
                 tp_size);
+  // n-tiles of h: a gated form's tile covers kTileN / 2 of its columns (comet/activation.h).
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(N0, kTileN)), device_max_rows(max_rows, ok), tp);
+                             int32_t(ceil_div(F, activation_gated(act) ? kTileN / 2 : kTileN)),
+                             device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology(), out_kind);
+  p.activation = int32_t(act);
   // FP8 x: its scales (contiguous now, while no proxy spins: it may allocate); packed into the
   // symmetric region below, with x's values. dispatch_fp8: x is quantised there, on the sending
   // side, by one kernel writing the packed rows (fp8_pack.cu).
@@ -708,7 +734,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     // rows_cap below), y0 in bfloat16.
     a = fp8 ? at::empty({std::max<int64_t>(rows_cap, 1), p.row_bytes}, opts.dtype(at::kByte))
             : at::empty({rows_cap, H}, opts);
-    y0 = at::empty({rows_cap, N0}, opts.dtype(fp8 ? at::kBFloat16 : x.scalar_type()));
+    y0 = at::empty({rows_cap, F}, opts.dtype(fp8 ? at::kBFloat16 : x.scalar_type()));
     row_source = at::empty({rows_cap}, i32);
     row_token = at::empty({rows_cap}, i32);
     row_slot = at::empty({rows_cap}, i32);

@@ -17,6 +17,12 @@
 // layout with ldmatrix. Its 16-byte cp.async vectors run along N (vec then also needs the row
 // stride N % 8 == 0); its scalar path gathers the same vectors element by element.
 //
+// Fused activation (layer0's activation=, comet/activation.h): run_with<true> loads B through the
+// B-row remap (activation_b_row: the tile's first kBN / 2 B rows from w0's gate half, the rest
+// from its up half; in the MN-major layout the same index picks columns), so a gate column's
+// accumulator and its up column's sit kBN / 2 columns apart, which this warp layout keeps in one
+// thread (acc(i) and acc(i + size / 2): epilogue.cuh, store_tile_act); the epilogue is the caller's.
+//
 // Only tile-local work lives here: which tile to compute and when is the engine's schedule
 // (csrc/include/comet/gemm_schedule.h), run by the fused kernel.
 #pragma once
@@ -31,6 +37,7 @@
 #include <cute/arch/mma_sm80.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "comet/activation.h"
 #include "epilogue.cuh"
 
 namespace comet::gpu::sm80 {
@@ -76,12 +83,33 @@ struct TileGemm {
 
   struct Operand {
     const T* ptr;    // first row of the tile (MN-major B: element (k = 0, first column))
-    int rows;        // valid rows (others read as zero); MN-major B: valid columns
+    int rows;        // valid rows (others read as zero); MN-major B: valid columns; paired B:
+                     //   valid h columns from the tile's origin (F - j0)
     int64_t ld = 0;  // MN-major B only: the stride between k-rows (N); else K
+    // Paired B only (the remap, activation_b_row relative to the tile's origin): B rows per
+    // half (kBN / 2 gated, kBN plain) and the gate-to-up distance F.
+    int half = 0;
+    int64_t up = 0;
   };
 
-  // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt`.
-  template <int R, class SLayout>
+  // Which row (MN-major: column) of op tile row r reads, and whether it is in range.
+  template <bool kPaired>
+  static __device__ __forceinline__ int64_t src_row(const Operand& op, int r) {
+    if constexpr (kPaired)
+      return activation_b_row(r, op.half, op.up, 0);
+    else
+      return r;
+  }
+  template <bool kPaired>
+  static __device__ __forceinline__ bool row_valid(const Operand& op, int r) {
+    if constexpr (kPaired)
+      return activation_b_row_valid(r, op.half, op.rows, 0);
+    else
+      return r < op.rows;
+  }
+
+  // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt` (kPaired: B rows remapped).
+  template <int R, bool kPaired = false, class SLayout>
   static __device__ __forceinline__ void load_stage(T* smem, SLayout const& layout,
                                                     const Operand& op, int64_t K, int kt,
                                                     int stage, bool vec) {
@@ -92,16 +120,17 @@ struct TileGemm {
       const int c = (idx % kChunksPerRow) * kChunk;
       T* dst = smem + layout(r, c, stage);
       const int64_t gk = k0 + c;
-      const bool row_ok = r < op.rows;
+      const bool row_ok = row_valid<kPaired>(op, r);
       if (vec) {
         const bool ok = row_ok && gk < K;
-        const T* src = ok ? op.ptr + int64_t(r) * K + gk : op.ptr;
+        const T* src = ok ? op.ptr + src_row<kPaired>(op, r) * K + gk : op.ptr;
         const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
                      "r"(ok ? 16 : 0));
       } else {
         // Scalar path: any K, any alignment. Each element read only when in range.
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(op.ptr) + int64_t(r) * K + gk;
+        const uint16_t* src =
+            reinterpret_cast<const uint16_t*>(op.ptr) + src_row<kPaired>(op, r) * K + gk;
         uint32_t w[kChunk / 2];
 #pragma unroll
         for (int e = 0; e < kChunk; e += 2) {
@@ -117,7 +146,9 @@ struct TileGemm {
   // Fills stage `stage` of MN-major B (kBN columns x kBK k) from k-tile `kt`: element (n, k) of
   // the tile at op.ptr[k * op.ld + n]. With vec, op.ld % 8 == 0 and op.ptr is 16-byte aligned, so
   // op.rows (N - col0, or kBN) is a multiple of 8 and each vector is wholly in or out of range.
-  template <class SLayout>
+  // kPaired: columns remapped (a vector of 8 never straddles the two halves, kBN / 2 % 8 == 0;
+  // with vec the host also made F a multiple of 8).
+  template <bool kPaired = false, class SLayout>
   static __device__ __forceinline__ void load_stage_mn(T* smem, SLayout const& layout,
                                                        const Operand& op, int64_t K, int kt,
                                                        int stage, bool vec) {
@@ -129,9 +160,12 @@ struct TileGemm {
       T* dst = smem + layout(c, r, stage);
       const int64_t gk = k0 + r;
       const bool k_ok = gk < K;
+      // the vector's first column in the tile's half and its source column
+      const int cc = kPaired && c >= op.half ? c - op.half : c;
+      const int64_t sc = src_row<kPaired>(op, c);
       if (vec) {
-        const bool ok = k_ok && c < op.rows;
-        const T* src = ok ? op.ptr + gk * op.ld + c : op.ptr;
+        const bool ok = k_ok && row_valid<kPaired>(op, c);
+        const T* src = ok ? op.ptr + gk * op.ld + sc : op.ptr;
         const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
                      "r"(ok ? 16 : 0));
@@ -139,9 +173,9 @@ struct TileGemm {
         // Scalar path: any N, any alignment. Each element read only when in range. (Written with
         // one in-range count and no out-of-range row address: the form with a predicate per
         // element (as load_stage) took layer1's kernel from ~150 to 254 registers.)
-        const int n_ok = k_ok ? op.rows - c : 0;  // elements of the vector in range (may be < 0)
+        const int n_ok = k_ok ? op.rows - cc : 0;  // elements of the vector in range (may be < 0)
         const uint16_t* src =
-            reinterpret_cast<const uint16_t*>(op.ptr) + (k_ok ? gk * op.ld + c : 0);
+            reinterpret_cast<const uint16_t*>(op.ptr) + (k_ok ? gk * op.ld + sc : 0);
         uint32_t w[kChunk / 2];
 #pragma unroll
         for (int e = 0; e < kChunk; e += 2) {
@@ -154,12 +188,13 @@ struct TileGemm {
     }
   }
 
+  template <bool kPaired>
   static __device__ __forceinline__ void load_stage_b(T* smem, const Operand& op, int64_t K,
                                                       int kt, int stage, bool vec) {
     if constexpr (kMnB)
-      load_stage_mn(smem, SmemLayoutB{}, op, K, kt, stage, vec);
+      load_stage_mn<kPaired>(smem, SmemLayoutB{}, op, K, kt, stage, vec);
     else
-      load_stage<kBN>(smem, SmemLayoutB{}, op, K, kt, stage, vec);
+      load_stage<kBN, kPaired>(smem, SmemLayoutB{}, op, K, kt, stage, vec);
   }
 
   // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
@@ -168,6 +203,16 @@ struct TileGemm {
   template <class Out>
   static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
                              Out* dst, int64_t ld, const T* bias) {
+    run_with<false>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
+      store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
+    });
+  }
+
+  // The mainloop (kPaired: B through the remap), then epilogue(acc, coord): the accumulator
+  // fragment and the tile-local (row, col) of each of its elements.
+  template <bool kPaired, class Epilogue>
+  static __device__ __forceinline__ void run_with(char* smem, const Operand& a, const Operand& b,
+                                                  int64_t K, bool vec, Epilogue&& epilogue) {
     T* sa = reinterpret_cast<T*>(smem);
     T* sb = sa + cosize_v<SmemLayoutA>;
     Tensor sA = make_tensor(make_smem_ptr(sa), SmemLayoutA{});  // (BM, BK, PIPE)
@@ -197,7 +242,7 @@ struct TileGemm {
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < k_tiles) {
         load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
-        load_stage_b(sb, b, K, s, s, vec);
+        load_stage_b<kPaired>(sb, b, K, s, s, vec);
       }
       cp_async_fence();
     }
@@ -208,7 +253,7 @@ struct TileGemm {
       const int next = kt + kStages - 1;
       if (next < k_tiles) {
         load_stage<kBM>(sa, SmemLayoutA{}, a, K, next, next % kStages, vec);
-        load_stage_b(sb, b, K, next, next % kStages, vec);
+        load_stage_b<kPaired>(sb, b, K, next, next % kStages, vec);
       }
       cp_async_fence();
       const int stage = kt % kStages;
@@ -223,7 +268,7 @@ struct TileGemm {
     __syncthreads();  // shared memory free for the next tile
 
     Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
-    store_tile(acc, tCcC, a.rows, b.rows, dst, ld, bias);
+    epilogue(acc, tCcC);
   }
 };
 

@@ -24,6 +24,13 @@
 // cp.async operand copies; otherwise a scalar path (any K, any alignment) fills the same shared
 // memory synchronously.
 //
+// Fused activation (layer0's activation=): run_with<true> loads B through comet/activation.h's
+// B-row remap as the sm80 tile does (the first kBN / 2 rows from w0's gate half, the rest from its
+// up half; a gate accumulator and its up accumulator in one thread, epilogue.cuh's
+// store_tile_act). The two halves are two weight blocks, each within one 128-row scale block when
+// F % 64 == 0 (the host's condition for a gated form): each stage carries both B scales, and the
+// fragment's up half (acc(i), i >= size / 2) is scaled by the second.
+//
 // Only tile-local work lives here: which tile to compute and when is the engine's schedule
 // (csrc/include/comet/gemm_schedule.h), run by the fused kernel (fused_sm89_fp8.cuh).
 #pragma once
@@ -38,6 +45,7 @@
 #include <cute/atom/mma_traits_sm89.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "comet/activation.h"
 #include "epilogue.cuh"
 
 namespace comet::gpu::sm89 {
@@ -67,9 +75,10 @@ struct Fp8TileGemm {
   using S2RAtom = Copy_Atom<SM75_U32x4_LDSM_N, T>;
 
   static constexpr int kOperandBytes = int(cosize_v<SmemLayoutA> + cosize_v<SmemLayoutB>);
-  // After the operands: A's row scales [kStages][kBM], then B's [kStages] (padded to 16 bytes).
-  static constexpr int kSmemBytes = kOperandBytes + kStages * kBM * 4 + 16;
-  static_assert(kStages <= 4, "B's per-stage scales fit the 16-byte pad");
+  // After the operands: A's row scales [kStages][kBM], then B's [2][kStages] (the second row: a
+  // paired tile's up half), padded to 32 bytes.
+  static constexpr int kSmemBytes = kOperandBytes + kStages * kBM * 4 + 32;
+  static_assert(kStages <= 4, "B's per-stage scales fit the 32-byte pad");
   static_assert(kSmemBytes >= int(kBlockSharedBytes),
                 "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
   static_assert(kSmemBytes <= 99 * 1024, "sm_89's shared memory per block");
@@ -82,6 +91,11 @@ struct Fp8TileGemm {
     // scales, kb at scale[kb] (scale_ld unused: the tile's columns are one weight block).
     const float* scale;
     int64_t scale_ld = 0;
+    // Paired B only (the remap, activation_b_row relative to the tile's origin; `rows` then
+    // counts valid h columns): B rows per half, the gate-to-up distance F, the up half's scales.
+    int half = 0;
+    int64_t up = 0;
+    const float* scale_up = nullptr;
   };
 
   static __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool ok) {
@@ -90,8 +104,8 @@ struct Fp8TileGemm {
                  "r"(ok ? 4 : 0));
   }
 
-  // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt`.
-  template <int R, class SLayout>
+  // Fills stage `stage` of a [R, kBK] operand tile from k-tile `kt` (kPaired: B rows remapped).
+  template <int R, bool kPaired = false, class SLayout>
   static __device__ __forceinline__ void load_stage(uint8_t* smem, SLayout const& layout,
                                                     const Operand& op, int64_t K, int kt,
                                                     int stage, bool vec) {
@@ -102,10 +116,15 @@ struct Fp8TileGemm {
       const int c = (idx % kChunksPerRow) * kChunk;
       uint8_t* dst = smem + layout(r, c, stage);
       const int64_t gk = k0 + c;
-      const bool row_ok = r < op.rows;
+      bool row_ok = r < op.rows;
+      int64_t row = r;
+      if constexpr (kPaired) {
+        row_ok = activation_b_row_valid(r, op.half, op.rows, 0);
+        row = activation_b_row(r, op.half, op.up, 0);
+      }
       if (vec) {
         const bool ok = row_ok && gk < K;
-        const uint8_t* src = ok ? op.ptr + int64_t(r) * op.ld + gk : op.ptr;
+        const uint8_t* src = ok ? op.ptr + row * op.ld + gk : op.ptr;
         const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
                      "r"(ok ? 16 : 0));
@@ -114,7 +133,7 @@ struct Fp8TileGemm {
         // form sm80's MN-major scalar path found cheapest in registers).
         const int64_t left = row_ok ? K - gk : 0;
         const int n_ok = left < kChunk ? int(left) : kChunk;  // may be <= 0
-        const uint8_t* src = op.ptr + (row_ok ? int64_t(r) * op.ld + gk : 0);
+        const uint8_t* src = op.ptr + (row_ok ? row * op.ld + gk : 0);
         uint32_t w[kChunk / 4];
 #pragma unroll
         for (int e = 0; e < kChunk; e += 4) {
@@ -129,7 +148,8 @@ struct Fp8TileGemm {
   }
 
   // The scales of k-tile `kt` (= K block kt) into stage `stage`: A's kBM row scales (0 for rows
-  // past a.rows), B's one.
+  // past a.rows), B's one (kPaired: and its up half's, at sbs[kStages + stage]).
+  template <bool kPaired>
   static __device__ __forceinline__ void load_scales(float* sas, float* sbs, const Operand& a,
                                                      const Operand& b, int kt, int stage) {
     const int t = int(threadIdx.x);
@@ -138,16 +158,19 @@ struct Fp8TileGemm {
       cp_async_4(sas + stage * kBM + t, ok ? a.scale + int64_t(t) * a.scale_ld + kt : a.scale, ok);
     } else if (t == kBM) {
       cp_async_4(sbs + stage, b.scale + kt, true);
+    } else if (kPaired && t == kBM + 1) {
+      cp_async_4(sbs + kStages + stage, b.scale_up + kt, true);
     }
   }
 
+  template <bool kPaired>
   static __device__ __forceinline__ void load_k_tile(uint8_t* sa, uint8_t* sb, float* sas,
                                                      float* sbs, const Operand& a,
                                                      const Operand& b, int64_t K, int kt,
                                                      int stage, bool vec) {
     load_stage<kBM>(sa, SmemLayoutA{}, a, K, kt, stage, vec);
-    load_stage<kBN>(sb, SmemLayoutB{}, b, K, kt, stage, vec);
-    load_scales(sas, sbs, a, b, kt, stage);
+    load_stage<kBN, kPaired>(sb, SmemLayoutB{}, b, K, kt, stage, vec);
+    load_scales<kPaired>(sas, sbs, a, b, kt, stage);
   }
 
   // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
@@ -156,6 +179,16 @@ struct Fp8TileGemm {
   template <class Out>
   static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
                              Out* dst, int64_t ld, const cutlass::bfloat16_t* bias) {
+    run_with<false>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
+      store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
+    });
+  }
+
+  // The mainloop (kPaired: B through the remap, its halves scaled apart), then
+  // epilogue(acc, coord): the accumulator fragment and the tile-local (row, col) of each element.
+  template <bool kPaired, class Epilogue>
+  static __device__ __forceinline__ void run_with(char* smem, const Operand& a, const Operand& b,
+                                                  int64_t K, bool vec, Epilogue&& epilogue) {
     uint8_t* sa = reinterpret_cast<uint8_t*>(smem);
     uint8_t* sb = sa + cosize_v<SmemLayoutA>;
     float* sas = reinterpret_cast<float*>(smem + kOperandBytes);  // [kStages][kBM]
@@ -188,7 +221,7 @@ struct Fp8TileGemm {
     // Prologue: the first kStages-1 k-tiles in flight.
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) load_k_tile(sa, sb, sas, sbs, a, b, K, s, s, vec);
+      if (s < k_tiles) load_k_tile<kPaired>(sa, sb, sas, sbs, a, b, K, s, s, vec);
       cp_async_fence();
     }
 
@@ -196,7 +229,8 @@ struct Fp8TileGemm {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // stage kt visible to all; stage kt-1 free (everyone finished it)
       const int next = kt + kStages - 1;
-      if (next < k_tiles) load_k_tile(sa, sb, sas, sbs, a, b, K, next, next % kStages, vec);
+      if (next < k_tiles)
+        load_k_tile<kPaired>(sa, sb, sas, sbs, a, b, K, next, next % kStages, vec);
       cp_async_fence();
       const int stage = kt % kStages;
       clear(part);
@@ -209,14 +243,17 @@ struct Fp8TileGemm {
       // This K block, scaled, into the accumulator (block order: the CPU backend's sum).
       const float* row_scale = sas + stage * kBM;
       const float b_scale = sbs[stage];
+      const float b_scale_up = kPaired ? sbs[kStages + stage] : b_scale;
+      constexpr int kHalf = decltype(size(acc))::value / 2;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc); ++i)
-        acc(i) = fmaf(part(i), row_scale[get<0>(tCcC(i))] * b_scale, acc(i));
+        acc(i) = fmaf(part(i), row_scale[get<0>(tCcC(i))] * (i < kHalf ? b_scale : b_scale_up),
+                      acc(i));
     }
     cp_async_wait<0>();
     __syncthreads();  // shared memory free for the next tile
 
-    store_tile(acc, tCcC, a.rows, b.rows, dst, ld, bias);
+    epilogue(acc, tCcC);
   }
 };
 

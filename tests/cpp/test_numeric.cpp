@@ -2,6 +2,7 @@
 // activations (csrc/include/comet/activation.h) at values known from their definitions.
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "check.h"
 #include "comet/activation.h"
@@ -56,6 +57,25 @@ int main() {
   // The pairing rule: w0 = [gate; up], F = N0 / 2 columns of h for the gated forms.
   CHECK(activation_cols(Activation::SwiGLU, 10) == 5 && activation_cols(Activation::GeLU, 10) == 10);
   CHECK(activation_gate_col(3) == 3 && activation_up_col(3, 5) == 8);
+  // The B-row remap, against the rule written out: for every F (odd ones included), tile width
+  // (a CPU tile's h columns, or the CUDA tile's 64) and tile origin, B row i < half loads gate
+  // row j0 + i, B row half + i the up row F + j0 + i, in range exactly when j0 + i < F; over
+  // all tiles each w0 row is loaded in range exactly once.
+  for (int64_t f = 1; f <= 70; f += 3)
+    for (int64_t half : {1, 4, 7, 64}) {
+      std::vector<int> loads(size_t(2 * f), 0);
+      for (int64_t j0 = 0; j0 < f; j0 += half)
+        for (int64_t i = 0; i < 2 * half; ++i) {
+          const int64_t col = i % half, want = (i < half ? 0 : f) + j0 + col;
+          CHECK(activation_b_row(i, half, f, j0) == want);
+          CHECK(activation_b_row_valid(i, half, f, j0) == (j0 + col < f));
+          if (j0 + col < f) ++loads[size_t(want)];
+        }
+      for (int n : loads) CHECK(n == 1);
+    }
+  // Plain forms: half = the tile's width, F = N0: row j0 + i, in range while j0 + i < N0.
+  CHECK(activation_b_row(5, 8, 9, 16) == 21 && activation_b_row_valid(5, 8, 30, 16));
+  CHECK(!activation_b_row_valid(5, 8, 21, 16));
   CHECK(activation_from_name("geglu", 5) == int32_t(Activation::GeGLU));
   CHECK(activation_from_name("relu", 4) == -1 && activation_from_name("silu2", 5) == -1);
   TEST_MAIN_END

@@ -1,12 +1,15 @@
 """moe_layer0(activation=...) on CUDA, one process per GPU (see conftest.py for the command).
-WRITTEN, NEVER RUN: no machine of this project has a GPU; the file skips without one.
+WRITTEN, NEVER RUN: no machine of this project has had a GPU for it; the file skips without one.
 
-The CUDA kernels do not fuse the activation yet: the op refuses `activation=` (an error on every
-rank before any kernel, the buffer then serving the next call) and comet.moe_layer0 applies it
-after the op. Checked here: the wrapper's h against a float64 oracle of its rows (bf16 tolerance),
-the direct op's refusal, backward through the wrapper against the same call without
-activation followed by torch's silu (bf16 tolerance: the two may round differently), and
-h_fp8's quantize_rows bits."""
+The sm_80 path's 16-bit kernels (sm_80 / sm_86 / sm_89 and newer GPUs) fuse the activation into
+layer0's epilogue (B-row remap, gate and up accumulators paired in registers); on sm_90 GPUs, with
+FP8 operands and with h_fp8 the op refuses `activation=` (an error on every rank before any
+kernel, the buffer then serving the next call) and comet.moe_layer0 applies it after the op.
+Checked here, on whichever the GPU runs: each activation against a float64 oracle of the rank's
+rows written in this file (bf16 tolerance), with biases, transposed weights, awkward shapes (odd
+H, odd F, F spanning a partial n-tile, E_local = 3, dropped slots, more than one m-tile),
+max_rows, tensor-parallel shards ([gate shard; up shard] per rank), bitwise run to run; the
+direct op's fused result or its refusal; backward through the wrapper; h_fp8's bits."""
 import math
 import os
 
@@ -14,18 +17,34 @@ import pytest
 import torch
 
 import comet
-from tests.cases import cases_for, make_biases, make_inputs
+from comet.layers import activation as _act
+from tests.cases import Case, cases_for, make_biases, make_inputs
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 BF16 = torch.bfloat16
+TOL = dict(atol=3e-2, rtol=3e-2)
+NAMES = ["swiglu", "geglu", "silu", "gelu"]
 
 
 def _device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _buffer():
+    from comet.buffers import symm_cuda
+
+    return symm_cuda.buffer_for(None, _device())
+
+
+def _fuses() -> bool:
+    """Whether this GPU's kernels fuse the activation (the sm_80 path's; not sm_90's yet)."""
+    return torch.cuda.get_device_capability(_device())[0] != 9
+
+
 def _oracle(name, y):
+    """act of the float64 pre-activation y [rows, N0], the pairing written out: gate columns
+    [0, F), up columns [F, 2F)."""
     f = (lambda v: v / (1.0 + torch.exp(-v))) if name in ("swiglu", "silu") else \
         (lambda v: 0.5 * v * (1.0 + torch.erf(v / math.sqrt(2.0))))
     if name in ("swiglu", "geglu"):
@@ -34,38 +53,117 @@ def _oracle(name, y):
     return f(y)
 
 
-@pytest.mark.parametrize("name", ["swiglu", "geglu", "silu", "gelu"])
-def test_wrapper_activation_matches_float64_oracle(name):
-    case = cases_for(WORLD)[5]  # skewed, odd sizes (n0 = 30: even)
-    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
-    b0s = make_biases(case, BF16)[0]
-    dev = _device()
-    h, lay = comet.moe_layer0(xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev),
-                              num_experts=case.experts, b0=b0s[RANK].to(dev), activation=name)
-    w0 = torch.cat(w0s).double()
-    b0 = torch.cat(b0s).double()
+def _big_case():
+    # F = 136: two whole 64-column n-tiles of h and a partial one (8 columns); 300+ rows: more
+    # than one m-tile; E_local = 3; H a multiple of 8 (16-byte copies).
+    return Case(f"big-w{WORLD}", WORLD, 3 * WORLD, 2, tuple(300 - 17 * r for r in range(WORLD)),
+                hidden=64, n0=272, routing="dropped", seed=11)
+
+
+CASES = [cases_for(WORLD)[5], cases_for(WORLD)[1], _big_case()]  # odd H / F; empty rank; big
+
+
+def _expected(name, case, xs, w0s, b0s, ids, lay, w0_local=None, b0_local=None):
+    """The rank's h rows from float64: row (s, t, j) = act(x_s[t] @ w0[e]^T + b0[e])."""
+    el = case.experts // WORLD
+    w0 = torch.cat(w0s).double() if w0_local is None else w0_local.double()
+    b0 = None if b0s is None else (torch.cat(b0s).double() if b0_local is None
+                                   else b0_local.double())
     rows = []
     for s, t, j in zip(lay.row_source.tolist(), lay.row_token.tolist(), lay.row_slot.tolist()):
         e = int(ids[s][t, j])
-        rows.append(_oracle(name, xs[s][t].double() @ w0[e].T + b0[e]))
+        if w0_local is not None:
+            e -= RANK * el
+        y = xs[s][t].double() @ w0[e].T
+        rows.append(_oracle(name, y if b0 is None else y + b0[e]))
+    return torch.stack(rows) if rows else None
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_activation_matches_float64_oracle(name, case, transposed):
+    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
+    b0s = make_biases(case, BF16)[0]
+    dev = _device()
+    w0 = w0s[RANK].transpose(1, 2).contiguous() if transposed else w0s[RANK]
+    args = (xs[RANK].to(dev), w0.to(dev), ids[RANK].to(dev))
+    kw = dict(num_experts=case.experts, b0=b0s[RANK].to(dev), activation=name,
+              w0_transposed=transposed, buffer=_buffer())
+    h, lay = comet.moe_layer0(*args, **kw)
+    assert h.shape[1] == _act.out_cols(name, case.n0) and h.dtype == BF16
+    want = _expected(name, case, xs, w0s, b0s, ids, lay)
+    if want is not None:
+        torch.testing.assert_close(h.cpu().double(), want, **TOL)
+    again, _ = comet.moe_layer0(*args, **kw)
+    assert torch.equal(h.view(torch.int16), again.view(torch.int16))  # bitwise run to run
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gelu"])
+def test_activation_with_max_rows_and_no_bias(name):
+    case = _big_case()
+    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
+    dev = _device()
+    bound = 2 * sum(case.tokens) * case.topk
+    h, lay = comet.moe_layer0(xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev),
+                              num_experts=case.experts, activation=name, max_rows=bound,
+                              buffer=_buffer())
+    assert h.shape[0] == bound
+    want = _expected(name, case, xs, w0s, None, ids, lay)
+    if want is not None:
+        torch.testing.assert_close(h[:want.shape[0]].cpu().double(), want, **TOL)
+
+
+@pytest.mark.skipif(WORLD < 2, reason="tensor parallelism needs a group of at least 2 ranks")
+def test_activation_under_tensor_parallelism():
+    """tp_size = WORLD: every rank one EP rank's tp shard, w0's shard [gate shard; up shard]."""
+    t = WORLD
+    case = Case(f"tp-w{WORLD}", WORLD, 3, 2, tuple(50 + 7 * r for r in range(WORLD)),
+                hidden=64, n0=32 * t, routing="dropped", seed=13)
+    g = torch.Generator().manual_seed(77)
+    xs = [torch.randn(n, case.hidden, generator=g).to(BF16) for n in case.tokens]
+    ids = [torch.randint(-1, case.experts, (n, case.topk), generator=g) for n in case.tokens]
+    w0 = torch.randn(case.experts, case.n0, case.hidden, generator=g).to(BF16)  # [gate; up]
+    f, fs = case.n0 // 2, case.n0 // 2 // t
+    q = RANK % t
+    shard = torch.cat([w0[:, q * fs:(q + 1) * fs], w0[:, f + q * fs:f + (q + 1) * fs]], dim=1)
+    dev = _device()
+    h, lay = comet.moe_layer0(xs[RANK].to(dev), shard.contiguous().to(dev), ids[RANK].to(dev),
+                              num_experts=case.experts, activation="swiglu", tp_size=t,
+                              buffer=_buffer())
+    rows = [_oracle("swiglu", xs[s][tk].double() @ shard[int(ids[s][tk, j])].double().T)
+            for s, tk, j in zip(lay.row_source.tolist(), lay.row_token.tolist(),
+                                lay.row_slot.tolist())]
+    assert h.shape[1] == fs
     if rows:
-        torch.testing.assert_close(h.cpu().double(), torch.stack(rows), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
 
 
-def test_op_refuses_activation_on_every_rank():
+def test_op_fuses_or_refuses_on_every_rank():
+    """The op itself: fused on the sm_80 path's GPUs (the oracle's values), refused on sm_90
+    (ValueError on every rank, the buffer then serving the next call)."""
     case = cases_for(WORLD)[0]
     xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
     dev = _device()
-    from comet.buffers import symm_cuda
-
-    buf = symm_cuda.buffer_for(None, dev)
-    with pytest.raises(ValueError, match="not fused into the CUDA kernels"):
-        torch.ops.comet.moe_layer0(xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev),
-                                   case.experts, buf.handle, 8, 0, 128, 128,
-                                   activation="swiglu")
-    # the buffer serves the next call
+    buf = _buffer()
+    args = (xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev), case.experts, buf.handle,
+            8, 0, 128, 128)
+    if _fuses():
+        h, _a, _rc, _sp, src, tok, slot = torch.ops.comet.moe_layer0(*args, activation="swiglu")
+        rows = [_oracle("swiglu", xs[s][t].double() @ torch.cat(w0s)[int(ids[s][t, j])].double().T)
+                for s, t, j in zip(src.tolist(), tok.tolist(), slot.tolist())]
+        if rows:
+            torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
+    else:
+        with pytest.raises(ValueError, match="not fused into the sm_90a kernels yet"):
+            torch.ops.comet.moe_layer0(*args, activation="swiglu")
+    with pytest.raises(ValueError, match="h_fp8=True is not fused into the CUDA kernels"):
+        torch.ops.comet.moe_layer0(*args, activation="swiglu", h_fp8=True)
+    with pytest.raises(ValueError, match="pairs w0's gate and up halves"):
+        torch.ops.comet.moe_layer0(*args[:1], w0s[RANK][:, :19].contiguous().to(dev), *args[2:],
+                                   activation="geglu")
     comet.moe_layer0(xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev),
-                     num_experts=case.experts)
+                     num_experts=case.experts, buffer=buf)  # the buffer serves the next call
 
 
 def test_wrapper_backward_equals_unfused():
@@ -85,13 +183,13 @@ def test_wrapper_backward_equals_unfused():
             h = (torch.nn.functional.silu(gate) * up).to(BF16)
         h.float().square().sum().backward()
         grads.append((x.grad, w0.grad))
-    for a, b in zip(*grads):  # torch's silu and the fallback's may round differently
+    for a, b in zip(*grads):  # the fused h and the unfused one round differently
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_h_fp8_is_quantize_rows_of_the_activation():
-    """On CUDA the wrapper quantises the activation's output (the fused epilogue is the CPU
-    backend's): the same format, quantize_rows' bits of the bf16 h it returns without h_fp8."""
+    """On CUDA the wrapper quantises the activation applied after a plain call (h_fp8 is not
+    fused there yet): quantize_rows' bits of act(y0) rounded to y0's dtype."""
     from comet import fp8
 
     case = cases_for(WORLD)[0]
@@ -100,7 +198,44 @@ def test_h_fp8_is_quantize_rows_of_the_activation():
     args = (xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev))
     (q, s), _ = comet.moe_layer0(*args, num_experts=case.experts, activation="swiglu",
                                  h_fp8=True)
-    h, _ = comet.moe_layer0(*args, num_experts=case.experts, activation="swiglu")
-    want_q, want_s = fp8.quantize_rows(h.float())
+    y0, _ = comet.moe_layer0(*args, num_experts=case.experts)
+    want_q, want_s = fp8.quantize_rows(_act.apply("swiglu", y0).float())
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(s, want_s)
+
+
+# -- FP8 (sm_89's mma.sync kernel fuses it; sm_90 applies it after the op) ----------------------
+
+FP8_CASES = [  # N0 % 128 == 0 (fused on sm_89); N0 = 144: F = 72, applied after the op there
+    Case(f"fp8-w{WORLD}", WORLD, 3 * WORLD, 2, tuple(150 + 11 * r for r in range(WORLD)),
+         hidden=208, n0=384, routing="dropped", seed=31),
+    Case(f"fp8-f72-w{WORLD}", WORLD, 2 * WORLD, 2, tuple(40 + 3 * r for r in range(WORLD)),
+         hidden=144, n0=144, seed=32),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+@pytest.mark.parametrize("name", ["swiglu", "gelu"])
+def test_fp8_activation_matches_float64_oracle(name, case):
+    """FP8 x and w0 (1 x 128 / 128 x 128 scales): h against the oracle on the dequantised values,
+    with a bias; bitwise run to run."""
+    from comet import fp8
+
+    if torch.cuda.get_device_capability(_device()) not in ((8, 9), (9, 0)):
+        pytest.skip("FP8 needs sm_89 or sm_90")
+    xs, w0s, _w1s, ids, _ = make_inputs(case)
+    b0s = make_biases(case, BF16)[0]
+    xq = [fp8.quantize_rows(x) for x in xs]
+    wq = [fp8.quantize_blocks(w) for w in w0s]
+    dev = _device()
+    kw = dict(num_experts=case.experts, x_scale=xq[RANK][1].to(dev), w0_scale=wq[RANK][1].to(dev),
+              b0=b0s[RANK].to(dev), activation=name, buffer=_buffer())
+    args = (xq[RANK][0].to(dev), wq[RANK][0].to(dev), ids[RANK].to(dev))
+    h, lay = comet.moe_layer0(*args, **kw)
+    xd = [fp8.dequantize_rows(*q).double() for q in xq]
+    wd = [fp8.dequantize_blocks(*q).double() for q in wq]
+    want = _expected(name, case, xd, wd, b0s, ids, lay)
+    if want is not None:
+        torch.testing.assert_close(h.cpu().double(), want, **TOL)
+    again, _ = comet.moe_layer0(*args, **kw)
+    assert torch.equal(h.view(torch.int16), again.view(torch.int16))

@@ -16,8 +16,9 @@ recomputed for an ``F``-column output, and nothing after it::
     fused = layer0(y0 -> h written)        unfused = layer0 + separate
 
 M is the layer's expected rows per rank (``expert_rows``: measured, else uniform routing).
-These are model figures, not measurements; the CUDA epilogue is not built yet
-(docs/design.md), so the fused column is what the model predicts for it.
+These are model figures, not measurements: the CUDA epilogue is built for the sm_80 path's and
+the sm_89 FP8 kernels (compiled, never run on a GPU) and not for sm_90a (docs/design.md), so the
+fused column is what the model predicts for it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 // to the output dtype, when storing: h is never computed from a rounded y0.
 //
 // A tile of h's columns [j0, j0 + n) reads w0's rows [j0, j0 + n) and [F + j0, F + j0 + n): the
-// gate and up column of an output sit in the same tile, each from its own half of w0.
+// gate and up column of an output sit in the same tile, each from its own half of w0
+// (activation_b_row below).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +40,26 @@ COMET_HD int64_t activation_cols(Activation a, int64_t n0) {
 // The GEMM column (w0 row) of output column j's gate (or its only input) and of its up half.
 COMET_HD int64_t activation_gate_col(int64_t j) { return j; }
 COMET_HD int64_t activation_up_col(int64_t j, int64_t f) { return f + j; }
+
+// The B-row remap of a tile of h's columns [j0, j0 + half): the tile's GEMM computes 2 * half
+// columns (gated forms; plain forms and no activation: `half` columns), whose B row i (a w0 row,
+// or a column of the transposed [H, N0] layout: the same index) is
+//   i <  half: the gate row j0 + i,
+//   i >= half: the up row F + j0 + (i - half),
+// so in the accumulator a gate column and its up column sit `half` columns apart. `f` is the
+// tile's h width F (N0 / 2; plain forms: N0, and then every i < half). Under expert tensor
+// parallelism F is the shard's: each rank's w0 shard is its own [gate shard; up shard]. Every
+// backend's loader asks this function which row its B row i reads: the CPU tile with half = the
+// tile's h columns, the CUDA loaders with half = tile_n / 2 (gated) or tile_n.
+COMET_HD int64_t activation_b_row(int64_t i, int64_t half, int64_t f, int64_t j0) {
+  return i < half ? activation_gate_col(j0 + i) : activation_up_col(j0 + (i - half), f);
+}
+
+// Whether B row i of that tile is in range (its h column j0 + i mod half < F); out-of-range rows
+// load as zeros and their columns are never stored.
+COMET_HD bool activation_b_row_valid(int64_t i, int64_t half, int64_t f, int64_t j0) {
+  return j0 + (i < half ? i : i - half) < f;
+}
 
 template <class T>
 COMET_HD T act_exp(T v) {
