@@ -35,10 +35,10 @@ __device__ __forceinline__ typename Tile::Operand weight_tile(const T* B, int32_
                                   int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN)};
 }
 
-template <class T, int kLayer, bool kMnB>
-__global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
+template <class T, int kLayer, bool kMnB, int kM>
+__global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
-  using Tile = TileGemm<T, kMnB>;
+  using Tile = TileGemm<T, kMnB, kM>;
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
@@ -84,39 +84,54 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
 }
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <class T, int kLayer, bool kMnB>
+template <class T, int kLayer, bool kMnB, int kM>
 FusedKernelInfo info() {
-  using Tile = TileGemm<T, kMnB>;
-  auto* k = &fused_kernel<T, kLayer, kMnB>;
+  using Tile = TileGemm<T, kMnB, kM>;
+  auto* k = &fused_kernel<T, kLayer, kMnB, kM>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
 }
 
-template <class T, int kLayer, bool kMnB>
+template <class T, int kLayer, bool kMnB, int kM>
 void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
-  using Tile = TileGemm<T, kMnB>;
-  info<T, kLayer, kMnB>();
-  fused_kernel<T, kLayer, kMnB><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
+  using Tile = TileGemm<T, kMnB, kM>;
+  info<T, kLayer, kMnB, kM>();
+  fused_kernel<T, kLayer, kMnB, kM><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
 }
 
-// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B).
+// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B). tile_m:
+// the tile's rows, 128 or 64 (few rows per expert; Checker::launch admits no other).
+template <class T, int kLayer, int kM>
+FusedKernelInfo info_rows(bool b_mn_major) {
+  return b_mn_major ? info<T, kLayer, true, kM>() : info<T, kLayer, false, kM>();
+}
 template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major) {
-  return b_mn_major ? info<T, kLayer, true>() : info<T, kLayer, false>();
+FusedKernelInfo info(bool b_mn_major, int tile_m) {
+  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major)
+                      : info_rows<T, kLayer, 128>(b_mn_major);
 }
 
+template <class T, int kLayer, int kM>
+void launch_rows(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
+  if (b_mn_major)
+    launch<T, kLayer, true, kM>(p, vec, grid, stream);
+  else
+    launch<T, kLayer, false, kM>(p, vec, grid, stream);
+}
 template <class T, int kLayer>
 void launch(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
-  if (b_mn_major)
-    launch<T, kLayer, true>(p, vec, grid, stream);
+  if (p.tile_m == 64)
+    launch_rows<T, kLayer, 64>(p, b_mn_major, vec, grid, stream);
   else
-    launch<T, kLayer, false>(p, vec, grid, stream);
+    launch_rows<T, kLayer, 128>(p, b_mn_major, vec, grid, stream);
 }
 
-// The host sizes grids from one kernel's shared memory either way.
+// The host sizes grids from one kernel's shared memory either way (for each tile_m).
 static_assert(TileGemm<cutlass::bfloat16_t, true>::kSmemBytes ==
                   TileGemm<cutlass::bfloat16_t, false>::kSmemBytes &&
               TileGemm<cutlass::half_t, true>::kSmemBytes ==
-                  TileGemm<cutlass::half_t, false>::kSmemBytes);
+                  TileGemm<cutlass::half_t, false>::kSmemBytes &&
+              TileGemm<cutlass::bfloat16_t, true, 64>::kSmemBytes ==
+                  TileGemm<cutlass::bfloat16_t, false, 64>::kSmemBytes);
 
 }  // namespace comet::gpu::sm80

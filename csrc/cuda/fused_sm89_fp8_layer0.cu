@@ -3,7 +3,7 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm89_fp8_layer0_info() { return sm89::info<0>(); }
+FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m) { return sm89::info<0>(tile_m); }
 
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream) {
   sm89::launch<0>(p, grid, stream);

@@ -51,13 +51,14 @@ struct FusedKernelInfo {
 };
 
 // sm_80 path (cp.async + mma.sync): compiled for sm_80 and sm_90a; every shape.
+// tile_m (every info function): the kernel of that tile's rows, 128 or 64 (kTileMs).
 // layer: 0 or 1; kind: BF16 or F16. b_mn_major: the weights (p.w0 / p.w1) are the ops' transposed
 // layout, read in place (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), else the usual
 // K-contiguous layout. vec: 16-byte operand copies allowed (K % 8 == 0, 16-byte aligned operands,
 // and N % 8 == 0 when b_mn_major).
 // One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu).
-FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major);
-FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m);
+FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
                               int grid, cudaStream_t stream);
 void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
@@ -69,8 +70,8 @@ void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 // (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), which also needs N % 8 == 0; else the usual
 // K-contiguous layout (w0 [El, N0, H], w1 [El, H, N1]).
 // One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu).
-FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major);
-FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m);
+FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
                               cudaStream_t stream);
 void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
@@ -84,17 +85,20 @@ void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 //   and 16-byte aligned operands (TMA); devices of compute capability 9.0.
 //  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K.
 // sm_80 has no FP8 tensor cores: the ops refuse FP8 there.
-FusedKernelInfo fused_sm90_fp8_layer0_info();
-FusedKernelInfo fused_sm90_fp8_layer1_info();
+FusedKernelInfo fused_sm90_fp8_layer0_info(int tile_m);
+FusedKernelInfo fused_sm90_fp8_layer1_info(int tile_m);
 void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
-FusedKernelInfo fused_sm89_fp8_layer0_info();
-FusedKernelInfo fused_sm89_fp8_layer1_info();
+FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m);
+FusedKernelInfo fused_sm89_fp8_layer1_info(int tile_m);
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
 
-// Tile shape the CUDA kernels are compiled for (both paths).
-constexpr int kTileM = 128;
+// Tile shapes the CUDA kernels are compiled for (every path): tile_n = 128, and tile_m = 128 or
+// 64, the small-batch tile for few rows per expert (comet/tune/model/decode.py: a 1-64 row m-tile
+// pads to 64 rows, not 128). The launch functions run the kernel of p.tile_m; the info functions
+// take it (the occupancy of the two differs). Checker::launch admits no other tile.
+constexpr int kTileMs[] = {128, 64};
 constexpr int kTileN = 128;
 
 }  // namespace comet::gpu

@@ -109,23 +109,25 @@ bool newer_gpu(const cudaDeviceProp& prop) { return prop.major >= 10; }
 void preload_kernels(int device) {
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);
   std::vector<const void*> fused;
-  for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
-    for (bool b_mn : {false, true}) {
-      fused.push_back(fused_sm80_layer0_info(kind, b_mn).func);
-      fused.push_back(fused_sm80_layer1_info(kind, b_mn).func);
-      if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
-        fused.push_back(fused_sm90_layer0_info(kind, b_mn).func);
-        fused.push_back(fused_sm90_layer1_info(kind, b_mn).func);
+  for (int tm : kTileMs) {
+    for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
+      for (bool b_mn : {false, true}) {
+        fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm).func);
+        fused.push_back(fused_sm80_layer1_info(kind, b_mn, tm).func);
+        if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
+          fused.push_back(fused_sm90_layer0_info(kind, b_mn, tm).func);
+          fused.push_back(fused_sm90_layer1_info(kind, b_mn, tm).func);
+        }
       }
+    // FP8 (one kernel per layer, tile and FP8 architecture; the sm_89 ones have only an sm_89
+    // image and compute_89 PTX).
+    if (prop.major == 9) {
+      fused.push_back(fused_sm90_fp8_layer0_info(tm).func);
+      fused.push_back(fused_sm90_fp8_layer1_info(tm).func);
+    } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
+      fused.push_back(fused_sm89_fp8_layer0_info(tm).func);
+      fused.push_back(fused_sm89_fp8_layer1_info(tm).func);
     }
-  // FP8 (one kernel per layer and FP8 architecture; the sm_89 ones have only an sm_89 image and
-  // compute_89 PTX).
-  if (prop.major == 9) {
-    fused.push_back(fused_sm90_fp8_layer0_info().func);
-    fused.push_back(fused_sm90_fp8_layer1_info().func);
-  } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
-    fused.push_back(fused_sm89_fp8_layer0_info().func);
-    fused.push_back(fused_sm89_fp8_layer1_info().func);
   }
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
@@ -168,8 +170,10 @@ CheckResult with_pending(CheckResult r, const std::string& pending) {
   return r;
 }
 
-// Checker::launch refuses any other tile than the one these kernels are compiled for.
-static_assert(kTileM == kCudaTileM && kTileN == kCudaTileN, "op_checks.h: kCudaTile*");
+// Checker::launch refuses any other tile than the ones these kernels are compiled for.
+static_assert(kTileMs[0] == kCudaTileM && kTileMs[1] == kCudaSmallTileM &&
+                  kTileN == kCudaTileN,
+              "op_checks.h: kCudaTile*");
 
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
@@ -177,6 +181,7 @@ struct LaunchPlan {
   bool sm90 = false;  // else the sm_80 path
   bool b_mn = false;  // B MN-major (transposed weights read in place), else K-major
   bool vec = false;   // sm_80 path: 16-byte operand copies
+  int tile_m = kCudaTileM;  // the tile's rows (kTileMs): which instantiation runs
   int grid = 0;
   int n_gemm = 0;
   int sm_margin = 0;  // SMs every kernel of the call leaves free (docs/gpu.md, "SM margin")
@@ -223,17 +228,20 @@ bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer,
                                 : " is not a multiple of 16")))
     return false;
   lp.fp8 = sm;
-  lp.info = sm == 90 ? (layer == 0 ? fused_sm90_fp8_layer0_info() : fused_sm90_fp8_layer1_info())
-                     : (layer == 0 ? fused_sm89_fp8_layer0_info() : fused_sm89_fp8_layer1_info());
+  const int tm = lp.tile_m;
+  lp.info = sm == 90
+                ? (layer == 0 ? fused_sm90_fp8_layer0_info(tm) : fused_sm90_fp8_layer1_info(tm))
+                : (layer == 0 ? fused_sm89_fp8_layer0_info(tm) : fused_sm89_fp8_layer1_info(tm));
   return true;
 }
 
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
-                       int64_t n_gemm, bool proxy_sm, int64_t sm_margin) {
+                       int64_t n_gemm, int64_t tile_m, bool proxy_sm, int64_t sm_margin) {
   LaunchPlan lp;
   if (c.failed()) return lp;
   lp.sm_margin = int(sm_margin);
+  lp.tile_m = int(tile_m);  // kCudaTileM or kCudaSmallTileM (Checker::launch)
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
   const std::string sm = "sm_" + std::to_string(prop.major * 10 + prop.minor);
   if (!c.value(prop.major >= 8, "the CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper; "
@@ -252,10 +260,11 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
              (!b_mn || n_out % 8 == 0);
     lp.sm90 = sm90_path(device, k, n_out, a, b, b_mn);
     lp.b_mn = b_mn;
-    lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn)
-                                    : fused_sm90_layer1_info(kind, b_mn))
-                      : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn)
-                                    : fused_sm80_layer1_info(kind, b_mn));
+    const int tm = lp.tile_m;
+    lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn, tm)
+                                    : fused_sm90_layer1_info(kind, b_mn, tm))
+                      : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn, tm)
+                                    : fused_sm80_layer1_info(kind, b_mn, tm));
   }
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
@@ -438,7 +447,7 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
   p.n_comm = int32_t(n_comm);
   p.n_gemm = lp.n_gemm;
-  p.tile_m = kTileM;
+  p.tile_m = lp.tile_m;
   p.tile_n = kTileN;
   p.mode = b.bench_mode();
   p.raster_group = int32_t(std::max<int64_t>(raster_group_setting(), 0));
@@ -657,7 +666,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const bool w_mn = shaped && w0_transposed;
   const LaunchPlan lp = plan_launch(c, 0, kind, dev, H, N0, nullptr,
                                     shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node(), call_margin(b, sm_margin));
+                                    tile_m, b.multi_node(), call_margin(b, sm_margin));
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -702,7 +711,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Carver post;
   auto allocate_rows = [&](int64_t rows_cap) {
     p.rows_cap = rows_cap;
-    p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
+    p.mtiles_cap = ceil_div(rows_cap, p.tile_m) + El;
     const auto opts = x.options();
     // FP8: the packed rows (at least one: the TMA descriptor over them needs a row; narrowed to
     // rows_cap below), y0 in bfloat16.
@@ -797,7 +806,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   LaunchPlan run = lp;
   if (run.sm90 && rows_cap < 1) run.sm90 = false;
   if (!run.sm90 && lp.sm90) {
-    run.info = fused_sm80_layer0_info(kind, lp.b_mn);
+    run.info = fused_sm80_layer0_info(kind, lp.b_mn, lp.tile_m);
   }
   launch_layer(0, kind, p, run, stream);
   proxy.end();
@@ -851,7 +860,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node(), call_margin(b, sm_margin));
+                                    tile_m, b.multi_node(), call_margin(b, sm_margin));
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -872,7 +881,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   p.recv_counts = ok ? recv_counts.data_ptr<int32_t>() : nullptr;
   p.send_pos = ok ? send_pos.data_ptr<int32_t>() : nullptr;
   p.plan_cap = std::max<int64_t>(h_rows, 1);  // plan entries <= M <= h_rows
-  p.mtiles_cap = ceil_div(h_rows, kTileM) + El;
+  p.mtiles_cap = ceil_div(h_rows, p.tile_m) + El;
   const int32_t NT = p.num_ntiles;
   Carver ws;
   ws.take(p.expert_off, int64_t(El) + 1);
