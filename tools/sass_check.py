@@ -30,8 +30,9 @@ STORE128 = re.compile(r"\b(STG|ST)\.E(\.\w+)*\.128\b")
 FUNC = re.compile(r"Function : (\S+)")
 ARCH = re.compile(r"arch = (sm_\w+)")
 STUB_INSTRUCTIONS = 40
-# The template's last (int) argument, kLayer, of a void function template: "...Li0EEEv...".
-LAYER_ARG = re.compile(r"Li([01])EEEv")
+# kLayer, the template's last int argument of a void function template ("...Li0EEEv..."), or the
+# one before a last tile-rows argument (sm89::fused_kernel<kLayer, kM>: "...Li0ELi64EEEv...").
+LAYER_ARG = re.compile(r"Li([01])E(?:Li(?:64|128)E)?EEv")
 # (source file name prefix, architecture, the SASS opcode its fused kernels must contain, what).
 FP8_MMA_RULES = (
     ("fused_sm90_fp8_layer", "sm_90a", re.compile(r"\bQGMMA\.\S*E4M3\.E4M3\b"),
