@@ -831,8 +831,9 @@ def profile(
     """Tune ``key`` on the real op through ``profilers`` (default :data:`PROFILERS`).
 
     ``profilers["layer0"|"layer1"](key, shape, group)`` must return ``run_fn(config) ->
-    seconds``.  Default candidates: :func:`candidate_configs` around the cost model's choice.
-    Raises :class:`ProfilerUnavailable` when no hook is registered for the layer.
+    seconds``.  Default candidates: :func:`candidate_configs` around the cost model's choice,
+    with the 128 x 128 tile and, on a GPU where every expert has at most 64 rows, the 64 x 128
+    one.  Raises :class:`ProfilerUnavailable` when no hook is registered for the layer.
     """
     hooks = PROFILERS if profilers is None else profilers
     name = f"layer{key.layer}"
@@ -850,7 +851,11 @@ def profile(
             around = pm.choose_n_comm(shape, spec, key.layer, max_blocks=max_blocks)
             if key.layer == 1:  # column order and the model's band, each measured
                 bands.add(pm.choose_band(shape, spec, around, n_blocks=max_blocks))
-        candidates = candidate_configs(key.sm_count, around=around, max_blocks=max_blocks,
-                                       bands=tuple(bands))
+        # GPUs: the small-batch tile too, where it removes padding (comet.tune.model.small_tile)
+        tiles = (pm.DEFAULT_TILE,)
+        if key.arch != "cpu" and shape.T > 0 and small_tile.small_tile_fits(pm.expert_rows(shape)):
+            tiles += (small_tile.SMALL_TILE,)
+        candidates = candidate_configs(key.sm_count, tiles=tiles, around=around,
+                                       max_blocks=max_blocks, bands=tuple(bands))
     run_fn = factory(key, shape, group)
     return t.tune(key, candidates, run_fn, group=group, **tune_kwargs)

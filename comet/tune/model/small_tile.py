@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional, Sequence, Tuple
 
-from .gemm import DEFAULT_TILE, SMALL_TILE, _tile, gemm_tiles
+from .gemm import DEFAULT_TILE, SMALL_TILE, _tile, gemm_tiles  # noqa: F401 (SMALL_TILE: public)
 from .hardware import GpuSpec
 from .pipeline import choose_band, choose_n_comm, predict
 from .shape import MoEShape, expert_rows
