@@ -23,7 +23,8 @@ Per rank, uniform routing over ``E`` experts, top-``k``, ``W`` ranks each with `
   64-row tile's at the assumed MMA share of comet.tune.model.gemm.
 
 The fused layer, as built (:func:`decode_fused`): the prologue of each layer (comet.tune.model.comm's
-estimate), layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
+estimate, with the call's memsets and device copies at a launch gap each: ``stream_ops_time``),
+layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
 kernel and the combine kernel.  layer0's GEMM blocks issue the weight loads of their first
 pipeline stages (small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one) before they wait
 for a tile's rows ("weights before
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from .comm import (GRID_BARRIER_S, KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, combine_time,
-                   comm_time, prologue_time)
+                   comm_time, prologue_time, stream_ops_time)
 from .fp8 import FP8_SCALE_BLOCK, FP8_SCALE_BYTES
 from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims
 from .hardware import GpuSpec
@@ -207,11 +208,12 @@ def decode_fused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
     ``folded`` (the prologues' launches and grid barriers gone, not built)."""
     t0, n0, k0 = _best(_layer0_kernel, p, spec, 0)
     t1, n1, k1 = _best(_layer1_kernel, p, spec, 1)
-    pro = prologue_time(p.shape(0), spec, 0) + prologue_time(p.shape(1), spec, 1)
+    # each layer's prologue kernels and its memsets and device copies (stream operations too)
+    pro = sum(prologue_time(p.shape(l), spec, l) + stream_ops_time(l) for l in (0, 1))
     act = _activation(p, spec)
     comb = _combine(p, spec)
     fused = pro + KERNEL_GAP_S + k0 + act + KERNEL_GAP_S + k1 + comb
-    # folded: the prologue's launches and grid barriers gone (its work and its metadata
+    # folded: the prologue's launches and grid barriers gone (its memsets and copies, its work and its metadata
     # exchange's round trips stay, inside the fused kernel)
     folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S + PROLOGUE_BARRIERS[l] * GRID_BARRIER_S
                          for l in (0, 1))
