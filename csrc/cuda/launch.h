@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "call_params.h"
 
 namespace comet::gpu {
@@ -42,6 +44,39 @@ cudaError_t preload_combine_kernel();  // loads it now (as preload_prologue_kern
 void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, int64_t hidden,
                               char* dst, int64_t row_bytes, cudaStream_t stream);
 cudaError_t preload_fp8_pack_kernel();  // loads it now (as preload_prologue_kernels)
+
+// A call's device copies and flag clears, as one kernel launch (stream_copies.cu) in place of a
+// cudaMemcpyAsync / cudaMemsetAsync each. A descriptor copies `rows` rows of `width` bytes from
+// src (pitch src_pitch) to dst (pitch dst_pitch), or zeroes them when src is null; `unit` is the
+// widest access (16, 8, 4, 2 or 1 bytes) that every address, the width and the pitches allow.
+// The descriptors are independent regions: the kernel runs them in any order.
+struct CopyDesc {
+  void* dst;
+  const void* src;
+  int64_t width, rows, dst_pitch, src_pitch;
+  int32_t unit;
+};
+struct CopyList {
+  static constexpr int32_t kMax = 8;  // layer0's 4 copies, x's values and scales, 2 clears
+  CopyDesc d[kMax];
+  int32_t n = 0;
+  // Adds a copy (src) or a clear (src null) of rows x width bytes; nothing when empty. False
+  // when the list is full (a caller's bug: the op checks it).
+  bool add(void* dst, const void* src, int64_t width, int64_t rows = 1, int64_t dst_pitch = 0,
+           int64_t src_pitch = 0) {
+    if (width <= 0 || rows <= 0) return true;
+    if (n == kMax) return false;
+    if (rows == 1) dst_pitch = src_pitch = width;
+    uint64_t bits = reinterpret_cast<uintptr_t>(dst) | uint64_t(width) | uint64_t(dst_pitch) |
+                    (src ? reinterpret_cast<uintptr_t>(src) | uint64_t(src_pitch) : 0);
+    int32_t unit = 16;
+    while (unit > 1 && (bits & uint64_t(unit - 1)) != 0) unit /= 2;
+    d[n++] = {dst, src, width, rows, dst_pitch, src_pitch, unit};
+    return true;
+  }
+};
+void launch_copies(const CopyList& l, cudaStream_t stream);
+cudaError_t preload_copies_kernel();  // loads it now (as preload_prologue_kernels)
 
 // What the occupancy check needs about a fused kernel.
 struct FusedKernelInfo {

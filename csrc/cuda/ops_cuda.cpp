@@ -132,6 +132,7 @@ void preload_kernels(int device) {
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
   if (e == cudaSuccess) e = preload_fp8_pack_kernel();
+  if (e == cudaSuccess) e = preload_copies_kernel();
   // The proxy runs only across nodes, which a newer GPU refuses (plan_launch): not loaded there.
   if (e == cudaSuccess && !newer_gpu(prop)) e = preload_proxy_kernels();
   for (const void* f : fused) {
@@ -554,28 +555,30 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
   return s;
 }
 
-void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return;
-  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
-             "copying source data into the symmetric buffer");
+// One copy (src) or clear (src null) of rows x width bytes into a call's CopyList
+// (launch.h; one kernel for all of them, launch_copies).
+void add_copy(CopyList& l, void* dst, const void* src, int64_t width, int64_t rows = 1,
+              int64_t dst_pitch = 0, int64_t src_pitch = 0) {
+  TORCH_CHECK(l.add(dst, src, width, rows, dst_pitch, src_pitch),
+              "comet: more than ", CopyList::kMax, " device copies in one call (an internal error)");
 }
 
 // T packed FP8 rows (comet/fp8_rows.h) straight into the symmetric x region: the values q
 // [T, H] and their scales [T, ceil(H/128)] land at their offsets of each row_bytes-long row (two
 // strided copies, no staging tensor). The rows' padding bytes are not written: nothing reads them
 // (the GEMM's A is H wide; the comm blocks copy them along unread).
-void copy_packed_rows(char* dst, const at::Tensor& q, const at::Tensor& scale, int64_t row_bytes,
-                      cudaStream_t stream) {
+void add_packed_rows(CopyList& l, char* dst, const at::Tensor& q, const at::Tensor& scale,
+                     int64_t row_bytes) {
   const int64_t T = q.size(0), H = q.size(1);
-  if (T == 0) return;
-  const size_t scale_bytes = size_t(scale.size(1)) * 4;
-  check_cuda(cudaMemcpy2DAsync(dst, size_t(row_bytes), q.data_ptr(), size_t(H), size_t(H),
-                               size_t(T), cudaMemcpyDeviceToDevice, stream),
-             "copying FP8 rows into the symmetric buffer");
-  check_cuda(cudaMemcpy2DAsync(dst + fp8_row_scales_at(H), size_t(row_bytes), scale.data_ptr(),
-                               scale_bytes, scale_bytes, size_t(T), cudaMemcpyDeviceToDevice,
-                               stream),
-             "copying FP8 row scales into the symmetric buffer");
+  const int64_t scale_bytes = scale.size(1) * 4;
+  add_copy(l, dst, q.data_ptr(), H, T, row_bytes, H);
+  add_copy(l, dst + fp8_row_scales_at(H), scale.data_ptr(), scale_bytes, T, row_bytes,
+           scale_bytes);
+}
+
+void launch_call_copies(const CopyList& l, cudaStream_t stream) {
+  launch_copies(l, stream);
+  check_cuda(cudaGetLastError(), "launching the copies kernel (source data, flag clears)");
 }
 
 void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
@@ -725,15 +728,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     post.take(p.mtile_order, p.mtiles_cap);
     p.plan_blocks = prologue_blocks(p.mtiles_cap, dev, p.sm_margin);
     take_grid_scratch(post, p, p.plan_blocks, W);
-    const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
-    const size_t rows_at = post.take(p.mtile_rows, p.mtiles_cap);
+    post.take(p.mtile_ready, p.mtiles_cap);  // cleared with the source data's copies below
+    post.take(p.mtile_rows, p.mtiles_cap);
     ws_post = post.allocate(dev);
-    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
-                               size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
-               "clearing tile flags");
-    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + rows_at, 0,
-                               size_t(p.mtiles_cap) * sizeof(uint32_t), stream),
-               "clearing tile row counts");
   };
   if (ok && max_rows >= 0) {  // known before the call: allocated before the proxy starts
     allocate_rows(max_rows);
@@ -779,23 +776,32 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     p.w_scale = w0_scale->data_ptr<float>();
   }
 
-  // This rank's source data into its data segment (after begin: peers are done with it).
+  // This rank's source data into its data segment (after begin: peers are done with it), in
+  // one kernel with the clearing of the fused kernel's m-tile flags and row counts. Those are
+  // this rank's local workspace (ws_post, not symmetric memory: no peer can write them), and only
+  // the fused kernel, queued after this kernel, reads or writes them (the source, begin and
+  // publish kernels do not), so clearing them here rather than before the source kernel changes
+  // nothing any kernel sees.
   char* own = b.own_data();
-  copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
-  copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
+  CopyList copies;
+  add_copy(copies, own + p.regions.bucket_off, p.bucket, int64_t(E + 1) * 4);
+  add_copy(copies, own + p.regions.send_slot, p.send_slot, T * k * 4);
   // The routing and bucket positions: a destination fills a token's other slot rows from its
   // primary one (comm_layer0.h: dedup).
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
+  add_copy(copies, own + p.regions.ids, p.ids, T * k * 4);
+  add_copy(copies, own + p.regions.send_pos, p.send_pos, T * k * 4);
   p.dedup = layer0_dedup_setting() ? 1 : 0;
   b.traffic_row_bytes[0] = p.row_bytes;
   if (fp8 && is_fp8(x))
-    copy_packed_rows(own + p.regions.x, x, fp8_scale, p.row_bytes, stream);
-  else if (fp8)
+    add_packed_rows(copies, own + p.regions.x, x, fp8_scale, p.row_bytes);
+  else if (!fp8)
+    add_copy(copies, own + p.regions.x, x.data_ptr(), T * p.row_bytes);
+  add_copy(copies, p.mtile_ready, nullptr, p.mtiles_cap * int64_t(sizeof(uint64_t)));
+  add_copy(copies, p.mtile_rows, nullptr, p.mtiles_cap * int64_t(sizeof(uint32_t)));
+  launch_call_copies(copies, stream);
+  if (fp8 && !is_fp8(x))  // dispatch_fp8: quantised and packed on the way in
     launch_fp8_quantize_pack(x.data_ptr(), scalar_kind(x.scalar_type()), T, H,
                              own + p.regions.x, p.row_bytes, stream);
-  else
-    copy_async(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes), stream);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
@@ -892,7 +898,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.rows_ready, W);
   // layer1_comm_args splits the entries into at most 4 chunks per comm block (comm_blocks.cuh).
   const int64_t chunks = 4 * std::max<int64_t>(comm_program_blocks(lp.grid, int32_t(n_comm)), 1);
-  const size_t chunks_at = ws.take(p.chunk_done, chunks);
+  ws.take(p.chunk_done, chunks);
   ws.take(p.pair_off, int64_t(W) + 1);
   ws.take(p.pair_slot, T * k);
   ws.take(p.item_keys, T * k);
@@ -908,17 +914,9 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.plan.entry_begin, p.plan_cap + 1);
   ws.take(p.plan.slot_row, p.plan_cap);
   ws.take(p.plan.slot_weight, p.plan_cap);
-  const size_t flags_at = ws.take(p.ntile_ready, NT);
-  ws.take(p.ntile_count, NT);  // directly after the flags: one memset clears both
-  const size_t flags_end = flags_at + (size_t(std::max(NT, 1)) * 8 + 255) / 256 * 256 +
-                           (size_t(std::max(NT, 1)) * 4 + 255) / 256 * 256;
+  ws.take(p.ntile_ready, NT);  // these three cleared with the source data's copies below
+  ws.take(p.ntile_count, NT);
   at::Tensor ws_t = ws.allocate(dev);
-  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + flags_at, 0,
-                             flags_end - flags_at, stream),
-             "clearing column flags");
-  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + chunks_at, 0,
-                             size_t(chunks) * sizeof(uint32_t), stream),
-             "clearing chunk counters");
 
   // Allocated before the proxy starts (as in layer0): their sizes are known now.
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
@@ -957,11 +955,22 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   p.out = out.data_ptr();
 
   char* own = b.own_data();
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4, stream);
-  copy_async(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4, stream);
+  // One kernel (as in layer0): the source data, and the fused kernel's column flags, their
+  // arrival counters and the comm blocks' chunk counters cleared. Those three are this rank's
+  // local workspace (ws_t, not symmetric memory: no peer can write them), read and written only
+  // by the fused kernel, queued after this kernel (the source, begin and publish kernels do not
+  // touch them), so clearing them here rather than before the source kernel changes nothing
+  // any kernel sees.
+  CopyList copies;
+  add_copy(copies, own + p.regions.ids, p.ids, T * k * 4);
+  add_copy(copies, own + p.regions.send_pos, p.send_pos, T * k * 4);
+  add_copy(copies, own + p.regions.weights, weights32.data_ptr(), T * k * 4);
+  add_copy(copies, own + p.regions.pair_off, p.pair_off, int64_t(W + 1) * 4);
+  add_copy(copies, own + p.regions.pair_slot, p.pair_slot, T * k * 4);
+  add_copy(copies, p.ntile_ready, nullptr, int64_t(NT) * int64_t(sizeof(uint64_t)));
+  add_copy(copies, p.ntile_count, nullptr, int64_t(NT) * int64_t(sizeof(uint32_t)));
+  add_copy(copies, p.chunk_done, nullptr, chunks * int64_t(sizeof(uint32_t)));
+  launch_call_copies(copies, stream);
   b.traffic_row_bytes[1] = H * scalar_bytes(ScalarKind(p.out_kind));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
