@@ -69,14 +69,15 @@ GRID_BARRIER_S = 1.5e-6  # one grid-wide barrier of a prologue kernel (assumptio
 PROLOGUE_BARRIERS = {0: 11, 1: 15}
 PROLOGUE_LAUNCHES = {0: 3, 1: 3}
 # The call's other stream operations before its fused kernel (csrc/cuda/ops_cuda.cpp; docs/design.md,
-# "Launches per call on CUDA"): each op clears two flag arrays (2 memsets) and copies its source
-# data into the symmetric buffer (5 device copies; dispatch_fp8's quantise-and-pack kernel stands
-# in for x's copy). A memset or a device-to-device copy is a small driver kernel of its own on
-# the stream, so each is charged a launch gap like a kernel's (assumption, not measured). The
-# decode model charges them (stream_ops_time); prologue_time, which the tuner's split and the
-# throughput tables use, does not yet (a constant per call: it moves no split).
+# "Launches per call on CUDA"): each op's source data copies into the symmetric buffer and its
+# flag clears run as one kernel (csrc/cuda/stream_copies.cu; before it, 5 device copies and 2
+# memsets, each its own stream operation). dispatch_fp8 adds its quantise-and-pack kernel to
+# layer0; the table's FP8 rows assume x quantised by the caller. Each stream operation is charged
+# a launch gap like a kernel's (assumption, not measured). The decode model charges them
+# (stream_ops_time); prologue_time, which the tuner's split and the throughput tables use, does
+# not yet (a constant per call: it moves no split).
 STREAM_OP_S = KERNEL_GAP_S
-PROLOGUE_STREAM_OPS = {0: 2 + 5, 1: 2 + 5}
+PROLOGUE_STREAM_OPS = {0: 1, 1: 1}
 
 
 class _Parts(NamedTuple):
