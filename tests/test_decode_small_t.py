@@ -75,22 +75,25 @@ def _oracle_rows(world, E, ids, d):
     return rows
 
 
-def one_step(rank, world, E, dtype, inp, R, buffer, dev, tile=None):
-    """layer0 -> tanh -> layer1 on this rank's inputs on `dev` (FP8: quantised here) with `tile`
-    (None: the tuner's); returns y0 and out (on the CPU), h and the inputs as the op saw them
-    (float64, FP8 dequantised)."""
+def one_step(rank, world, E, dtype, inp, R, buffer, dev, tile=None, ids_dtype=None,
+             dispatch_fp8=False):
+    """layer0 -> tanh -> layer1 on this rank's inputs on `dev` (FP8: quantised here, or with
+    dispatch_fp8 by the op on the sending rank, the same bits) with `tile` (None: the tuner's) and
+    the ids as `ids_dtype` (None: as made); returns y0 and out (on the CPU), h and the inputs as
+    the op saw them (float64, FP8 dequantised)."""
     import comet
     from comet import fp8
 
     xs, ids, wts, w0s, w1s = inp
     x, w0, w1 = xs[rank].to(dev), w0s[rank].to(dev), w1s[rank].to(dev)
-    ids_r, wts_r = ids[rank].to(dev), wts[rank].to(dev)
+    ids_r, wts_r = ids[rank].to(dev, ids_dtype or ids[rank].dtype), wts[rank].to(dev)
     if dtype == "fp8":
         xq, xs_ = fp8.quantize_rows(x)
         w0q, w0s_ = fp8.quantize_blocks(w0)
         w1q, w1s_ = fp8.quantize_blocks(w1)
-        y0, layout = comet.moe_layer0(xq, w0q, ids_r, num_experts=E, x_scale=xs_,
-                                      w0_scale=w0s_, max_rows=R, buffer=buffer, tile=tile)
+        sent = dict(dispatch_fp8=True) if dispatch_fp8 else dict(x_scale=xs_)
+        y0, layout = comet.moe_layer0(x if dispatch_fp8 else xq, w0q, ids_r, num_experts=E,
+                                      w0_scale=w0s_, max_rows=R, buffer=buffer, tile=tile, **sent)
         hq, hs = fp8.quantize_rows(torch.tanh(y0.float()[:, :N1]))
         out = comet.moe_layer1(hq, w1q, wts_r, layout, h_scale=hs, w1_scale=w1s_,
                                buffer=buffer, tile=tile)
