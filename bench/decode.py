@@ -55,6 +55,7 @@ def _body(rank: int, world: int, cfg: dict):
     from comet import reference as ref
 
     import comet
+    from comet.layers import ops as O
 
     dev = C.device()
     dtype = C.DTYPES[cfg["dtype"]]
@@ -80,6 +81,12 @@ def _body(rank: int, world: int, cfg: dict):
                                    msg=lambda m, label=label: f"rank {rank}, {label}: comet vs "
                                                               f"torch: {m}")
         err = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
+        # the launch each layer ran with (the tuner's: on CUDA the 64-row tile at decode sizes)
+        h_like = torch.empty(R, shape["N1"], dtype=dtype, device=dev)
+        cfgs = [O.launch_config(dev, None, None, layer=layer, world=world, num_experts=inp["E"],
+                                x=x, w=w, topk_ids=inp["ids"])
+                for layer, x, w in ((0, inp["x"], inp["w0"]), (1, h_like, inp["w1"]))]
+        launch = {f"layer{i}": dict(n_comm=c[0], tile=[c[2], c[3]]) for i, c in enumerate(cfgs)}
         C.progress(f"{label}: timing ({cfg['warmup']} + {cfg['iters']} rounds)")
         t = C.measure({"comet": fused, "torch": unfused}, dev, cfg["warmup"], cfg["iters"],
                       label=label)
@@ -87,18 +94,20 @@ def _body(rank: int, world: int, cfg: dict):
         dist.all_reduce(rows)
         records.append(dict(tokens=T, max_rows=R, slots_all_ranks=int(rows.item()),
                             times_s=t, median_us={k: v["median"] * 1e6 for k, v in t.items()},
-                            max_abs_err=err))
+                            max_abs_err=err, launch=launch))
         dist.barrier()
     return records if rank == 0 else None
 
 
 def render(records, backend: str) -> str:
-    body = [[str(r["tokens"]), str(r["max_rows"]), f"{r['median_us']['comet']:.0f}",
+    body = [[str(r["tokens"]), str(r["max_rows"]),
+             " / ".join("x".join(map(str, r["launch"][f"layer{i}"]["tile"])) for i in (0, 1)),
+             f"{r['median_us']['comet']:.0f}",
              f"{r['median_us']['torch']:.0f}",
              f"{r['median_us']['torch'] / r['median_us']['comet']:.2f}x", f"{r['max_abs_err']:.1e}"]
             for r in records]
-    return C.table(["tokens/rank", "max_rows", "comet us", "torch chain us", "torch / comet",
-                    "max err"], body)
+    return C.table(["tokens/rank", "max_rows", "tile layer0 / layer1", "comet us",
+                    "torch chain us", "torch / comet", "max err"], body)
 
 
 def parse(argv=None):

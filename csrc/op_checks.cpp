@@ -258,12 +258,13 @@ bool Checker::launch(const LaunchShape& l) {
               "sm_margin (SMs left free for other kernels; -1: the buffer's) must be >= 0, "
               "got " + std::to_string(l.sm_margin))))
     return false;
-  // The CUDA kernels have one tile shape (the tuner's tile choice applies to the CPU backend);
-  // their grid is checked against the GPU's co-resident blocks when the call is planned.
+  // The CUDA kernels have two tile shapes (128 or 64 rows by 128 columns); their grid is checked
+  // against the GPU's co-resident blocks when the call is planned.
   if (device_.is_cuda())
-    return value(l.tile_m == kCudaTileM && l.tile_n == kCudaTileN,
+    return value((l.tile_m == kCudaTileM || l.tile_m == kCudaSmallTileM) && l.tile_n == kCudaTileN,
                  "the CUDA kernels are compiled for " + std::to_string(kCudaTileM) + "x" +
-                     std::to_string(kCudaTileN) + " tiles, got tile=(" +
+                     std::to_string(kCudaTileN) + " and " + std::to_string(kCudaSmallTileM) +
+                     "x" + std::to_string(kCudaTileN) + " tiles, got tile=(" +
                      std::to_string(l.tile_m) + ", " + std::to_string(l.tile_n) + ")");
   // The CPU backend runs any tile its int32 launch fields hold; n_gemm = 0 runs one GEMM block.
   return value(l.tile_m <= INT32_MAX && l.tile_n <= INT32_MAX,

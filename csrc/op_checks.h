@@ -92,9 +92,10 @@ bool layer0_dedup_setting();
 // integer >= 0 (Checker::launch refuses the call then).
 int64_t raster_group_setting();
 
-// The one tile shape the CUDA kernels are compiled for (csrc/cuda/launch.h kTileM x kTileN); the
+// The tile shapes the CUDA kernels are compiled for (csrc/cuda/launch.h kTileMs x kTileN):
+// kCudaTileM rows, or kCudaSmallTileM for few rows per expert (the tuner's small-batch tile); the
 // CPU backend takes any tile (one larger than the problem covers it whole).
-inline constexpr int64_t kCudaTileM = 128, kCudaTileN = 128;
+inline constexpr int64_t kCudaTileM = 128, kCudaSmallTileM = 64, kCudaTileN = 128;
 // The most blocks one grid of the CPU backend holds (each block a team of OS threads), the
 // analog of a GPU's co-resident blocks: n_comm must leave at least one of them to the GEMM.
 inline constexpr int64_t kMaxCpuGrid = 1024;

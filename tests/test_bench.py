@@ -300,6 +300,10 @@ def test_decode_bench_smoke(tmp_path):
         assert r["max_abs_err"] <= 1e-4 * 10
         assert set(r["median_us"]) == {"comet", "torch"} and all(v > 0 for v in r["median_us"].values())
         assert f"| {r['max_rows']:>8} |" in proc.stdout
+        # the tile each layer ran with: the CPU backend's default (the tuner picks among the
+        # CUDA tiles only on CUDA)
+        assert {k: v["tile"] for k, v in r["launch"].items()} == {"layer0": [32, 64],
+                                                                 "layer1": [32, 64]}
     print(f"decode.py --smoke: {elapsed:.1f} s")
 
 

@@ -80,3 +80,20 @@ def test_cli_table_has_every_point_and_the_anchors():
     for _, _, what, d_us, c_us in dm.DECODE_ANCHORS:
         assert f"| {what} | {d_us:g} / {c_us:g} |" in text
     assert cli.main(["--table", "decode"]) == 0
+
+
+@pytest.mark.parametrize("dtype,T", [("fp8", 0), ("fp8", 128), ("bf16", 1), ("bf16", 256)])
+def test_fused_charges_each_stream_operation(monkeypatch, dtype, T):
+    """The fused layer counts each op's copies kernel (its source data copies and flag clears,
+    csrc/cuda/stream_copies.cu) at STREAM_OP_S, in the folded column too (folding the prologue
+    kernels keeps it): priced at 0 it takes exactly that off both columns."""
+    from comet.tune.model import comm
+    spec = pm.GPUS["h800"]
+    p = dm.DecodePoint(8, T, dtype, 8)
+    f = dm.decode_fused(p, spec)
+    monkeypatch.setattr(comm, "STREAM_OP_S", 0.0)
+    g = dm.decode_fused(p, spec)
+    ops = sum(comm.PROLOGUE_STREAM_OPS.values())
+    assert ops == 2
+    assert f["fused"] - g["fused"] == pytest.approx(ops * pm.KERNEL_GAP_S, rel=1e-9)
+    assert f["folded"] - g["folded"] == pytest.approx(ops * pm.KERNEL_GAP_S, rel=1e-9)

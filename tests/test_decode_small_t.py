@@ -75,24 +75,28 @@ def _oracle_rows(world, E, ids, d):
     return rows
 
 
-def one_step(rank, world, E, dtype, inp, R, buffer, dev):
-    """layer0 -> tanh -> layer1 on this rank's inputs on `dev` (FP8: quantised here); returns y0
-    and out (on the CPU), h and the inputs as the op saw them (float64, FP8 dequantised)."""
+def one_step(rank, world, E, dtype, inp, R, buffer, dev, tile=None, ids_dtype=None,
+             dispatch_fp8=False):
+    """layer0 -> tanh -> layer1 on this rank's inputs on `dev` (FP8: quantised here, or with
+    dispatch_fp8 by the op on the sending rank, the same bits) with `tile` (None: the tuner's) and
+    the ids as `ids_dtype` (None: as made); returns y0 and out (on the CPU), h and the inputs as
+    the op saw them (float64, FP8 dequantised)."""
     import comet
     from comet import fp8
 
     xs, ids, wts, w0s, w1s = inp
     x, w0, w1 = xs[rank].to(dev), w0s[rank].to(dev), w1s[rank].to(dev)
-    ids_r, wts_r = ids[rank].to(dev), wts[rank].to(dev)
+    ids_r, wts_r = ids[rank].to(dev, ids_dtype or ids[rank].dtype), wts[rank].to(dev)
     if dtype == "fp8":
         xq, xs_ = fp8.quantize_rows(x)
         w0q, w0s_ = fp8.quantize_blocks(w0)
         w1q, w1s_ = fp8.quantize_blocks(w1)
-        y0, layout = comet.moe_layer0(xq, w0q, ids_r, num_experts=E, x_scale=xs_,
-                                      w0_scale=w0s_, max_rows=R, buffer=buffer)
+        sent = dict(dispatch_fp8=True) if dispatch_fp8 else dict(x_scale=xs_)
+        y0, layout = comet.moe_layer0(x if dispatch_fp8 else xq, w0q, ids_r, num_experts=E,
+                                      w0_scale=w0s_, max_rows=R, buffer=buffer, tile=tile, **sent)
         hq, hs = fp8.quantize_rows(torch.tanh(y0.float()[:, :N1]))
         out = comet.moe_layer1(hq, w1q, wts_r, layout, h_scale=hs, w1_scale=w1s_,
-                               buffer=buffer)
+                               buffer=buffer, tile=tile)
         h_val = hq.double() * _blocks(hs.double(), hq.shape)
         used = dict(x=xq.double() * _blocks(xs_.double(), xq.shape),
                     w0=w0q.double() * _blocks(w0s_.double(), w0q.shape),
@@ -100,9 +104,9 @@ def one_step(rank, world, E, dtype, inp, R, buffer, dev):
     else:
         dt = torch.float32 if dtype == "fp32" else torch.bfloat16
         y0, layout = comet.moe_layer0(x.to(dt), w0.to(dt), ids_r, num_experts=E, max_rows=R,
-                                      buffer=buffer)
+                                      buffer=buffer, tile=tile)
         h = torch.tanh(y0.float()[:, :N1]).to(dt)
-        out = comet.moe_layer1(h, w1.to(dt), wts_r, layout, buffer=buffer)
+        out = comet.moe_layer1(h, w1.to(dt), wts_r, layout, buffer=buffer, tile=tile)
         h_val = h.double()
         used = dict(x=x.to(dt).double(), w0=w0.to(dt).double(), w1=w1.to(dt).double())
     used = {k: v.cpu() for k, v in used.items()}
@@ -140,10 +144,13 @@ def check_against_oracle(rank, world, E, dtype, inp, y0, out, h_val, used, label
     return M
 
 
-def run_steps(rank, world, experts, dtypes, dev, gather, fresh_buffer):
-    """Every step of steps_for(world) in every dtype on the group's buffer at one max_rows,
-    checked against the oracle, then again on fresh_buffer() (closed after): bitwise equal (y0's
-    first M rows, and out).
+def run_steps(rank, world, experts, dtypes, dev, gather, fresh_buffer, tiles=(None,)):
+    """Every step of steps_for(world) in every dtype on the group's buffer at one max_rows with
+    tiles[0], checked against the oracle, then again on fresh_buffer() (closed after): bitwise
+    equal (y0's first M rows, and out); then with each other tile of `tiles` on the group's
+    buffer: bitwise equal to tiles[0]'s (the CUDA kernels' 64- and 128-row tiles run the same MMA
+    instructions on each row in the same k order; the CPU backend's tile GEMM sums each output in
+    k order whatever the tile).
     Returns (dtype, step, y0 rows, out shape) per call."""
     results = []
     R = world * MAX_T * min(TOPK, experts // world)  # the bound, fixed for every step
@@ -151,16 +158,22 @@ def run_steps(rank, world, experts, dtypes, dev, gather, fresh_buffer):
         for step, tokens in enumerate(steps_for(world)):
             inp = _step_inputs(world, experts, tokens, seed=100 * experts + step)
             label = f"E={experts} {dtype} step {step} tokens {tokens}"
-            y0, out, h_val, used = one_step(rank, world, experts, dtype, inp, R, None, dev)
+            y0, out, h_val, used = one_step(rank, world, experts, dtype, inp, R, None, dev,
+                                            tiles[0])
             M = check_against_oracle(rank, world, experts, dtype, inp, y0, out, h_val, used,
                                      label, gather, zero_past_m=dev.type == "cpu")
             fresh = fresh_buffer()
             try:
-                y0_f, out_f, _, _ = one_step(rank, world, experts, dtype, inp, R, fresh, dev)
+                y0_f, out_f, _, _ = one_step(rank, world, experts, dtype, inp, R, fresh, dev,
+                                             tiles[0])
             finally:
                 fresh.close()
             assert torch.equal(y0[:M], y0_f[:M]) and torch.equal(out, out_f), \
                 f"rank {rank}, {label}: the reused buffer's result differs from a fresh buffer's"
+            for tile in tiles[1:]:
+                y0_t, out_t, _, _ = one_step(rank, world, experts, dtype, inp, R, None, dev, tile)
+                assert torch.equal(y0[:M], y0_t[:M]) and torch.equal(out, out_t), \
+                    f"rank {rank}, {label}: tile {tile} differs from tile {tiles[0]}"
             results.append((dtype, step, int(y0.shape[0]), tuple(out.shape)))
     return results
 
@@ -181,13 +194,20 @@ def _all_gather(obj):
     return out
 
 
-def _run(rank, world, experts):
+def _run(rank, world, experts, tiles=(None,)):
     import comet
 
     return run_steps(rank, world, experts, DTYPES, torch.device("cpu"), _all_gather,
-                     lambda: comet.Buffer(None))
+                     lambda: comet.Buffer(None), tiles)
 
 
 @pytest.mark.parametrize("world,experts", [(2, 16), (2, 32), (4, 16), (4, 32)])
 def test_small_batches_match_the_oracle_at_a_fixed_max_rows(world, experts):
     check_results(run_ranks(_run, world, experts, timeout=600), world, experts, DTYPES)
+
+
+def test_the_cuda_tiles_give_the_same_bits():
+    """The CUDA kernels' two tiles, 128 x 128 (checked against the oracle) and 64 x 128, on every
+    step (tests/gpu/test_cuda_decode.py runs the same on a GPU)."""
+    tiles = ((128, 128), (64, 128))
+    check_results(run_ranks(_run, 2, 16, tiles, timeout=600), 2, 16, DTYPES)

@@ -311,14 +311,18 @@ def test_cpu_grid_grows_with_n_comm_up_to_its_limit():
 
 # The CUDA kernels' launch rules are checked by the same code (Checker::launch, Checker::grid),
 # which comet._C.engine.launch_check runs for a device type without a call or a GPU.
-def test_cuda_launch_takes_only_the_compiled_tile():
+def test_cuda_launch_takes_only_the_compiled_tiles():
     from comet import _C
-    from comet.layers.ops import CUDA_TILE
+    from comet.layers.ops import CUDA_TILES
 
-    assert _C.engine.launch_check("cuda", 2, 0, *CUDA_TILE) == ""
-    assert _C.engine.launch_check("cuda", 2, 0, 64, 128) == (
-        "comet.moe_layer0: the CUDA kernels are compiled for 128x128 tiles, got tile=(64, 128)")
-    assert _C.engine.launch_check("cpu", 2, 0, 64, 128) == ""  # the CPU backend takes any tile
+    assert CUDA_TILES == ((128, 128), (64, 128))
+    for tile in CUDA_TILES:
+        assert _C.engine.launch_check("cuda", 2, 0, *tile) == ""
+    for tile in ((32, 128), (128, 64), (96, 128)):
+        assert _C.engine.launch_check("cuda", 2, 0, *tile) == (
+            "comet.moe_layer0: the CUDA kernels are compiled for 128x128 and 64x128 tiles, "
+            f"got tile=({tile[0]}, {tile[1]})")
+    assert _C.engine.launch_check("cpu", 2, 0, 32, 128) == ""  # the CPU backend takes any tile
 
 
 def test_grid_rule_names_the_value_and_the_grid():

@@ -627,8 +627,13 @@ def test_old_cache_entries_and_explicit_splits_run_the_models_band(tmp_path, mon
     monkeypatch.setitem(ops._cuda_arch, 0, ("h800", 132))
     got = ops.launch_choice("cuda", 0, 1, 8, 8, 2, 4096, 14336, 4096, "bf16", 9, (128, 128))
     assert got[4] == "explicit" and got[5] == pm.choose_band(key.shape(), spec, 9, (128, 128))
+    # CUDA without a tile: the tuner picks one of the compiled tiles (comet.tune.model.small_tile:
+    # 128 rows here, 8192 rows per expert), and the model's band for it
     got = ops.launch_choice("cuda", 0, 1, 8, 8, 2, 4096, 14336, 4096, "bf16", 9, None)
-    assert got[4] == "explicit" and got[5] > 1  # CUDA: the one tile, so both are explicit
+    assert got[4] == "explicit n_comm" and got[2:4] == (128, 128) and got[5] > 1
+    # decode: 32 rows per expert (8 ranks x 128 tokens x top-8 over 256 experts): 64-row tiles
+    got = ops.launch_choice("cuda", 0, 0, 8, 256, 8, 7168, 4096, 128, "bf16", None, None)
+    assert got[4] == "model" and got[2:4] == (64, 128)
     tn.default_tuner().clear()
 
 

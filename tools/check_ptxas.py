@@ -61,22 +61,36 @@ SMEM_PROBE = r"""
 #include "fused_sm80.cuh"
 #include "fused_sm90.cuh"
 #include "sm89_fp8_tile_gemm.cuh"
-int main() {
+template <int kM>
+void rows(const char* tag) {
   using namespace comet::gpu;
-  std::printf("sm80 %d %d\n", sm80::TileGemm<cutlass::bfloat16_t>::kSmemBytes,
-              sm80::TileGemm<cutlass::bfloat16_t>::kThreads);
-  std::printf("sm90 %d %d\n", sm90::GemmConfig<cutlass::bfloat16_t>::kSmemBytes,
-              sm90::GemmConfig<cutlass::bfloat16_t>::kThreads);
-  std::printf("sm90_fp8 %d %d\n", sm90::Fp8GemmConfig::kSmemBytes, sm90::Fp8GemmConfig::kThreads);
-  std::printf("sm89_fp8 %d %d\n", sm89::Fp8TileGemm::kSmemBytes, sm89::Fp8TileGemm::kThreads);
+  std::printf("sm80%s %d %d
+", tag, sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kSmemBytes,
+              sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kThreads);
+  std::printf("sm90%s %d %d
+", tag, sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kSmemBytes,
+              sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kThreads);
+  std::printf("sm90_fp8%s %d %d
+", tag, sm90::Fp8GemmConfig<kM>::kSmemBytes,
+              sm90::Fp8GemmConfig<kM>::kThreads);
+  std::printf("sm89_fp8%s %d %d
+", tag, sm89::Fp8TileGemm<kM>::kSmemBytes,
+              sm89::Fp8TileGemm<kM>::kThreads);
   // The fused activation's epilogue pairs accumulator halves (epilogue.cuh, store_tile_act).
-  using B16 = sm80::TileGemm<cutlass::bfloat16_t>;
-  using F16 = sm80::TileGemm<cutlass::half_t>;
-  std::printf("pairs:sm80 %d 0\n",
-              int(fragment_halves_pair<B16::TiledMma, B16::kBM, B16::kBN>() &&
-                  fragment_halves_pair<F16::TiledMma, F16::kBM, F16::kBN>()));
-  using F8 = sm89::Fp8TileGemm;
-  std::printf("pairs:sm89_fp8 %d 0\n", int(fragment_halves_pair<F8::TiledMma, F8::kBM, F8::kBN>()));
+  using B16 = sm80::TileGemm<cutlass::bfloat16_t, false, kM>;
+  using F16 = sm80::TileGemm<cutlass::half_t, false, kM>;
+  std::printf("pairs:sm80%s %d 0
+", tag,
+              int(fragment_halves_pair<typename B16::TiledMma, B16::kBM, B16::kBN>() &&
+                  fragment_halves_pair<typename F16::TiledMma, F16::kBM, F16::kBN>()));
+  using F8 = sm89::Fp8TileGemm<kM>;
+  std::printf("pairs:sm89_fp8%s %d 0
+", tag,
+              int(fragment_halves_pair<typename F8::TiledMma, F8::kBM, F8::kBN>()));
+}
+int main() {
+  rows<128>("");
+  rows<64>("_64");
   return 0;
 }
 """
@@ -151,15 +165,22 @@ def parse(text: str, source: str, notes: list[str] | None = None):
 # Kernel family (the probe's key) -> the architecture its device code is built for; on any other
 # it is an empty, never-launched stub.
 FAMILY_ARCH = {"sm80": None, "sm90": "sm_90a", "sm90_fp8": "sm_90a", "sm89_fp8": "sm_89"}
+FAMILY_ARCH.update({f + "_64": a for f, a in FAMILY_ARCH.items()})
+
+
+# A fused kernel's tile rows are its last template argument (sm80 / sm89: fused_kernel<..., 64>;
+# sm90: GemmConfig<..., 64> / Fp8GemmConfig<64>); the 64-row kernels' probe keys end in "_64".
+ROWS_64 = re.compile(r"[<,] ?64>")
 
 
 def kernel_family(name: str) -> str | None:
     """The SMEM_PROBE key of a kernel's short name, None for kernels without dynamic smem."""
+    tag = "_64" if ROWS_64.search(name) else ""
     if "sm90::" in name:
-        return "sm90_fp8" if "Fp8GemmConfig" in name else "sm90"
+        return ("sm90_fp8" if "Fp8GemmConfig" in name else "sm90") + tag
     if "sm89::" in name:
-        return "sm89_fp8"
-    return "sm80" if "sm80::" in name else None
+        return "sm89_fp8" + tag
+    return "sm80" + tag if "sm80::" in name else None
 
 
 def compile_one(source: str, outdir: str, objdump: str | None):

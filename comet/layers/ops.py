@@ -20,7 +20,10 @@ from comet.layers import placed
 from comet._native import _C  # noqa: F401  (registers the ops)
 
 CPU_TILE = (32, 64)
-CUDA_TILE = (128, 128)  # csrc/cuda/launch.h kTileM x kTileN
+CUDA_TILE = (128, 128)  # csrc/cuda/launch.h kTileMs[0] x kTileN
+# Every tile the CUDA kernels are compiled for (kTileMs x kTileN): the tuner picks among them
+# (comet.tune.model.small_tile: 64 rows for few rows per expert).
+CUDA_TILES = ((128, 128), (64, 128))
 
 
 @dataclasses.dataclass
@@ -216,9 +219,10 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
         nc = int(nc)
         return nc, (max(1, blocks - nc) if cpu else 0), int(tl[0]), int(tl[1]), source, int(band)
 
-    if not cpu and tile is None:
-        tile = CUDA_TILE  # the one tile shape the CUDA kernels are compiled for
     default_tile = CPU_TILE if cpu else CUDA_TILE
+    # CUDA without an explicit tile: the tuner's choice among the compiled tiles (a measurement's,
+    # else the model's); the CPU backend runs any tile and keeps its default.
+    choices = None if cpu else CUDA_TILES
     tuner = tn.default_tuner()
     raw = (arch, blocks, dtype, layer, world, num_experts, topk, hidden, n, token_bucket, n_comm,
            tile, ranks_per_node, node_reduce, tp_size)
@@ -237,7 +241,8 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
             cfg, source = tn.Config(int(n_comm), *tile), "explicit"
             cfg.band_n = tuner.model_band(key, cfg.n_comm, cfg.tile)
         else:
-            cfg, source = tuner.choose(key, tile=tile or default_tile, explain=True)
+            asked = tile or (None if choices else default_tile)
+            cfg, source = tuner.choose(key, tile=asked, tiles=choices, explain=True)
     except Exception:  # noqa: BLE001 - never fail here: bad inputs are reported by the op itself
         nc = 1 if cpu else max(1, round(0.2 * blocks))
         return done(nc if n_comm is None else n_comm, tile or default_tile,
@@ -250,7 +255,8 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
         source += ", explicit tile"
     result = done(cfg.n_comm if n_comm is None else n_comm, tile or cfg.tile, source, cfg.band_n)
     _launch_memo[raw] = (result, tuner, None if source == "explicit" else
-                         (key, None, None, None, tuple(tile or default_tile)))
+                         (key, None, None, None, None if asked is None else tuple(asked),
+                          choices))
     return result
 
 

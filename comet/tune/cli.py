@@ -451,11 +451,12 @@ def decode_table() -> str:
                 wmb = (dm.weight_bytes(p, 0) + dm.weight_bytes(p, 1)) / 1e6
                 rows.append([f"{W // rpn} x {rpn}", dt, str(T),
                              f"{dm.active_experts(W, p.E, p.k, T):.1f}", f"{wmb:.0f}",
-                             f"{f['n_comm0']} / {f['n_comm1']}", us(f["fused"]), us(f["folded"]),
+                             f"{f['n_comm0']} / {f['n_comm1']}",
+                             f"{f['tile_m0']} / {f['tile_m1']}", us(f["fused"]), us(f["folded"]),
                              us(u["unfused"]), us(lim), f"{f['fused'] / lim:.2f}"])
     table = _md_table(["nodes x ranks", "dtype", "tokens", "active experts", "weight MB",
-                       "n_comm", "fused us", "fused, prologues folded (not built) us",
-                       "unfused us", "limit us", "fused / limit"], rows, "lllrrrrrrrr")
+                       "n_comm", "tile_m", "fused us", "fused, prologues folded (not built) us",
+                       "unfused us", "limit us", "fused / limit"], rows, "lllrrrrrrrrr")
     anchors = []
     for W, gpu, what, d_us, c_us in dm.DECODE_ANCHORS:
         rpn = dict(dm.DECODE_GROUPS)[W]

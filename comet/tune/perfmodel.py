@@ -30,6 +30,9 @@ comet/tune/model/, each documenting what it models (a part imports only the part
 * ``backward`` -- a training step's second half: :func:`predict_backward`.
 * ``activation`` -- the activation between the ops, separate or fused into layer0's epilogue:
   :func:`predict_activation`.
+* ``small_tile`` -- which of the CUDA kernels' two tiles (128 or 64 rows) a layer runs with:
+  padding, MMA share and the per-block weight stream (read as comet.tune.model.small_tile, not
+  re-exported here).
 * ``decode`` -- a whole layer at 1-256 tokens per rank, bound by the weight stream: the fused
   layer as built, the unfused low-latency chain and the limit (``--table decode``; read as
   comet.tune.model.decode, not re-exported here).
@@ -39,7 +42,8 @@ comet.plan.skew measures each rank's counts under a placement and prices the slo
 this model.
 
 What it leaves out: per-tile mainloop efficiency (so it cannot rank tile shapes on its own: the
-tile is an input), L2 effects beyond the A sweeps (``gemm``), NVLink contention between ranks, load imbalance beyond the measured
+tile is an input; only the CUDA kernels' 64-row tile is charged an assumed MMA share,
+``gemm.SMALL_TILE_MMA_SHARE``, for ``small_tile``'s choice between their two tiles), L2 effects beyond the A sweeps (``gemm``), NVLink contention between ranks, load imbalance beyond the measured
 counts, launch overheads; across nodes: message-rate limits of small puts (layer1 is modelled as
 if its partials leave in messages of at least a row; per-N-tile slices of 256 bytes would be
 message-rate bound), switch congestion beyond rail alignment, the PCIe path between GPU and NIC,

@@ -54,6 +54,7 @@ from statistics import median
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import perfmodel as pm
+from .model import small_tile
 
 __all__ = [
     "Config",
@@ -628,6 +629,7 @@ class Tuner:
         max_blocks: Optional[int] = None,
         tile=None,
         explain: bool = False,
+        tiles=None,
     ):
         """The Config to launch ``key`` with.
 
@@ -635,7 +637,10 @@ class Tuner:
            or nearest token bucket), if it fits ``max_blocks``;
         2. else the cost model's ``n_comm`` for ``spec`` (default: the spec of ``key.arch`` scaled
            to ``key.sm_count``; arch ``"cpu"`` uses the CPU pseudo-spec), on ``shape`` (default:
-           the key's shape at the bucket's token count) with ``tile`` (default 128x128);
+           the key's shape at the bucket's token count) with ``tile`` (default 128x128), or, given
+           ``tiles`` (candidates, e.g. the CUDA kernels' comet.tune.model.small_tile.CUDA_TILES)
+           and no ``tile``, with the tile the model picks among them (small_tile.choose_tile:
+           64 rows where every expert has at most 64, else 128);
         3. else (unknown arch) :func:`default_config`.
 
         Memoised per arguments.  With ``explain`` returns ``(config, source)`` where source is
@@ -644,10 +649,11 @@ class Tuner:
         ``choose`` is local to the process: ranks agree when they share the cache file or ran
         :meth:`tune` together (which stores the same winner on every rank).
         """
-        memo_key = (key, shape, spec, max_blocks, None if tile is None else tuple(tile))
+        memo_key = (key, shape, spec, max_blocks, None if tile is None else tuple(tile),
+                     None if tiles is None else tuple(tuple(t) for t in tiles))
         hit = self._memo.get(memo_key)
         if hit is None:
-            hit = self._choose(key, shape, spec, max_blocks, tile)
+            hit = self._choose(key, shape, spec, max_blocks, tile, tiles)
             self._memo[memo_key] = hit
         cfg = Config(**hit[0].to_dict())  # a fresh copy: Config is mutable
         return (cfg, hit[1]) if explain else cfg
@@ -669,22 +675,29 @@ class Tuner:
         tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
         return pm.choose_band(shp, spec, n_comm, tile, n_blocks=total)
 
-    def _choose(self, key, shape, spec, max_blocks, tile) -> Tuple[Config, str]:
+    def _choose(self, key, shape, spec, max_blocks, tile, tiles=None) -> Tuple[Config, str]:
         total = _blocks(key.sm_count, max_blocks)
+        allowed = None if tiles is None else {pm._tile(t) for t in tiles}
+        fits = lambda c: allowed is None or c.tile in allowed  # noqa: E731
         mine = self._measured.get(key)
-        if mine is not None and 0 <= mine.n_comm <= total - 1:
+        if mine is not None and 0 <= mine.n_comm <= total - 1 and fits(mine):
             return Config(**mine.to_dict()), "measured"
         cached = self.cache.get(key, nearest=True)
         if cached is not None:
             cfg, k2 = cached
-            if 0 <= cfg.n_comm <= total - 1:
+            if 0 <= cfg.n_comm <= total - 1 and fits(cfg):
                 if not self.cache.has_band(k2):  # an entry from before bands: the model's
                     cfg.band_n = self.model_band(key, cfg.n_comm, cfg.tile, shape, spec,
                                                  max_blocks)
                 return cfg, ("cache" if k2 == key else "cache-nearest")
-        tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
         if spec is None:
             spec = pm.get_spec(key.arch, key.sm_count)
+        if tile is None and tiles is not None and spec is not None and \
+                min(total, spec.max_blocks) >= 2:
+            shp = shape if shape is not None else key.shape()
+            tile = small_tile.choose_tile(shp, spec, key.layer, total, tiles) if shp.T > 0 \
+                else pm.DEFAULT_TILE
+        tile = pm.DEFAULT_TILE if tile is None else pm._tile(tile)
         if spec is not None and min(total, spec.max_blocks) >= 2:
             shp = shape if shape is not None else key.shape()
             if shp.T > 0:
@@ -818,8 +831,9 @@ def profile(
     """Tune ``key`` on the real op through ``profilers`` (default :data:`PROFILERS`).
 
     ``profilers["layer0"|"layer1"](key, shape, group)`` must return ``run_fn(config) ->
-    seconds``.  Default candidates: :func:`candidate_configs` around the cost model's choice.
-    Raises :class:`ProfilerUnavailable` when no hook is registered for the layer.
+    seconds``.  Default candidates: :func:`candidate_configs` around the cost model's choice,
+    with the 128 x 128 tile and, on a GPU where every expert has at most 64 rows, the 64 x 128
+    one.  Raises :class:`ProfilerUnavailable` when no hook is registered for the layer.
     """
     hooks = PROFILERS if profilers is None else profilers
     name = f"layer{key.layer}"
@@ -837,7 +851,11 @@ def profile(
             around = pm.choose_n_comm(shape, spec, key.layer, max_blocks=max_blocks)
             if key.layer == 1:  # column order and the model's band, each measured
                 bands.add(pm.choose_band(shape, spec, around, n_blocks=max_blocks))
-        candidates = candidate_configs(key.sm_count, around=around, max_blocks=max_blocks,
-                                       bands=tuple(bands))
+        # GPUs: the small-batch tile too, where it removes padding (comet.tune.model.small_tile)
+        tiles = (pm.DEFAULT_TILE,)
+        if key.arch != "cpu" and shape.T > 0 and small_tile.small_tile_fits(pm.expert_rows(shape)):
+            tiles += (small_tile.SMALL_TILE,)
+        candidates = candidate_configs(key.sm_count, tiles=tiles, around=around,
+                                       max_blocks=max_blocks, bands=tuple(bands))
     run_fn = factory(key, shape, group)
     return t.tune(key, candidates, run_fn, group=group, **tune_kwargs)

@@ -71,10 +71,10 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   });
 }
 
-template <class T, int kLayer, bool kMnB, bool kAct = false>
-__global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
+__global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
-  using Tile = TileGemm<T, kMnB>;
+  using Tile = TileGemm<T, kMnB, kM>;
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
   const KernelClock clock(p.state);
@@ -124,51 +124,66 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB>::kThreads, 1)
 }
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <class T, int kLayer, bool kMnB, bool kAct = false>
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
 FusedKernelInfo info() {
-  using Tile = TileGemm<T, kMnB>;
-  auto* k = &fused_kernel<T, kLayer, kMnB, kAct>;
+  using Tile = TileGemm<T, kMnB, kM>;
+  auto* k = &fused_kernel<T, kLayer, kMnB, kM, kAct>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
 }
 
-template <class T, int kLayer, bool kMnB, bool kAct = false>
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
 void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
-  using Tile = TileGemm<T, kMnB>;
-  info<T, kLayer, kMnB, kAct>();
-  fused_kernel<T, kLayer, kMnB, kAct><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
+  using Tile = TileGemm<T, kMnB, kM>;
+  info<T, kLayer, kMnB, kM, kAct>();
+  fused_kernel<T, kLayer, kMnB, kM, kAct><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
 }
 
-// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B). act
+// b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B). tile_m:
+// the tile's rows, 128 or 64 (few rows per expert; Checker::launch admits no other). act
 // (layer0 only): the fused activation's instantiation.
-template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major, bool act = false) {
+template <class T, int kLayer, int kM>
+FusedKernelInfo info_rows(bool b_mn_major, bool act) {
   if constexpr (kLayer == 0)
-    if (act) return b_mn_major ? info<T, 0, true, true>() : info<T, 0, false, true>();
-  return b_mn_major ? info<T, kLayer, true>() : info<T, kLayer, false>();
+    if (act) return b_mn_major ? info<T, 0, true, kM, true>() : info<T, 0, false, kM, true>();
+  return b_mn_major ? info<T, kLayer, true, kM>() : info<T, kLayer, false, kM>();
+}
+template <class T, int kLayer>
+FusedKernelInfo info(bool b_mn_major, int tile_m, bool act = false) {
+  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major, act)
+                      : info_rows<T, kLayer, 128>(b_mn_major, act);
 }
 
-template <class T, int kLayer>
-void launch(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
+template <class T, int kLayer, int kM>
+void launch_rows(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
   if constexpr (kLayer == 0) {
     if (p.activation != int32_t(Activation::None)) {
       if (b_mn_major)
-        launch<T, 0, true, true>(p, vec, grid, stream);
+        launch<T, 0, true, kM, true>(p, vec, grid, stream);
       else
-        launch<T, 0, false, true>(p, vec, grid, stream);
+        launch<T, 0, false, kM, true>(p, vec, grid, stream);
       return;
     }
   }
   if (b_mn_major)
-    launch<T, kLayer, true>(p, vec, grid, stream);
+    launch<T, kLayer, true, kM>(p, vec, grid, stream);
   else
-    launch<T, kLayer, false>(p, vec, grid, stream);
+    launch<T, kLayer, false, kM>(p, vec, grid, stream);
+}
+template <class T, int kLayer>
+void launch(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
+  if (p.tile_m == 64)
+    launch_rows<T, kLayer, 64>(p, b_mn_major, vec, grid, stream);
+  else
+    launch_rows<T, kLayer, 128>(p, b_mn_major, vec, grid, stream);
 }
 
-// The host sizes grids from one kernel's shared memory either way.
+// The host sizes grids from one kernel's shared memory either way (for each tile_m).
 static_assert(TileGemm<cutlass::bfloat16_t, true>::kSmemBytes ==
                   TileGemm<cutlass::bfloat16_t, false>::kSmemBytes &&
               TileGemm<cutlass::half_t, true>::kSmemBytes ==
-                  TileGemm<cutlass::half_t, false>::kSmemBytes);
+                  TileGemm<cutlass::half_t, false>::kSmemBytes &&
+              TileGemm<cutlass::bfloat16_t, true, 64>::kSmemBytes ==
+                  TileGemm<cutlass::bfloat16_t, false, 64>::kSmemBytes);
 
 }  // namespace comet::gpu::sm80

@@ -37,7 +37,6 @@
 
 namespace comet::gpu::sm89 {
 
-using Tile = Fp8TileGemm;
 
 // The GEMM's A values (first row), its depth K and output width N for layer kLayer.
 template <int kLayer>
@@ -72,15 +71,16 @@ inline bool fp8_vec(const CallParams& p) {
 #if COMET_SM89_FP8_DEVICE
 // The tile (m-tile mt, n-tile nt) of layer kLayer: A rows and scales of the m-tile, the weight
 // rows of columns [col0, col0 + kBN) of its expert with their block's scales, and the output.
-template <int kLayer, class Out>
+template <int kLayer, int kM, class Out>
 __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bool vec,
                                              const MTile& mt, int32_t nt, Out* out_base,
                                              const void* bias_base) {
+  using Tile = Fp8TileGemm<kM>;
   const int64_t K = gemm_k<kLayer>(p), N = gemm_n<kLayer>(p);
   const int64_t col0 = int64_t(nt) * Tile::kBN;
-  const Tile::Operand a{a_values<kLayer>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
+  const typename Tile::Operand a{a_values<kLayer>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
                         p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld};
-  const Tile::Operand b{
+  const typename Tile::Operand b{
       static_cast<const uint8_t*>(weights<kLayer>(p)) + (int64_t(mt.expert) * N + col0) * K,
       int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN), K,
       p.w_scale + (int64_t(mt.expert) * scale_blocks(N) + col0 / Tile::kBN) * scale_blocks(K)};
@@ -90,17 +90,19 @@ __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bo
 }
 
 // layer0's tile with the fused activation: h's tile of n-tile nt.
+template <int kM>
 __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p, bool vec,
                                                 const MTile& mt, int32_t nt) {
+  using Tile = Fp8TileGemm<kM>;
   const Activation act = Activation(p.activation);
   const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
   const bool gated = activation_gated(act);
   const int half = gated ? Tile::kBN / 2 : Tile::kBN;
   const int64_t j0 = int64_t(nt) * half;
-  const Tile::Operand a{a_values<0>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
+  const typename Tile::Operand a{a_values<0>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
                         p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld};
   const float* scales = p.w_scale + int64_t(mt.expert) * scale_blocks(N0) * scale_blocks(K);
-  Tile::Operand b{static_cast<const uint8_t*>(p.w0) + (int64_t(mt.expert) * N0 + j0) * K,
+  typename Tile::Operand b{static_cast<const uint8_t*>(p.w0) + (int64_t(mt.expert) * N0 + j0) * K,
                   int(F - j0 < half ? F - j0 : half), K,
                   scales + (j0 / Tile::kBN) * scale_blocks(K)};
   b.half = half;
@@ -112,7 +114,7 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   auto* out = static_cast<cutlass::bfloat16_t*>(p.y0) + mt.row_begin * F + j0;
   // One mainloop (plain forms: half = kBN, the remap the identity, both B scales the tile's),
   // two epilogues.
-  Tile::run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
+  Tile::template run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
     if (gated)
       store_tile_act<true>(acc, coord, a.rows, b.rows, out, F, bias_gate,
                            bias_gate != nullptr ? bias_gate + F : nullptr, act);
@@ -122,8 +124,8 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
 }
 #endif
 
-template <int kLayer, bool kAct = false>
-__global__ void __launch_bounds__(Tile::kThreads, 1)
+template <int kLayer, int kM, bool kAct = false>
+__global__ void __launch_bounds__(Fp8TileGemm<kM>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
 #if COMET_SM89_FP8_DEVICE
   extern __shared__ __align__(128) char smem[];
@@ -139,15 +141,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     auto* y0 = static_cast<cutlass::bfloat16_t*>(p.y0);
     layer0_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
       if constexpr (kAct)
-        activation_tile(smem, p, vec, mt, nt);
+        activation_tile<kM>(smem, p, vec, mt, nt);
       else
-        compute_tile<0>(smem, p, vec, mt, nt, y0, p.b0);
+        compute_tile<0, kM>(smem, p, vec, mt, nt, y0, p.b0);
     });
   } else {
     const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);
     layer1_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
       if (!gb.compute) return;  // comm-only timing: columns are published without computing them
-      compute_tile<1>(smem, p, vec, mt, nt, p.c, p.b1);  // b1 into C, before the top-k weighting
+      compute_tile<1, kM>(smem, p, vec, mt, nt, p.c, p.b1);  // b1 into C, before the top-k weighting
     });
   }
 #endif
@@ -155,18 +157,36 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
 // kAct (layer0): the fused activation's instantiation.
-template <int kLayer, bool kAct = false>
+template <int kLayer, int kM, bool kAct = false>
 FusedKernelInfo info() {
-  auto* k = &fused_kernel<kLayer, kAct>;
+  using Tile = Fp8TileGemm<kM>;
+  auto* k = &fused_kernel<kLayer, kM, kAct>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
 }
 
+template <int kLayer, int kM, bool kAct = false>
+void launch(const CallParams& p, int grid, cudaStream_t stream) {
+  using Tile = Fp8TileGemm<kM>;
+  info<kLayer, kM, kAct>();
+  fused_kernel<kLayer, kM, kAct>
+      <<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, fp8_vec<kLayer>(p));
+}
+
+// What the fused_sm89_fp8_layer*.cu entry points instantiate: the kernel of the call's tile rows
+// (p.tile_m: 128, or 64 for few rows per expert; Checker::launch admits no other) and, for
+// layer0, of its activation (plain or fused).
+template <int kLayer, bool kAct = false>
+FusedKernelInfo info(int tile_m) {
+  return tile_m == 64 ? info<kLayer, 64, kAct>() : info<kLayer, 128, kAct>();
+}
+
 template <int kLayer, bool kAct = false>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
-  info<kLayer, kAct>();
-  fused_kernel<kLayer, kAct>
-      <<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, fp8_vec<kLayer>(p));
+  if (p.tile_m == 64)
+    launch<kLayer, 64, kAct>(p, grid, stream);
+  else
+    launch<kLayer, 128, kAct>(p, grid, stream);
 }
 
 }  // namespace comet::gpu::sm89

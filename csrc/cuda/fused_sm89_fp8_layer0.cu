@@ -3,8 +3,8 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm89_fp8_layer0_info(bool act) {
-  return act ? sm89::info<0, true>() : sm89::info<0>();
+FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m, bool act) {
+  return act ? sm89::info<0, true>(tile_m) : sm89::info<0>(tile_m);
 }
 
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream) {

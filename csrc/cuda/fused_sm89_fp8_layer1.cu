@@ -3,7 +3,7 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm89_fp8_layer1_info() { return sm89::info<1>(); }
+FusedKernelInfo fused_sm89_fp8_layer1_info(int tile_m) { return sm89::info<1>(tile_m); }
 
 void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream) {
   sm89::launch<1>(p, grid, stream);

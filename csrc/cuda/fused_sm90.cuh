@@ -1,8 +1,12 @@
 // Fused persistent kernels of the sm_90a path, one per layer and dtype. The comm blocks
 // (comet/block_roles.h) run the comm program; every other block is a warp-specialised GEMM block built from CUTLASS 3.x's TMA +
 // wgmma collective mainloop (MainloopSm90TmaGmmaWarpSpecialized, cooperative: one producer
-// warpgroup, two MMA warpgroups on a 128x128 tile), unchanged. The kernel body around it is ours,
-// because the tile scheduler is the engine's:
+// warpgroup, two MMA warpgroups on a 128x128 tile), unchanged. For few rows per expert (tile_m =
+// 64, the tuner's small-batch tile) the same mainloop runs a 64x128 tile on one MMA warpgroup
+// (the builder's warp-specialised, non-cooperative schedule: its TiledMma is one warpgroup's 64-row
+// wgmma), so a tile of 1-64 rows pads at most 63 rows rather than 127, and with more stages in
+// flight (8 x 24 KiB) a block keeps more weight bytes on the way. The kernel body around it is
+// ours, because the tile scheduler is the engine's:
 //
 //  - GEMM block g of n_gemm (comet/block_roles.h) walks the engine's tile order
 //    (comet/gemm_schedule.h) in every warp role: the producer warp with a ProducerContext, whose
@@ -81,14 +85,23 @@ struct MnMajorB {  // B stored [K, N] per expert: the transposed weights, read i
   static constexpr bool kMn = true;
 };
 
-template <class T, class BMajor = KMajorB>
+// The kernel schedule of a tile of kM rows: two MMA warpgroups on 128 rows, one on 64 (its
+// TiledMma is a single warpgroup's 64 x N wgmma; we run no ping-pong, only its mainloop).
+template <int kM, class Cooperative, class OneGroup>
+using ScheduleFor = cute::conditional_t<kM == 128, Cooperative, OneGroup>;
+template <int kM>
+inline constexpr int kMmaGroups = kM / 64;
+
+template <class T, class BMajor = KMajorB, int kM = 128>
 struct GemmConfig {
+  static_assert(kM == 64 || kM == 128, "the tile's rows: 128 (two MMA warpgroups) or 64 (one)");
   using Element = T;
   using Out0 = T;  // y0's element (and the biases')
   static constexpr bool kBlockScaled = false;
-  using TileShape = Shape<_128, _128, _64>;
+  using TileShape = Shape<Int<kM>, _128, _64>;
   using ClusterShape = Shape<_1, _1, _1>;
-  static constexpr int kStages = 5;  // 5 x 32 KiB of operands
+  // 5 x 32 KiB of operands (128 rows), 8 x 24 KiB (64 rows: more weight k-tiles in flight)
+  static constexpr int kStages = kM == 128 ? 5 : 8;
   static constexpr int kAlign = 8;   // elements per 16 bytes: TMA needs 16-byte row strides
   static constexpr bool kBMn = BMajor::kMn;
 
@@ -96,7 +109,8 @@ struct GemmConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, T, cutlass::layout::RowMajor, kAlign,
       T, typename BMajor::Layout, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCount<kStages>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      ScheduleFor<kM, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                  cutlass::gemm::KernelTmaWarpSpecializedPingpong>>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
   using Pipeline = typename Mainloop::MainloopPipeline;
   using PipelineState = typename Mainloop::PipelineState;
@@ -107,12 +121,13 @@ struct GemmConfig {
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
 
-  static constexpr int kThreads = 384;        // producer warpgroup + 2 MMA warpgroups
-  static constexpr int kMmaThreads = 256;
+  static constexpr int kMmaThreads = 128 * kMmaGroups<kM>;
+  static constexpr int kThreads = 128 + kMmaThreads;  // producer warpgroup + the MMA warpgroups
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes >= int(kBlockSharedBytes),
                 "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
-  static constexpr int kTileM = 128, kTileN = 128, kTileK = 64;
+  static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has at most 227 KiB of shared memory");
+  static constexpr int kTileM = kM, kTileN = 128, kTileK = 64;
   static constexpr uint32_t kLoadRegisters = 40;
   static constexpr uint32_t kMmaRegisters = 232;
   static constexpr int kConsumerBarrier = 1;  // named barrier of the MMA warpgroups
@@ -154,12 +169,15 @@ struct GemmConfig {
 // FP8 e4m3 A and B (K-major) with block scales: A 1 x 128 (one per row and k-tile), B 128 x 128
 // (one per tile and k-tile). The scale layouts given to the builder only fix the granularity and
 // that the scales are K-major (so the mainloop loads none by TMA): load_scales fills the stages.
+// kM: the tile's rows, 128 (two MMA warpgroups) or 64 (one, as GemmConfig's).
+template <int kM = 128>
 struct Fp8GemmConfig {
+  static_assert(kM == 64 || kM == 128, "the tile's rows: 128 (two MMA warpgroups) or 64 (one)");
   using T = cutlass::float_e4m3_t;
   using Element = T;
   using Out0 = cutlass::bfloat16_t;
   static constexpr bool kBlockScaled = true;
-  using TileShape = Shape<_128, _128, _128>;
+  using TileShape = Shape<Int<kM>, _128, _128>;
   using ClusterShape = Shape<_1, _1, _1>;
   static constexpr int kAlign = 16;  // elements per 16 bytes
   static constexpr bool kBMn = false;
@@ -175,7 +193,8 @@ struct Fp8GemmConfig {
       // as many stages of (32 KiB of operands + 516 B of scales) as shared memory holds (the
       // builder's blockwise path takes no fixed count); the epilogue uses no shared memory
       cutlass::gemm::collective::StageCountAutoCarveout<0>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      ScheduleFor<kM, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
+                  cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise>>::CollectiveOp;
   using TiledMma = typename Mainloop::TiledMma;
   using Pipeline = typename Mainloop::MainloopPipeline;
   using PipelineState = typename Mainloop::PipelineState;
@@ -183,7 +202,7 @@ struct Fp8GemmConfig {
   static_assert(!Mainloop::IsTmaLoadSFA && !Mainloop::IsTmaLoadSFB &&
                     Mainloop::NumProducerThreadEvents == 33,
                 "scales come from load_scales' 32 threads, operands from one TMA thread");
-  static_assert(Mainloop::ScaleMsPerTile == 128 && Mainloop::ScaleNsPerTile == 1);
+  static_assert(Mainloop::ScaleMsPerTile == kM && Mainloop::ScaleNsPerTile == 1);
   static constexpr int kStages = Mainloop::DispatchPolicy::Stages;
   static_assert(kStages >= 4, "enough k-tiles in flight to hide TMA latency");
 
@@ -192,13 +211,13 @@ struct Fp8GemmConfig {
     alignas(16) typename Mainloop::PipelineStorage pipeline;
   };
 
-  static constexpr int kThreads = 384;
-  static constexpr int kMmaThreads = 256;
+  static constexpr int kMmaThreads = 128 * kMmaGroups<kM>;
+  static constexpr int kThreads = 128 + kMmaThreads;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes >= int(kBlockSharedBytes),
                 "the comm blocks use the fused kernel's dynamic shared memory as their scratch");
   static_assert(kSmemBytes <= 227 * 1024, "an sm_90 block has at most 227 KiB of shared memory");
-  static constexpr int kTileM = 128, kTileN = 128, kTileK = 128;
+  static constexpr int kTileM = kM, kTileN = 128, kTileK = 128;
   // Measured with ptxas (sm_90a): the scale warp (its tile walk, waits and cp.async addresses)
   // spills at 40 and 48 registers, and layer1 still spills with 48 / 232; 56 / 224 spills in
   // neither layer (128 x 56 + 256 x 224 = 64512 of the 65536 registers).
@@ -489,19 +508,46 @@ void launch(const CallParams& p, int grid, cudaStream_t stream) {
   fused_kernel<C, kLayer><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
 }
 
-// What the fused_sm90_layer*.cu entry points instantiate: the kernel for B's layout.
+// What the fused_sm90_layer*.cu entry points instantiate: the kernel for B's layout and the
+// call's tile rows (p.tile_m: 128, or 64 for few rows per expert; Checker::launch admits no
+// other).
+template <class T, int kLayer, int kM>
+FusedKernelInfo info_rows(bool b_mn_major) {
+  return b_mn_major ? info<GemmConfig<T, MnMajorB, kM>, kLayer>()
+                    : info<GemmConfig<T, KMajorB, kM>, kLayer>();
+}
 template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major) {
-  return b_mn_major ? info<GemmConfig<T, MnMajorB>, kLayer>()
-                    : info<GemmConfig<T, KMajorB>, kLayer>();
+FusedKernelInfo info(bool b_mn_major, int tile_m) {
+  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major)
+                      : info_rows<T, kLayer, 128>(b_mn_major);
 }
 
+template <class T, int kLayer, int kM>
+void launch_rows(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream) {
+  if (b_mn_major)
+    launch<GemmConfig<T, MnMajorB, kM>, kLayer>(p, grid, stream);
+  else
+    launch<GemmConfig<T, KMajorB, kM>, kLayer>(p, grid, stream);
+}
 template <class T, int kLayer>
 void launch(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream) {
-  if (b_mn_major)
-    launch<GemmConfig<T, MnMajorB>, kLayer>(p, grid, stream);
+  if (p.tile_m == 64)
+    launch_rows<T, kLayer, 64>(p, b_mn_major, grid, stream);
   else
-    launch<GemmConfig<T, KMajorB>, kLayer>(p, grid, stream);
+    launch_rows<T, kLayer, 128>(p, b_mn_major, grid, stream);
+}
+
+// The FP8 entry points' (fused_sm90_fp8_layer*.cu) kernel for the call's tile rows.
+template <int kLayer>
+FusedKernelInfo fp8_info(int tile_m) {
+  return tile_m == 64 ? info<Fp8GemmConfig<64>, kLayer>() : info<Fp8GemmConfig<128>, kLayer>();
+}
+template <int kLayer>
+void fp8_launch(const CallParams& p, int grid, cudaStream_t stream) {
+  if (p.tile_m == 64)
+    launch<Fp8GemmConfig<64>, kLayer>(p, grid, stream);
+  else
+    launch<Fp8GemmConfig<128>, kLayer>(p, grid, stream);
 }
 
 // One dynamic shared memory size whatever B's layout (the same stages of the same tiles); the
@@ -509,6 +555,8 @@ void launch(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream)
 static_assert(GemmConfig<cutlass::bfloat16_t, MnMajorB>::kSmemBytes ==
                   GemmConfig<cutlass::bfloat16_t, KMajorB>::kSmemBytes &&
               GemmConfig<cutlass::half_t, MnMajorB>::kSmemBytes ==
-                  GemmConfig<cutlass::half_t, KMajorB>::kSmemBytes);
+                  GemmConfig<cutlass::half_t, KMajorB>::kSmemBytes &&
+              GemmConfig<cutlass::bfloat16_t, MnMajorB, 64>::kSmemBytes ==
+                  GemmConfig<cutlass::bfloat16_t, KMajorB, 64>::kSmemBytes);
 
 }  // namespace comet::gpu::sm90

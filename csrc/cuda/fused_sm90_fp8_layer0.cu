@@ -6,10 +6,10 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm90_fp8_layer0_info() { return sm90::info<sm90::Fp8GemmConfig, 0>(); }
+FusedKernelInfo fused_sm90_fp8_layer0_info(int tile_m) { return sm90::fp8_info<0>(tile_m); }
 
 void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream) {
-  sm90::launch<sm90::Fp8GemmConfig, 0>(p, grid, stream);
+  sm90::fp8_launch<0>(p, grid, stream);
 }
 
 }  // namespace comet::gpu

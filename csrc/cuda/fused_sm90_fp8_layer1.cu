@@ -6,10 +6,10 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm90_fp8_layer1_info() { return sm90::info<sm90::Fp8GemmConfig, 1>(); }
+FusedKernelInfo fused_sm90_fp8_layer1_info(int tile_m) { return sm90::fp8_info<1>(tile_m); }
 
 void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream) {
-  sm90::launch<sm90::Fp8GemmConfig, 1>(p, grid, stream);
+  sm90::fp8_launch<1>(p, grid, stream);
 }
 
 }  // namespace comet::gpu

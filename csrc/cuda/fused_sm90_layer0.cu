@@ -6,9 +6,9 @@
 
 namespace comet::gpu {
 
-FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major) {
-  return kind == ScalarKind::BF16 ? sm90::info<cutlass::bfloat16_t, 0>(b_mn_major)
-                                  : sm90::info<cutlass::half_t, 0>(b_mn_major);
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m) {
+  return kind == ScalarKind::BF16 ? sm90::info<cutlass::bfloat16_t, 0>(b_mn_major, tile_m)
+                                  : sm90::info<cutlass::half_t, 0>(b_mn_major, tile_m);
 }
 
 void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,

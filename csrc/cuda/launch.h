@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "call_params.h"
 
 namespace comet::gpu {
@@ -43,6 +45,39 @@ void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, in
                               char* dst, int64_t row_bytes, cudaStream_t stream);
 cudaError_t preload_fp8_pack_kernel();  // loads it now (as preload_prologue_kernels)
 
+// A call's device copies and flag clears, as one kernel launch (stream_copies.cu) in place of a
+// cudaMemcpyAsync / cudaMemsetAsync each. A descriptor copies `rows` rows of `width` bytes from
+// src (pitch src_pitch) to dst (pitch dst_pitch), or zeroes them when src is null; `unit` is the
+// widest access (16, 8, 4, 2 or 1 bytes) that every address, the width and the pitches allow.
+// The descriptors are independent regions: the kernel runs them in any order.
+struct CopyDesc {
+  void* dst;
+  const void* src;
+  int64_t width, rows, dst_pitch, src_pitch;
+  int32_t unit;
+};
+struct CopyList {
+  static constexpr int32_t kMax = 8;  // layer0's 4 copies, x's values and scales, 2 clears
+  CopyDesc d[kMax];
+  int32_t n = 0;
+  // Adds a copy (src) or a clear (src null) of rows x width bytes; nothing when empty. False
+  // when the list is full (a caller's bug: the op checks it).
+  bool add(void* dst, const void* src, int64_t width, int64_t rows = 1, int64_t dst_pitch = 0,
+           int64_t src_pitch = 0) {
+    if (width <= 0 || rows <= 0) return true;
+    if (n == kMax) return false;
+    if (rows == 1) dst_pitch = src_pitch = width;
+    uint64_t bits = reinterpret_cast<uintptr_t>(dst) | uint64_t(width) | uint64_t(dst_pitch) |
+                    (src ? reinterpret_cast<uintptr_t>(src) | uint64_t(src_pitch) : 0);
+    int32_t unit = 16;
+    while (unit > 1 && (bits & uint64_t(unit - 1)) != 0) unit /= 2;
+    d[n++] = {dst, src, width, rows, dst_pitch, src_pitch, unit};
+    return true;
+  }
+};
+void launch_copies(const CopyList& l, cudaStream_t stream);
+cudaError_t preload_copies_kernel();  // loads it now (as preload_prologue_kernels)
+
 // What the occupancy check needs about a fused kernel.
 struct FusedKernelInfo {
   const void* func;   // the __global__ function, for cudaOccupancyMaxActiveBlocksPerMultiprocessor
@@ -51,14 +86,16 @@ struct FusedKernelInfo {
 };
 
 // sm_80 path (cp.async + mma.sync): compiled for sm_80 and sm_90a; every shape.
+// tile_m (every info function): the kernel of that tile's rows, 128 or 64 (kTileMs).
 // layer: 0 or 1; kind: BF16 or F16. b_mn_major: the weights (p.w0 / p.w1) are the ops' transposed
 // layout, read in place (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), else the usual
 // K-contiguous layout. vec: 16-byte operand copies allowed (K % 8 == 0, 16-byte aligned operands,
 // and N % 8 == 0 when b_mn_major).
 // One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu). layer0 with a fused
 // activation (p.activation, comet/activation.h) runs its own instantiation: act names it here.
-FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major, bool act = false);
-FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m,
+                                       bool act = false);
+FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
                               int grid, cudaStream_t stream);
 void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
@@ -70,8 +107,8 @@ void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 // (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), which also needs N % 8 == 0; else the usual
 // K-contiguous layout (w0 [El, N0, H], w1 [El, H, N1]).
 // One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu).
-FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major);
-FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major);
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m);
+FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
                               cudaStream_t stream);
 void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
@@ -86,17 +123,20 @@ void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 //  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K. layer0
 //   with a fused activation (p.activation) runs its own instantiation: act names it here.
 // sm_80 has no FP8 tensor cores: the ops refuse FP8 there.
-FusedKernelInfo fused_sm90_fp8_layer0_info();
-FusedKernelInfo fused_sm90_fp8_layer1_info();
+FusedKernelInfo fused_sm90_fp8_layer0_info(int tile_m);
+FusedKernelInfo fused_sm90_fp8_layer1_info(int tile_m);
 void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
-FusedKernelInfo fused_sm89_fp8_layer0_info(bool act = false);
-FusedKernelInfo fused_sm89_fp8_layer1_info();
+FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m, bool act = false);
+FusedKernelInfo fused_sm89_fp8_layer1_info(int tile_m);
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
 
-// Tile shape the CUDA kernels are compiled for (both paths).
-constexpr int kTileM = 128;
+// Tile shapes the CUDA kernels are compiled for (every path): tile_n = 128, and tile_m = 128 or
+// 64, the small-batch tile for few rows per expert (comet/tune/model/decode.py: a 1-64 row m-tile
+// pads to 64 rows, not 128). The launch functions run the kernel of p.tile_m; the info functions
+// take it (the occupancy of the two differs). Checker::launch admits no other tile.
+constexpr int kTileMs[] = {128, 64};
 constexpr int kTileN = 128;
 
 }  // namespace comet::gpu

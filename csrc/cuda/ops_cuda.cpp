@@ -109,29 +109,32 @@ bool newer_gpu(const cudaDeviceProp& prop) { return prop.major >= 10; }
 void preload_kernels(int device) {
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);
   std::vector<const void*> fused;
-  for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
-    for (bool b_mn : {false, true}) {
-      fused.push_back(fused_sm80_layer0_info(kind, b_mn).func);
-      fused.push_back(fused_sm80_layer0_info(kind, b_mn, true).func);  // fused activation
-      fused.push_back(fused_sm80_layer1_info(kind, b_mn).func);
-      if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
-        fused.push_back(fused_sm90_layer0_info(kind, b_mn).func);
-        fused.push_back(fused_sm90_layer1_info(kind, b_mn).func);
+  for (int tm : kTileMs) {
+    for (ScalarKind kind : {ScalarKind::BF16, ScalarKind::F16})
+      for (bool b_mn : {false, true}) {
+        fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm).func);
+        fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm, true).func);  // fused activation
+        fused.push_back(fused_sm80_layer1_info(kind, b_mn, tm).func);
+        if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
+          fused.push_back(fused_sm90_layer0_info(kind, b_mn, tm).func);
+          fused.push_back(fused_sm90_layer1_info(kind, b_mn, tm).func);
+        }
       }
+    // FP8 (one kernel per layer, tile and FP8 architecture; the sm_89 ones have only an sm_89
+    // image and compute_89 PTX).
+    if (prop.major == 9) {
+      fused.push_back(fused_sm90_fp8_layer0_info(tm).func);
+      fused.push_back(fused_sm90_fp8_layer1_info(tm).func);
+    } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
+      fused.push_back(fused_sm89_fp8_layer0_info(tm).func);
+      fused.push_back(fused_sm89_fp8_layer0_info(tm, true).func);  // fused activation
+      fused.push_back(fused_sm89_fp8_layer1_info(tm).func);
     }
-  // FP8 (one kernel per layer and FP8 architecture; the sm_89 ones have only an sm_89 image and
-  // compute_89 PTX).
-  if (prop.major == 9) {
-    fused.push_back(fused_sm90_fp8_layer0_info().func);
-    fused.push_back(fused_sm90_fp8_layer1_info().func);
-  } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
-    fused.push_back(fused_sm89_fp8_layer0_info().func);
-    fused.push_back(fused_sm89_fp8_layer0_info(true).func);  // fused activation
-    fused.push_back(fused_sm89_fp8_layer1_info().func);
   }
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
   if (e == cudaSuccess) e = preload_fp8_pack_kernel();
+  if (e == cudaSuccess) e = preload_copies_kernel();
   // The proxy runs only across nodes, which a newer GPU refuses (plan_launch): not loaded there.
   if (e == cudaSuccess && !newer_gpu(prop)) e = preload_proxy_kernels();
   for (const void* f : fused) {
@@ -170,8 +173,10 @@ CheckResult with_pending(CheckResult r, const std::string& pending) {
   return r;
 }
 
-// Checker::launch refuses any other tile than the one these kernels are compiled for.
-static_assert(kTileM == kCudaTileM && kTileN == kCudaTileN, "op_checks.h: kCudaTile*");
+// Checker::launch refuses any other tile than the ones these kernels are compiled for.
+static_assert(kTileMs[0] == kCudaTileM && kTileMs[1] == kCudaSmallTileM &&
+                  kTileN == kCudaTileN,
+              "op_checks.h: kCudaTile*");
 
 // Which fused kernel runs a call and with how many blocks.
 struct LaunchPlan {
@@ -179,6 +184,7 @@ struct LaunchPlan {
   bool sm90 = false;  // else the sm_80 path
   bool b_mn = false;  // B MN-major (transposed weights read in place), else K-major
   bool vec = false;   // sm_80 path: 16-byte operand copies
+  int tile_m = kCudaTileM;  // the tile's rows (kTileMs): which instantiation runs
   int grid = 0;
   int n_gemm = 0;
   int sm_margin = 0;  // SMs every kernel of the call leaves free (docs/gpu.md, "SM margin")
@@ -225,17 +231,20 @@ bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer,
                                 : " is not a multiple of 16")))
     return false;
   lp.fp8 = sm;
-  lp.info = sm == 90 ? (layer == 0 ? fused_sm90_fp8_layer0_info() : fused_sm90_fp8_layer1_info())
-                     : (layer == 0 ? fused_sm89_fp8_layer0_info() : fused_sm89_fp8_layer1_info());
+  const int tm = lp.tile_m;
+  lp.info = sm == 90
+                ? (layer == 0 ? fused_sm90_fp8_layer0_info(tm) : fused_sm90_fp8_layer1_info(tm))
+                : (layer == 0 ? fused_sm89_fp8_layer0_info(tm) : fused_sm89_fp8_layer1_info(tm));
   return true;
 }
 
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
-                       int64_t n_gemm, bool proxy_sm, int64_t sm_margin) {
+                       int64_t n_gemm, int64_t tile_m, bool proxy_sm, int64_t sm_margin) {
   LaunchPlan lp;
   if (c.failed()) return lp;
   lp.sm_margin = int(sm_margin);
+  lp.tile_m = int(tile_m);  // kCudaTileM or kCudaSmallTileM (Checker::launch)
   const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(device);  // cached by ATen
   const std::string sm = "sm_" + std::to_string(prop.major * 10 + prop.minor);
   if (!c.value(prop.major >= 8, "the CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper; "
@@ -254,10 +263,11 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
              (!b_mn || n_out % 8 == 0);
     lp.sm90 = sm90_path(device, k, n_out, a, b, b_mn);
     lp.b_mn = b_mn;
-    lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn)
-                                    : fused_sm90_layer1_info(kind, b_mn))
-                      : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn)
-                                    : fused_sm80_layer1_info(kind, b_mn));
+    const int tm = lp.tile_m;
+    lp.info = lp.sm90 ? (layer == 0 ? fused_sm90_layer0_info(kind, b_mn, tm)
+                                    : fused_sm90_layer1_info(kind, b_mn, tm))
+                      : (layer == 0 ? fused_sm80_layer0_info(kind, b_mn, tm)
+                                    : fused_sm80_layer1_info(kind, b_mn, tm));
   }
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, lp.info.func, lp.info.threads,
@@ -440,7 +450,7 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
   p.n_comm = int32_t(n_comm);
   p.n_gemm = lp.n_gemm;
-  p.tile_m = kTileM;
+  p.tile_m = lp.tile_m;
   p.tile_n = kTileN;
   p.mode = b.bench_mode();
   p.raster_group = int32_t(std::max<int64_t>(raster_group_setting(), 0));
@@ -547,28 +557,30 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
   return s;
 }
 
-void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return;
-  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
-             "copying source data into the symmetric buffer");
+// One copy (src) or clear (src null) of rows x width bytes into a call's CopyList
+// (launch.h; one kernel for all of them, launch_copies).
+void add_copy(CopyList& l, void* dst, const void* src, int64_t width, int64_t rows = 1,
+              int64_t dst_pitch = 0, int64_t src_pitch = 0) {
+  TORCH_CHECK(l.add(dst, src, width, rows, dst_pitch, src_pitch),
+              "comet: more than ", CopyList::kMax, " device copies in one call (an internal error)");
 }
 
 // T packed FP8 rows (comet/fp8_rows.h) straight into the symmetric x region: the values q
 // [T, H] and their scales [T, ceil(H/128)] land at their offsets of each row_bytes-long row (two
 // strided copies, no staging tensor). The rows' padding bytes are not written: nothing reads them
 // (the GEMM's A is H wide; the comm blocks copy them along unread).
-void copy_packed_rows(char* dst, const at::Tensor& q, const at::Tensor& scale, int64_t row_bytes,
-                      cudaStream_t stream) {
+void add_packed_rows(CopyList& l, char* dst, const at::Tensor& q, const at::Tensor& scale,
+                     int64_t row_bytes) {
   const int64_t T = q.size(0), H = q.size(1);
-  if (T == 0) return;
-  const size_t scale_bytes = size_t(scale.size(1)) * 4;
-  check_cuda(cudaMemcpy2DAsync(dst, size_t(row_bytes), q.data_ptr(), size_t(H), size_t(H),
-                               size_t(T), cudaMemcpyDeviceToDevice, stream),
-             "copying FP8 rows into the symmetric buffer");
-  check_cuda(cudaMemcpy2DAsync(dst + fp8_row_scales_at(H), size_t(row_bytes), scale.data_ptr(),
-                               scale_bytes, scale_bytes, size_t(T), cudaMemcpyDeviceToDevice,
-                               stream),
-             "copying FP8 row scales into the symmetric buffer");
+  const int64_t scale_bytes = scale.size(1) * 4;
+  add_copy(l, dst, q.data_ptr(), H, T, row_bytes, H);
+  add_copy(l, dst + fp8_row_scales_at(H), scale.data_ptr(), scale_bytes, T, row_bytes,
+           scale_bytes);
+}
+
+void launch_call_copies(const CopyList& l, cudaStream_t stream) {
+  launch_copies(l, stream);
+  check_cuda(cudaGetLastError(), "launching the copies kernel (source data, flag clears)");
 }
 
 void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
@@ -676,11 +688,11 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   // into each k-row, so 16-byte copies there need F % 8 == 0 as well (plan_launch's n_out).
   const int64_t F = activation_cols(act, N0);
   LaunchPlan lp = plan_launch(c, 0, kind, dev, H, activation_gated(act) ? F : N0, nullptr,
-                              shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
+                              shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm, tile_m,
                               b.multi_node(), call_margin(b, sm_margin));
   if (act != Activation::None && !lp.sm90 && !c.failed())  // its own instantiation
-    lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(true)
-                           : fused_sm80_layer0_info(kind, lp.b_mn, true);
+    lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(int(tile_m), true)
+                           : fused_sm80_layer0_info(kind, lp.b_mn, int(tile_m), true);
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -728,7 +740,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   Carver post;
   auto allocate_rows = [&](int64_t rows_cap) {
     p.rows_cap = rows_cap;
-    p.mtiles_cap = ceil_div(rows_cap, kTileM) + El;
+    p.mtiles_cap = ceil_div(rows_cap, p.tile_m) + El;
     const auto opts = x.options();
     // FP8: the packed rows (at least one: the TMA descriptor over them needs a row; narrowed to
     // rows_cap below), y0 in bfloat16.
@@ -742,15 +754,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     post.take(p.mtile_order, p.mtiles_cap);
     p.plan_blocks = prologue_blocks(p.mtiles_cap, dev, p.sm_margin);
     take_grid_scratch(post, p, p.plan_blocks, W);
-    const size_t flags_at = post.take(p.mtile_ready, p.mtiles_cap);
-    const size_t rows_at = post.take(p.mtile_rows, p.mtiles_cap);
+    post.take(p.mtile_ready, p.mtiles_cap);  // cleared with the source data's copies below
+    post.take(p.mtile_rows, p.mtiles_cap);
     ws_post = post.allocate(dev);
-    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + flags_at, 0,
-                               size_t(p.mtiles_cap) * sizeof(uint64_t), stream),
-               "clearing tile flags");
-    check_cuda(cudaMemsetAsync(static_cast<char*>(ws_post.data_ptr()) + rows_at, 0,
-                               size_t(p.mtiles_cap) * sizeof(uint32_t), stream),
-               "clearing tile row counts");
   };
   if (ok && max_rows >= 0) {  // known before the call: allocated before the proxy starts
     allocate_rows(max_rows);
@@ -796,23 +802,32 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     p.w_scale = w0_scale->data_ptr<float>();
   }
 
-  // This rank's source data into its data segment (after begin: peers are done with it).
+  // This rank's source data into its data segment (after begin: peers are done with it), in
+  // one kernel with the clearing of the fused kernel's m-tile flags and row counts. Those are
+  // this rank's local workspace (ws_post, not symmetric memory: no peer can write them), and only
+  // the fused kernel, queued after this kernel, reads or writes them (the source, begin and
+  // publish kernels do not), so clearing them here rather than before the source kernel changes
+  // nothing any kernel sees.
   char* own = b.own_data();
-  copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
-  copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
+  CopyList copies;
+  add_copy(copies, own + p.regions.bucket_off, p.bucket, int64_t(E + 1) * 4);
+  add_copy(copies, own + p.regions.send_slot, p.send_slot, T * k * 4);
   // The routing and bucket positions: a destination fills a token's other slot rows from its
   // primary one (comm_layer0.h: dedup).
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
+  add_copy(copies, own + p.regions.ids, p.ids, T * k * 4);
+  add_copy(copies, own + p.regions.send_pos, p.send_pos, T * k * 4);
   p.dedup = layer0_dedup_setting() ? 1 : 0;
   b.traffic_row_bytes[0] = p.row_bytes;
   if (fp8 && is_fp8(x))
-    copy_packed_rows(own + p.regions.x, x, fp8_scale, p.row_bytes, stream);
-  else if (fp8)
+    add_packed_rows(copies, own + p.regions.x, x, fp8_scale, p.row_bytes);
+  else if (!fp8)
+    add_copy(copies, own + p.regions.x, x.data_ptr(), T * p.row_bytes);
+  add_copy(copies, p.mtile_ready, nullptr, p.mtiles_cap * int64_t(sizeof(uint64_t)));
+  add_copy(copies, p.mtile_rows, nullptr, p.mtiles_cap * int64_t(sizeof(uint32_t)));
+  launch_call_copies(copies, stream);
+  if (fp8 && !is_fp8(x))  // dispatch_fp8: quantised and packed on the way in
     launch_fp8_quantize_pack(x.data_ptr(), scalar_kind(x.scalar_type()), T, H,
                              own + p.regions.x, p.row_bytes, stream);
-  else
-    copy_async(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes), stream);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
@@ -823,7 +838,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   LaunchPlan run = lp;
   if (run.sm90 && rows_cap < 1) run.sm90 = false;
   if (!run.sm90 && lp.sm90) {
-    run.info = fused_sm80_layer0_info(kind, lp.b_mn);
+    run.info = fused_sm80_layer0_info(kind, lp.b_mn, lp.tile_m);
   }
   launch_layer(0, kind, p, run, stream);
   proxy.end();
@@ -877,7 +892,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    b.multi_node(), call_margin(b, sm_margin));
+                                    tile_m, b.multi_node(), call_margin(b, sm_margin));
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -898,7 +913,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   p.recv_counts = ok ? recv_counts.data_ptr<int32_t>() : nullptr;
   p.send_pos = ok ? send_pos.data_ptr<int32_t>() : nullptr;
   p.plan_cap = std::max<int64_t>(h_rows, 1);  // plan entries <= M <= h_rows
-  p.mtiles_cap = ceil_div(h_rows, kTileM) + El;
+  p.mtiles_cap = ceil_div(h_rows, p.tile_m) + El;
   const int32_t NT = p.num_ntiles;
   Carver ws;
   ws.take(p.expert_off, int64_t(El) + 1);
@@ -909,7 +924,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.rows_ready, W);
   // layer1_comm_args splits the entries into at most 4 chunks per comm block (comm_blocks.cuh).
   const int64_t chunks = 4 * std::max<int64_t>(comm_program_blocks(lp.grid, int32_t(n_comm)), 1);
-  const size_t chunks_at = ws.take(p.chunk_done, chunks);
+  ws.take(p.chunk_done, chunks);
   ws.take(p.pair_off, int64_t(W) + 1);
   ws.take(p.pair_slot, T * k);
   ws.take(p.item_keys, T * k);
@@ -925,17 +940,9 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.plan.entry_begin, p.plan_cap + 1);
   ws.take(p.plan.slot_row, p.plan_cap);
   ws.take(p.plan.slot_weight, p.plan_cap);
-  const size_t flags_at = ws.take(p.ntile_ready, NT);
-  ws.take(p.ntile_count, NT);  // directly after the flags: one memset clears both
-  const size_t flags_end = flags_at + (size_t(std::max(NT, 1)) * 8 + 255) / 256 * 256 +
-                           (size_t(std::max(NT, 1)) * 4 + 255) / 256 * 256;
+  ws.take(p.ntile_ready, NT);  // these three cleared with the source data's copies below
+  ws.take(p.ntile_count, NT);
   at::Tensor ws_t = ws.allocate(dev);
-  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + flags_at, 0,
-                             flags_end - flags_at, stream),
-             "clearing column flags");
-  check_cuda(cudaMemsetAsync(static_cast<char*>(ws_t.data_ptr()) + chunks_at, 0,
-                             size_t(chunks) * sizeof(uint32_t), stream),
-             "clearing chunk counters");
 
   // Allocated before the proxy starts (as in layer0): their sizes are known now.
   at::Tensor cbuf = at::empty({h_rows, H}, h.options().dtype(at::kFloat));  // rows >= M unused
@@ -974,11 +981,22 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   p.out = out.data_ptr();
 
   char* own = b.own_data();
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4, stream);
-  copy_async(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4, stream);
+  // One kernel (as in layer0): the source data, and the fused kernel's column flags, their
+  // arrival counters and the comm blocks' chunk counters cleared. Those three are this rank's
+  // local workspace (ws_t, not symmetric memory: no peer can write them), read and written only
+  // by the fused kernel, queued after this kernel (the source, begin and publish kernels do not
+  // touch them), so clearing them here rather than before the source kernel changes nothing
+  // any kernel sees.
+  CopyList copies;
+  add_copy(copies, own + p.regions.ids, p.ids, T * k * 4);
+  add_copy(copies, own + p.regions.send_pos, p.send_pos, T * k * 4);
+  add_copy(copies, own + p.regions.weights, weights32.data_ptr(), T * k * 4);
+  add_copy(copies, own + p.regions.pair_off, p.pair_off, int64_t(W + 1) * 4);
+  add_copy(copies, own + p.regions.pair_slot, p.pair_slot, T * k * 4);
+  add_copy(copies, p.ntile_ready, nullptr, int64_t(NT) * int64_t(sizeof(uint64_t)));
+  add_copy(copies, p.ntile_count, nullptr, int64_t(NT) * int64_t(sizeof(uint32_t)));
+  add_copy(copies, p.chunk_done, nullptr, chunks * int64_t(sizeof(uint32_t)));
+  launch_call_copies(copies, stream);
   b.traffic_row_bytes[1] = H * scalar_bytes(ScalarKind(p.out_kind));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");

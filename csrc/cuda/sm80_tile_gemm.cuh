@@ -1,4 +1,5 @@
-// The sm_80 GEMM tile of the fused kernels: one 128x128 output tile C[rows, cols] = A[rows, K] @
+// The sm_80 GEMM tile of the fused kernels: one kM x 128 output tile (kM = 128, or 64 for few rows
+// per expert: the same 8 warps, 2 (M) x 4 (N), each with half the M repeats) C[rows, cols] = A[rows, K] @
 // B[cols, K]^T (both operands K-contiguous, "TN"; or, kMnB, B stored [K, cols] with its columns
 // contiguous: the ops' transposed weights read in place), bf16 or fp16 inputs, fp32 accumulation
 // with mma.sync (CuTe SM80 16x8x16 atoms, 8 warps), a multistage cp.async mainloop through swizzled
@@ -55,9 +56,10 @@ struct MmaAtomFor<cutlass::half_t> {
   using type = SM80_16x8x16_F32F16F16F32_TN;
 };
 
-template <class T, bool kMnB = false>
+template <class T, bool kMnB = false, int kM = 128>
 struct TileGemm {
-  static constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
+  static_assert(kM == 64 || kM == 128, "the 2 (M) x 4 (N) warps of 32 x 64 cover 64 or 128 rows");
+  static constexpr int kBM = kM, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
   static constexpr int kChunk = 8;  // elements per 16-byte vector
 
   using TiledMma = decltype(make_tiled_mma(MMA_Atom<typename MmaAtomFor<T>::type>{},

@@ -4,7 +4,9 @@ top-8 over E = 16 and 32, dropped slots) at one fixed max_rows on the group's bu
 on sm_89 / sm_90, FP8, each step against the float64 oracle written there and bitwise equal to the
 same call on a fresh buffer (y0's first M rows and out). On sm_90a this runs layer0's producer
 with the weights loaded before the rows (csrc/cuda/weights_first.cuh), the case where every
-m-tile waits for rows from every source.
+m-tile waits for rows from every source. Each step runs with both CUDA tiles, 128 x 128 (checked
+against the oracle) and the small-batch 64 x 128 (one MMA warpgroup on sm_90a), which must give
+the same bits.
 
     torchrun --nproc-per-node N -m pytest tests/gpu/test_cuda_decode.py -q -s"""
 import os
@@ -27,5 +29,5 @@ def test_small_batches_at_a_fixed_max_rows(world, experts):
     dtypes = ("bf16", "fp8") if torch.cuda.get_device_capability() in ((8, 9), (9, 0)) \
         else ("bf16",)
     res = run_steps(rank, w, experts, dtypes, dev, lambda obj: all_gather_cpu(obj, w),
-                    lambda: symm_cuda.Buffer(device=dev))
+                    lambda: symm_cuda.Buffer(device=dev), tiles=((128, 128), (64, 128)))
     check_results(all_gather_cpu(res, w), w, experts, dtypes)

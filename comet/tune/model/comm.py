@@ -68,6 +68,16 @@ KERNEL_GAP_S = 3e-6     # back-to-back launch on one stream (assumption)
 GRID_BARRIER_S = 1.5e-6  # one grid-wide barrier of a prologue kernel (assumption)
 PROLOGUE_BARRIERS = {0: 11, 1: 15}
 PROLOGUE_LAUNCHES = {0: 3, 1: 3}
+# The call's other stream operations before its fused kernel (csrc/cuda/ops_cuda.cpp; docs/design.md,
+# "Launches per call on CUDA"): each op's source data copies into the symmetric buffer and its
+# flag clears run as one kernel (csrc/cuda/stream_copies.cu; before it, 5 device copies and 2
+# memsets, each its own stream operation). dispatch_fp8 adds its quantise-and-pack kernel to
+# layer0; the table's FP8 rows assume x quantised by the caller. Each stream operation is charged
+# a launch gap like a kernel's (assumption, not measured). The decode model charges them
+# (stream_ops_time); prologue_time, which the tuner's split and the throughput tables use, does
+# not yet (a constant per call: it moves no split).
+STREAM_OP_S = KERNEL_GAP_S
+PROLOGUE_STREAM_OPS = {0: 1, 1: 1}
 
 
 class _Parts(NamedTuple):
@@ -159,6 +169,13 @@ def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     alpha = spec.alpha if shape.nodes == 1 else max(spec.alpha, spec.nic_alpha)
     return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * GRID_BARRIER_S
             + 2 * alpha + per_thread)
+
+
+def stream_ops_time(layer: int) -> float:
+    """Seconds of ``layer``'s memsets and device copies on the stream (PROLOGUE_STREAM_OPS at
+    STREAM_OP_S each)."""
+    _check_layer(layer)
+    return PROLOGUE_STREAM_OPS[layer] * STREAM_OP_S
 
 
 def block_link_rate(shape: MoEShape, spec: GpuSpec, layer: int) -> float:

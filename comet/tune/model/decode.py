@@ -13,14 +13,21 @@ Per rank, uniform routing over ``E`` experts, top-``k``, ``W`` ranks each with `
   plus a float32 scale per 128 x 128 block; :func:`weight_bytes`);
 * link bytes and the comm blocks' time: comet.tune.model.comm's, unchanged (layer0 rows per
   (token, slot), layer1 partials per (token, rank));
-* the GEMM of a layer on ``n`` blocks: ``max(weights / (hbm * hbm_eff * min(n, tiles) /
-  sm_count), waves * tile)`` (the roofline of comet.tune.model.gemm with only the active
-  experts' weights: its activations and outputs are a few MB at most and are left out).
+* the GEMM of a layer on ``n`` blocks: ``max(weights / (min(n, tiles) * block rate), waves *
+  tile)`` (the roofline of comet.tune.model.gemm with only the active experts' weights: its
+  activations and outputs are a few MB at most and are left out), a block's rate its share of HBM
+  or what its stages keep in flight (comet.tune.model.small_tile.block_stream_rate);
+* the tile: the CUDA kernels' 128 x 128 or 64 x 128, per layer the one with the least kernel time
+  (comet.tune.model.small_tile.pick_tile; the 64-row tile only where every active expert has at
+  most 64 rows, i.e. up to 256 tokens per rank at EP8): padded rows cost like real ones, a
+  64-row tile's at the assumed MMA share of comet.tune.model.gemm.
 
 The fused layer, as built (:func:`decode_fused`): the prologue of each layer (comet.tune.model.comm's
-estimate), layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
+estimate, with the call's memsets and device copies at a launch gap each: ``stream_ops_time``),
+layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
 kernel and the combine kernel.  layer0's GEMM blocks issue the weight loads of their first
-``WEIGHT_PREFETCH_STAGES`` pipeline stages before they wait for a tile's rows ("weights before
+pipeline stages (small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one) before they wait
+for a tile's rows ("weights before
 rows": the sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), but at decode one m-tile holds every row of its expert, from every source rank, so a
 tile's rows are ready only when the dispatch has ended: the kernel is the dispatch, then the
 weights that the prefetch did not cover.  layer1's h is local, so its GEMM streams w1 from the
@@ -47,18 +54,14 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from .comm import (GRID_BARRIER_S, KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, combine_time,
-                   comm_time, prologue_time)
+                   comm_time, prologue_time, stream_ops_time)
 from .fp8 import FP8_SCALE_BLOCK, FP8_SCALE_BYTES
 from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims
 from .hardware import GpuSpec
 from .nodes import internode_bytes, intranode_bytes
 from .shape import MoEShape
-
-# Pipeline stages of B a GEMM block loads before it waits for a tile's rows: the sm_90a mainloop's
-# kStages (csrc/cuda/fused_sm90.cuh), each a 128-column slab of the weight, 16 KiB (bf16: 128 x 64
-# values x 2 bytes; FP8: 128 x 128 x 1).
-WEIGHT_PREFETCH_STAGES = 5
-WEIGHT_STAGE_BYTES = 16 * 1024
+from .small_tile import (CUDA_TILES, STAGES, WEIGHT_STAGE_BYTES, block_stream_rate, padded_rows,
+                         pick_tile, small_tile_fits)
 
 # DeepSeek-V3's MoE layer: 256 routed experts, top-8, hidden 7168, expert
 # FFN 2048 (gated: layer0 produces 2 x 2048 columns).
@@ -116,47 +119,55 @@ def weight_bytes(p: DecodePoint, layer: int) -> float:
     return active_experts(p.W, p.E, p.k, p.T) * _expert_weight_bytes(p.shape(layer), layer)
 
 
+def _rows_per_expert(p: DecodePoint) -> float:
+    """Rows per active expert (T k rows reach a rank); 0 without tokens."""
+    a = active_experts(p.W, p.E, p.k, p.T)
+    return 0.0 if a <= 0 or p.T == 0 else p.T * p.k / a
+
+
 def _tiles(p: DecodePoint, layer: int, tile=DEFAULT_TILE) -> int:
     """Output tiles of ``layer``'s grouped GEMM: the active experts' m-tiles times the n-tiles."""
-    a = active_experts(p.W, p.E, p.k, p.T)
-    if a <= 0 or p.T == 0:
+    rows = _rows_per_expert(p)
+    if rows <= 0:
         return 0
-    rows = p.T * p.k / a  # rows per active expert (T k rows reach a rank)
+    a = active_experts(p.W, p.E, p.k, p.T)
     n_out, _ = gemm_dims(p.shape(layer), layer)
     return math.ceil(a - 1e-9) * math.ceil(rows / tile[0] - 1e-9) * math.ceil(n_out / tile[1])
 
 
-def _stream_rate(spec: GpuSpec, blocks: int, tiles: int) -> float:
-    """HBM bytes/s of ``blocks`` GEMM blocks with ``tiles`` tiles: each block its SM's share."""
-    return spec.hbm_bw * min(blocks, max(tiles, 1), spec.sm_count) / spec.sm_count
+def _stream_rate(spec: GpuSpec, blocks: int, tiles: int, tile=DEFAULT_TILE) -> float:
+    """HBM bytes/s of ``blocks`` GEMM blocks with ``tiles`` tiles: each busy block at
+    small_tile.block_stream_rate (its SM's share of HBM, unless its stages hold less)."""
+    return block_stream_rate(spec, tile[0]) * min(blocks, max(tiles, 1), spec.sm_count)
 
 
 def decode_gemm(p: DecodePoint, spec: GpuSpec, layer: int, n_gemm: int,
-                prefetched: float = 0.0) -> float:
-    """Seconds of ``layer``'s GEMM on ``n_gemm`` blocks, ``prefetched`` of its weight bytes
-    already loaded: the weight stream or the tiles' waves, whichever is longer."""
-    tiles = _tiles(p, layer)
+                prefetched: float = 0.0, tile=DEFAULT_TILE) -> float:
+    """Seconds of ``layer``'s GEMM on ``n_gemm`` blocks with ``tile``, ``prefetched`` of its
+    weight bytes already loaded: the weight stream or the tiles' waves, whichever is longer."""
+    tiles = _tiles(p, layer, tile)
     if tiles == 0:
         return 0.0
-    stream = max(0.0, weight_bytes(p, layer) - prefetched) / _stream_rate(spec, n_gemm, tiles)
-    waves = math.ceil(tiles / n_gemm) * _tile_seconds(p.shape(layer), spec, layer, DEFAULT_TILE)
+    stream = max(0.0, weight_bytes(p, layer) - prefetched) / _stream_rate(spec, n_gemm, tiles,
+                                                                        tile)
+    waves = math.ceil(tiles / n_gemm) * _tile_seconds(p.shape(layer), spec, layer, tile)
     return max(stream, waves)
 
 
-def _layer0_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int) -> float:
+def _layer0_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE) -> float:
     n_gemm = spec.max_blocks - n_comm
     comm = comm_time(p.shape(0), spec, n_comm, 0)
-    prefetch = min(weight_bytes(p, 0), n_gemm * WEIGHT_PREFETCH_STAGES * WEIGHT_STAGE_BYTES)
-    return comm + decode_gemm(p, spec, 0, n_gemm, prefetch)
+    prefetch = min(weight_bytes(p, 0), n_gemm * STAGES[tile[0]] * WEIGHT_STAGE_BYTES)
+    return comm + decode_gemm(p, spec, 0, n_gemm, prefetch, tile)
 
 
-def _layer1_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int) -> float:
+def _layer1_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE) -> float:
     """The GEMM's column bands, each reduced and sent by the comm blocks after it is published
     (without the combine kernel, which comm_time includes and decode_fused adds after it)."""
     s = p.shape(1)
-    gemm = decode_gemm(p, spec, 1, spec.max_blocks - n_comm)
+    gemm = decode_gemm(p, spec, 1, spec.max_blocks - n_comm, tile=tile)
     comm = comm_time(s, spec, n_comm, 1) - _combine(p, spec)
-    cols = math.ceil(s.H / DEFAULT_TILE[1])
+    cols = math.ceil(s.H / tile[1])
     return max(gemm, comm) + min(gemm, comm) / cols
 
 
@@ -164,10 +175,26 @@ def _combine(p: DecodePoint, spec: GpuSpec) -> float:
     return combine_time(p.shape(1), spec)
 
 
-def _best(kernel, p: DecodePoint, spec: GpuSpec) -> Tuple[int, float]:
+def _best_split(kernel, p: DecodePoint, spec: GpuSpec, tile) -> Tuple[int, float]:
     """(n_comm, seconds) of the fastest split of a layer's kernel, n_comm in [1, blocks - 1]."""
-    return min(((n, kernel(p, spec, n)) for n in range(1, spec.max_blocks)),
+    return min(((n, kernel(p, spec, n, tile)) for n in range(1, spec.max_blocks)),
                key=lambda nt: (nt[1], nt[0]))
+
+
+def _best(kernel, p: DecodePoint, spec: GpuSpec, layer: int):
+    """(tile, n_comm, seconds) of a layer's kernel: each candidate tile (CUDA_TILES; the 64-row
+    one where every active expert has at most 64 rows) at its fastest split, then
+    small_tile.pick_tile's order."""
+    rows = _rows_per_expert(p)
+    fits = small_tile_fits([rows])
+    best = {}
+    for tile in CUDA_TILES:
+        if tile[0] < DEFAULT_TILE[0] and not fits:
+            continue
+        best[tile] = _best_split(kernel, p, spec, tile)
+    tile = pick_tile([(t, sec, float(_tiles(p, layer, t)), padded_rows([rows], t[0]))
+                      for t, (_, sec) in best.items()])
+    return (tile, *best[tile])
 
 
 def _activation(p: DecodePoint, spec: GpuSpec) -> float:
@@ -179,17 +206,18 @@ def _activation(p: DecodePoint, spec: GpuSpec) -> float:
 def decode_fused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
     """The fused layer as built (module doc): seconds of each part, ``fused`` their sum, and
     ``folded`` (the prologues' launches and grid barriers gone, not built)."""
-    n0, k0 = _best(_layer0_kernel, p, spec)
-    n1, k1 = _best(_layer1_kernel, p, spec)
-    pro = prologue_time(p.shape(0), spec, 0) + prologue_time(p.shape(1), spec, 1)
+    t0, n0, k0 = _best(_layer0_kernel, p, spec, 0)
+    t1, n1, k1 = _best(_layer1_kernel, p, spec, 1)
+    # each layer's prologue kernels and its memsets and device copies (stream operations too)
+    pro = sum(prologue_time(p.shape(l), spec, l) + stream_ops_time(l) for l in (0, 1))
     act = _activation(p, spec)
     comb = _combine(p, spec)
     fused = pro + KERNEL_GAP_S + k0 + act + KERNEL_GAP_S + k1 + comb
-    # folded: the prologue's launches and grid barriers gone (its work and its metadata
+    # folded: the prologue's launches and grid barriers gone (its memsets and copies, its work and its metadata
     # exchange's round trips stay, inside the fused kernel)
     folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S + PROLOGUE_BARRIERS[l] * GRID_BARRIER_S
                          for l in (0, 1))
-    return {"n_comm0": n0, "n_comm1": n1, "prologue": pro, "layer0": k0, "activation": act,
+    return {"n_comm0": n0, "n_comm1": n1, "tile_m0": t0[0], "tile_m1": t1[0], "prologue": pro, "layer0": k0, "activation": act,
             "layer1": k1, "combine": comb, "fused": fused, "folded": folded}
 
 

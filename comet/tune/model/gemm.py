@@ -35,6 +35,17 @@ from .hardware import GpuSpec
 from .shape import MoEShape, _check_layer, expert_rows
 
 DEFAULT_TILE: Tuple[int, int] = (128, 128)
+# The CUDA kernels' other tile: 64 rows (one MMA warpgroup on sm_90a) for few rows per expert
+# (comet.tune.model.small_tile picks between the two).
+SMALL_TILE: Tuple[int, int] = (64, 128)
+# Share of an SM's tensor-core rate a 64-row tile's MMAs get against the 128-row tile's
+# (assumption, not measured): the 128-row tile keeps two MMA warpgroups issuing wgmma (one's
+# epilogue and barriers hide behind the other's MMAs), the 64-row tile one, and each of its
+# k-steps moves 1.5x the shared-memory operand bytes per FLOP ((64 + 128) / (64 x 128) against
+# 256 / (128 x 128)).  Any share in (1/2, 3/4] gives small_tile's rule (a 64-row tile costs less
+# MMA time exactly when an expert has at most 64 rows); above 3/4 it would also win at 129-192
+# rows (docs/tuning.md, "The small-batch tile").
+SMALL_TILE_MMA_SHARE = 0.7
 
 
 def gemm_dims(shape: MoEShape, layer: int) -> Tuple[int, int]:
@@ -63,12 +74,19 @@ def _sm_flops(shape: MoEShape, spec: GpuSpec) -> float:
     return spec.peak_flops(shape.dtype_bytes) * spec.gemm_eff / spec.sm_count
 
 
+def mma_share(tile_m: int) -> float:
+    """The tensor-core rate share of a tile of ``tile_m`` rows: :data:`SMALL_TILE_MMA_SHARE` for
+    the CUDA kernels' 64-row tile, 1 otherwise (the 128-row tile; the CPU backend's tiles, whose
+    pseudo-spec rates already are its own)."""
+    return SMALL_TILE_MMA_SHARE if int(tile_m) == SMALL_TILE[0] else 1.0
+
+
 def _tile_seconds(shape: MoEShape, spec: GpuSpec, layer: int, tile) -> float:
     """One output tile on one SM: the tensor cores' MMAs, plus FP8's promotion on the CUDA cores
     (not overlapped with them; comet.tune.model.fp8)."""
     tm, tn = _tile(tile)
     _, k_red = gemm_dims(shape, layer)
-    mma = 2.0 * tm * tn * k_red / _sm_flops(shape, spec)
+    mma = 2.0 * tm * tn * k_red / (_sm_flops(shape, spec) * mma_share(tm))
     if not fp8_promotion_charged(shape, spec):
         return mma
     return mma + fp8_promotion_seconds(tm, tn, k_red, spec.fma_rate / spec.sm_count)
