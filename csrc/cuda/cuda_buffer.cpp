@@ -12,8 +12,6 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -23,6 +21,7 @@
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
 #include "cuda_buffer.h"
+#include "handle_registry.h"
 
 namespace comet::gpu {
 
@@ -415,21 +414,14 @@ void CudaBuffer::release() {
 }
 
 namespace {
-std::mutex g_mutex;
-std::map<int64_t, std::shared_ptr<CudaBuffer>> g_buffers;
-int64_t g_next = kCudaHandleBase;
+HandleRegistry<CudaBuffer> g_buffers(kCudaHandleBase);
 }  // namespace
 
-int64_t register_cuda_buffer(std::shared_ptr<CudaBuffer> b) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_buffers[g_next] = std::move(b);
-  return g_next++;
-}
+int64_t register_cuda_buffer(std::shared_ptr<CudaBuffer> b) { return g_buffers.add(std::move(b)); }
 
 std::shared_ptr<CudaBuffer> find_cuda_buffer(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_buffers.find(handle);
-  if (it == g_buffers.end()) {
+  std::shared_ptr<CudaBuffer> b = g_buffers.find(handle);
+  if (b == nullptr) {
     if (handle < kCudaHandleBase)
       throw std::invalid_argument(
           "comet: buffer " + std::to_string(handle) +
@@ -438,19 +430,11 @@ std::shared_ptr<CudaBuffer> find_cuda_buffer(int64_t handle) {
     throw std::invalid_argument("comet: no live CUDA buffer with handle " +
                                 std::to_string(handle) + " (closed, or never created)");
   }
-  return it->second;
+  return b;
 }
 
 void release_cuda_buffer(int64_t handle) {
-  std::shared_ptr<CudaBuffer> b;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_buffers.find(handle);
-    if (it == g_buffers.end()) return;
-    b = it->second;
-    g_buffers.erase(it);
-  }
-  b->release();
+  if (std::shared_ptr<CudaBuffer> b = g_buffers.take(handle)) b->release();
 }
 
 int64_t CudaBuffer::heap_bytes(int32_t world, size_t data_bytes) {

@@ -14,11 +14,10 @@ import os
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-import threading  # noqa: E402
-
 import torch  # noqa: E402
 
 import comet  # noqa: E402
+from tests.sim_world import run_threads  # noqa: E402
 
 WORLDS = (2, 4)
 _worlds: dict = {}
@@ -37,35 +36,20 @@ def sim_world(world: int, *, fresh: bool = False, **settings):
 
 
 def run_ranks(bufs, fn, *, timeout: float = 120.0):
-    """fn(rank, buffer) on one thread per rank, each on a torch.cuda.Stream of its own; returns
-    the results by rank and re-raises the first rank's error. A rank still running after
-    `timeout` seconds fails the test (a hang)."""
-    world = len(bufs)
-    results, errors = [None] * world, [None] * world
+    """fn(rank, buffer) on one thread per rank (tests/sim_world.py's run_threads), each on a
+    torch.cuda.Stream of its own; returns the results by rank and re-raises the first rank's
+    error. A rank still running after `timeout` seconds fails the test (a hang)."""
     device = bufs[0].device
 
-    def body(r):
-        try:
-            torch.cuda.set_device(device)
-            stream = getattr(bufs[r], "test_stream", None) or torch.cuda.Stream(device)
-            with torch.cuda.stream(stream):
-                results[r] = fn(r, bufs[r])
-                torch.cuda.current_stream().synchronize()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors[r] = e
+    def body(r, buf):
+        torch.cuda.set_device(device)
+        stream = getattr(buf, "test_stream", None) or torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            result = fn(r, buf)
+            torch.cuda.current_stream().synchronize()
+        return result
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"a simulated CUDA world of {world} ranks did not finish within "
-                           f"{timeout} s (a hang)")
-    for r, e in enumerate(errors):
-        if e is not None:
-            raise RuntimeError(f"rank {r} failed: {e!r}") from e
-    return results
+    return run_threads(len(bufs), body, timeout=timeout, buffers=bufs)
 
 
 def rank_errors(bufs, fn, *, timeout: float = 120.0):
