@@ -6,8 +6,8 @@
 //    reach the collective allocation; rank r's copy starts r strides from its base, so a peer
 //    pointer is the same offset in another stride (no NVSHMEM, no peer access to enable);
 //  - the collectives (construction, grow, release, the Python side's barriers) are a rendezvous
-//    of the W threads (SimGroup::meet) with the group's timeout, which names the ranks that did not
-//    arrive;
+//    of the W threads (csrc/rendezvous.h) with the group's timeout, which names the ranks that did
+//    not arrive;
 //  - recover()'s host puts into peers' headers are cudaMemcpy on the legacy default stream, in
 //    order (the state before the flag), completed by synchronising that stream. The ranks' calls
 //    run on their own streams (torch.cuda.Stream per thread), never the legacy one, which would
@@ -19,9 +19,6 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -32,6 +29,7 @@
 #include <vector>
 
 #include "cuda_buffer.h"
+#include "rendezvous.h"
 
 namespace comet::gpu {
 namespace {
@@ -42,87 +40,54 @@ constexpr const char* kWho = "comet.buffers.symm_cuda (simulated world)";
 class SimGroup {
  public:
   SimGroup(int32_t world, int device, double timeout_s)
-      : world_(world), device_(device), timeout_s_(timeout_s), here_(size_t(world), false) {}
+      : meeting_(world, timeout_s, kWho), device_(device) {}
 
-  int32_t world() const { return world_; }
+  int32_t world() const { return meeting_.world(); }
   int device() const { return device_; }
 
-  // Every rank calls it for the same collective `what`; the last to arrive runs `last` (may be
-  // empty) before any of them returns, and every rank returns its result. A rank that does not
-  // arrive within the timeout fails this meeting and every later one on every rank (the buffers
-  // are then unusable: a peer is gone or stuck).
+  // The group's collectives (csrc/rendezvous.h): the last rank to arrive runs `last`.
   void* meet(int32_t rank, const char* what, const std::function<void*()>& last) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!broken_.empty()) throw std::runtime_error(broken_);
-    const uint64_t generation = generation_;
-    here_[size_t(rank)] = true;
-    if (++arrived_ == world_) {
-      result_ = last ? last() : nullptr;
-      arrived_ = 0;
-      std::fill(here_.begin(), here_.end(), false);
-      ++generation_;
-      cv_.notify_all();
-      return result_;
-    }
-    const bool met = cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_), [&] {
-      return generation_ != generation || !broken_.empty();
-    });
-    if (generation_ != generation) return result_;  // the last rank's result, read under the lock
-    if (!met && broken_.empty()) {
-      std::ostringstream m;
-      m << kWho << ": rank(s)";
-      for (int32_t r = 0; r < world_; ++r)
-        if (!here_[size_t(r)]) m << " " << r;
-      m << " did not reach " << what << " within " << timeout_s_
-        << " s (every rank's thread must make the same collective calls: creation, reserve, "
-           "close)";
-      broken_ = m.str();
-      cv_.notify_all();
-    }
-    throw std::runtime_error(broken_);
+    return meeting_.meet(rank, what, last);
   }
 
   // The group's collective allocation of `stride` bytes per rank (run by the last to arrive).
   void* allocate(size_t stride) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     void* base = nullptr;
-    if (cudaMalloc(&base, stride * size_t(world_)) != cudaSuccess) {
+    if (cudaMalloc(&base, stride * size_t(world())) != cudaSuccess) {
       (void)cudaGetLastError();  // an allocation that does not fit is an answer, not an error
       return nullptr;
     }
+    std::lock_guard<std::mutex> lock(mu_);
     objects_[static_cast<char*>(base)] = stride;
     return base;
   }
 
   void release(char* base) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    objects_.erase(base);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      objects_.erase(base);
+    }
     (void)cudaFree(base);
   }
 
   // The object holding `addr` (an address in one rank's stride): its base and stride.
   std::pair<char*, size_t> object_of(const void* addr) {
     std::lock_guard<std::mutex> lock(mu_);
-    const char* a = static_cast<const char*>(addr);
-    auto it = objects_.upper_bound(const_cast<char*>(a));
+    char* a = static_cast<char*>(const_cast<void*>(addr));
+    auto it = objects_.upper_bound(a);
     if (it != objects_.begin()) {
       --it;
-      if (a < it->first + it->second * size_t(world_)) return {it->first, it->second};
+      if (a < it->first + it->second * size_t(world())) return {it->first, it->second};
     }
     throw std::runtime_error(std::string(kWho) + ": an address outside the group's symmetric memory");
   }
 
  private:
-  const int32_t world_;
+  Rendezvous meeting_;
   const int device_;
-  const double timeout_s_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int32_t arrived_ = 0;
-  uint64_t generation_ = 0;
-  std::vector<bool> here_;
-  void* result_ = nullptr;
-  std::string broken_;
+  std::mutex mu_;                    // objects_
   std::map<char*, size_t> objects_;  // base -> stride (bytes per rank)
 };
 
