@@ -2,8 +2,9 @@
 (comet.Buffer.simulated_world(W, device="cuda"), tests/gpu/sim.py), the same kernels, flags, peer
 copies and top-k reduce/combine across ranks as W GPUs, checked against comet.reference: the
 awkward routing cases, a shape on the tensor-core path that grows the symmetric memory, changing
-routing call after call, tensor parallelism, an error raised on every rank, the SM share rule and
-recovery after a timed-out call. `make test-gpu-sim` runs it (plain pytest, no torchrun); skips
+routing call after call, tensor parallelism, placements, a token sent once per destination rank
+(bf16 and FP8 rows), an error raised on every rank, the SM share rule and recovery after a
+timed-out call. `make test-gpu-sim` runs it (plain pytest, no torchrun); skips
 without a GPU. Written, not run on a GPU here (no machine of this project has one)."""
 import dataclasses
 import os
@@ -190,3 +191,72 @@ def test_recover_after_a_timed_out_call():
     run_ranks(bufs, body)
     for _ in range(3):
         _run_and_check(bufs, case, BF16)
+
+
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_a_token_crosses_once_per_destination_rank(world, fp8_rows, monkeypatch):
+    """layer0 sends a token once per destination rank (bf16 rows, and packed FP8 rows on
+    sm_89 / sm_90): the same bits as one row per slot ($COMET_LAYER0_DEDUP=0), and every rank's
+    Buffer.traffic() equal to the distinct (token, rank) pairs counted here from the routing."""
+    from comet import fp8
+    from tests.gpu.test_cuda_dedup import _routing
+
+    if fp8_rows and torch.cuda.get_device_capability()[0] < 9 and \
+            torch.cuda.get_device_capability() != (8, 9):
+        pytest.skip("FP8 rows need sm_89 or sm_90")
+    E, k, T, H, N = 4 * world, 4, 37, 256, 256
+    el = E // world
+    ids = _routing(world, E, k, T, seed=world)
+
+    def body(rank, buf):
+        dev = buf.device
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(T, H, generator=g).to(BF16).to(dev)
+        w0 = (torch.randn(el, N, H, generator=g) / H ** 0.5).to(BF16).to(dev)
+        w1 = (torch.randn(el, H, N, generator=g) / N ** 0.5).to(BF16).to(dev)
+        wt = torch.rand(ids[rank].shape, generator=g).to(dev)
+        tid = ids[rank].to(dev)
+        if fp8_rows:
+            w0q, w0s = fp8.quantize_blocks(w0)
+            y0, layout = comet.moe_layer0(x, w0q, tid, num_experts=E, n_comm=2, w0_scale=w0s,
+                                          dispatch_fp8=True, buffer=buf)
+            return y0.cpu(), None, buf.traffic()
+        y0, layout = comet.moe_layer0(x, w0, tid, num_experts=E, n_comm=2, buffer=buf)
+        out = comet.moe_layer1(torch.tanh(y0.float()).to(BF16), w1, wt, layout, n_comm=2,
+                               buffer=buf)
+        return y0.cpu(), out.cpu(), buf.traffic()
+
+    bufs = sim_world(world)
+    monkeypatch.setenv("COMET_LAYER0_DEDUP", "1")
+    on = run_ranks(bufs, body)
+    monkeypatch.setenv("COMET_LAYER0_DEDUP", "0")
+    off = run_ranks(bufs, body)
+    row_bytes = fp8.row_bytes(H) if fp8_rows else H * 2
+    for rank in range(world):
+        for a, b in zip(on[rank][:2], off[rank][:2]):
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        pairs = sum(any(e >= 0 and e // el == rank for e in row)
+                    for s in range(world) if s != rank for row in ids[s].tolist())
+        assert on[rank][2][:2] == (pairs, pairs * row_bytes)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_placements_bitwise_equal_and_a_disagreement_raises_everywhere(world):
+    """placement=: the contiguous map against a float64 reference, a replicated placement and one
+    with a rank holding no expert bitwise equal to it; ranks that disagree raise on every rank."""
+    from tests.gpu import test_cuda_placement as tp
+
+    bufs = sim_world(world)
+    ps = tp.placements(world)
+    outs = {name: run_ranks(bufs, lambda r, b, p=p: tp.run(r, p, b)) for name, p in ps.items()}
+    for rank in range(world):
+        want = tp.reference(*tp.inputs(rank, world))
+        torch.testing.assert_close(outs["contiguous"][rank].double(), want, atol=2e-2, rtol=2e-2)
+        for name, out in outs.items():
+            assert torch.equal(out[rank], outs["contiguous"][rank]), (name, rank)
+    errors = rank_errors(bufs, lambda r, b: tp.run(r, ps["replicated"] if r == 1
+                                                   else ps["contiguous"], b))
+    for rank, e in enumerate(errors):
+        assert isinstance(e, (ValueError, RuntimeError)) and "placement" in str(e), (rank, e)
