@@ -3,8 +3,8 @@
 copies and top-k reduce/combine across ranks as W GPUs, checked against comet.reference: the
 awkward routing cases, a shape on the tensor-core path that grows the symmetric memory, changing
 routing call after call, tensor parallelism, placements, a token sent once per destination rank
-(bf16 and FP8 rows), an error raised on every rank, the SM share rule and recovery after a
-timed-out call. `make test-gpu-sim` runs it (plain pytest, no torchrun); skips
+(bf16 and FP8 rows), an error raised on every rank, both layers beside a busy side stream, the
+SM share rule and recovery after a timed-out call. `make test-gpu-sim` runs it (plain pytest, no torchrun); skips
 without a GPU. Written, not run on a GPU here (no machine of this project has one)."""
 import dataclasses
 import os
@@ -260,3 +260,15 @@ def test_placements_bitwise_equal_and_a_disagreement_raises_everywhere(world):
                                                    else ps["contiguous"], b))
     for rank, e in enumerate(errors):
         assert isinstance(e, (ValueError, RuntimeError)) and "placement" in str(e), (rank, e)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_layers_finish_beside_a_busy_side_stream(world):
+    """Every rank's layers while large matmuls on another stream hold most SMs (fewer of the
+    ranks' blocks resident than their shares promise, for a while): they finish, equal to the
+    reference (tests/gpu/test_forward_progress.py's case, with W ranks on one GPU)."""
+    from tests.gpu.test_forward_progress import _busy_side_stream
+
+    bufs = sim_world(world)
+    _side, _done, _keep = _busy_side_stream()
+    _run_and_check(bufs, cases_for(world)[0], BF16, n_comm=2)
