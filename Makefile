@@ -24,7 +24,7 @@ DEPS := $(BUILD_DEPS) $(CUDA_DEPS) $(EXTRA_DEPS)
 WITH_NVCC := $(if $(filter 0,$(COMET_CUDA)),,$(shell command -v nvcc || ls $(CUDA_HOME)/bin/nvcc 2>/dev/null))
 
 .PHONY: setup build build-demo demo test test-cpp test-tsan test-py test-py-nodes test-cuda-static \
-	test-gpu test-mutants mutants bench docs docs-check clean
+	test-gpu test-gpu-sim test-mutants mutants bench docs docs-check clean
 
 # Each depends on the Makefile, so that an existing .venv picks up a changed DEPS line.
 $(VENV)/.build-deps: Makefile
@@ -107,6 +107,12 @@ test-gpu: setup
 
 # CPU benchmarks (all eight scripts, full size, 9.6 min + decode 40 s measured on 2 busy cores, bench/README.md;
 # `python -m bench --smoke` for the CI size): tables + ./bench-results/*.json/png
+# The multi-rank GPU cases on ONE GPU: W = 2 and 4 ranks as threads of one process, each with its
+# own stream and share of the SMs (comet.Buffer.simulated_world(W, device="cuda"); docs/gpu.md,
+# "Several ranks on one GPU"). Skips without a GPU.
+test-gpu-sim: setup
+	CUDA_MODULE_LOADING=EAGER $(PY) -m pytest tests/gpu/test_cuda_sim.py -q -s -p no:cacheprovider
+
 bench: setup
 	$(PY) -m bench
 

@@ -13,7 +13,10 @@
 #            compiler that links the shared libstdc++. CUTLASS headers: the nvidia-cutlass wheel
 #            if importable, else a wheel file in .whl/ installed with --no-index into a temp dir.
 #   guard    tests/test_build_guard.py on the built extension
-#   tests    tests/gpu, a world of one (xdist when installed: a crashing test fails alone)
+#   tests    tests/gpu, a world of one (xdist when installed: a crashing test fails alone), but
+#            the simulated worlds, which have a step of their own:
+#   sim      tests/gpu/test_cuda_sim.py (make test-gpu-sim): the multi-rank cases at W = 2 and 4
+#            as threads of one process on this one GPU (the protocol across ranks)
 #   bench    bench/kernels.py --variants: comet beside torch._grouped_mm, the unfused torch layer
 #            and a dense matmul, 4096 and 32 tokens, three model shapes (the README's table)
 #   ncu      Nsight Compute on one Mixtral-shaped 4096-token call of each: the fused kernels'
@@ -22,7 +25,7 @@
 #            splits stored in $OUT/tune-cache, then the bench's Mixtral rows again with them
 #   multi    with 2+ GPUs: torchrun over all of them, tests/gpu
 # Writes $OUT/report.md (the summary: every command, its exit code and time, and its figures),
-# one log per step, kernels.json, ncu.csv. About 8-10 minutes on a 16-core H200 machine (an
+# one log per step, kernels.json, ncu.csv. About 9-12 minutes on a 16-core H200 machine (an
 # estimate from the steps, not a timed run).
 set -u
 OUT_DIR=${1:-${OUT:-gpu-check}}
@@ -31,7 +34,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 REPORT=$OUT_DIR/report.md
-STEPS=${GPU_CHECK_STEPS:-"env build guard tests bench ncu tune multi"}
+STEPS=${GPU_CHECK_STEPS:-"env build guard tests sim bench ncu tune multi"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export COMET_CACHE_DIR=$OUT_DIR/tune-cache  # never the user's ~/.cache/comet
@@ -82,7 +85,13 @@ fi
 if want tests; then
   xdist=""
   $PY -c "import xdist" 2>/dev/null && xdist="-n 8"
-  TAIL=40 run tests 600 "$PY" -m pytest tests/gpu -q -rfEs --timeout 120 $xdist -p no:cacheprovider
+  TAIL=40 run tests 600 "$PY" -m pytest tests/gpu -q -rfEs --timeout 120 $xdist -p no:cacheprovider \
+    --ignore tests/gpu/test_cuda_sim.py
+fi
+if want sim; then
+  # One process, no xdist: the simulated world's ranks share this GPU's SMs between them.
+  TAIL=40 run sim 300 env CUDA_MODULE_LOADING=EAGER "$PY" -m pytest tests/gpu/test_cuda_sim.py \
+    -q -rfEs --timeout 120 -p no:cacheprovider
 fi
 if want bench; then
   TAIL=60 run bench 600 "$PY" bench/kernels.py --variants --out "$OUT_DIR"

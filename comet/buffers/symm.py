@@ -187,9 +187,34 @@ class Buffer:
                         resident_blocks: int | None = None,
                         tp_size: int | None = None, placement=None,
                         heap_bytes: int | None = None,
-                        sm_margin: int | None = None) -> list["Buffer"]:
+                        sm_margin: int | None = None, device="cpu",
+                        capacity_bytes: int | None = None) -> list:
         """`world` buffers forming one group inside this process: rank r's ops run from thread r.
-        The same shared-memory code path as separate processes, for fast tests."""
+        The same shared-memory code path as separate processes, for fast tests.
+
+        device="cuda" (or "cuda:i"): the W ranks share one GPU instead
+        (comet.buffers.symm_cuda.simulated_world: CUDA buffers, the same kernels and protocol as W
+        GPUs; each rank's thread runs its calls on a torch.cuda.Stream of its own). The CPU
+        backend's settings (threads_per_block, ranks_per_node, link_*, resident_blocks,
+        heap_bytes) do not apply there; capacity_bytes (the CUDA buffers' initial data segment)
+        only applies there."""
+        if str(device) != "cpu":
+            cpu_only = dict(threads_per_block=threads_per_block, ranks_per_node=ranks_per_node,
+                            link_latency_us=link_latency_us, link_gbps=link_gbps,
+                            resident_blocks=resident_blocks, heap_bytes=heap_bytes)
+            given = sorted(k for k, v in cpu_only.items() if v is not None)
+            if given:
+                raise ValueError(f"comet: {', '.join(given)} of Buffer.simulated_world are the "
+                                 f"CPU backend's; device={device!r} takes none of them")
+            from comet.buffers import symm_cuda
+
+            return symm_cuda.simulated_world(world, device=device, timeout=timeout,
+                                             node_reduce=node_reduce, tp_size=tp_size,
+                                             placement=placement, sm_margin=sm_margin,
+                                             capacity_bytes=capacity_bytes)
+        if capacity_bytes is not None:
+            raise ValueError("comet: capacity_bytes of Buffer.simulated_world is the CUDA "
+                             "buffers'; the CPU backend's cap is heap_bytes")
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         tp_size_setting(tp_size, world)
         job = f"{os.getpid():x}{secrets.token_hex(4)}"

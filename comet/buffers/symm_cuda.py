@@ -173,41 +173,35 @@ class Buffer:
     def __init__(self, group=None, *, device=None, timeout: float | None = None,
                  capacity_bytes: int | None = None, node_reduce: bool | None = None,
                  reserve: dict | None = None, tp_size: int | None = None, placement=None,
-                 sm_margin: int | None = None):
+                 sm_margin: int | None = None, _simulated=None):
         self.device = _device(device)
         # checked now, the default chosen once the group's size is known
         margin = None if sm_margin is None else symm.sm_margin_setting(sm_margin, DEFAULT_SM_MARGIN)
         self.group = group
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         capacity = DEFAULT_CAPACITY if capacity_bytes is None else int(capacity_bytes)
-        init_nvshmem(self.device, reserve=reserve)
-        if _distributed():
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-            # Group rank r is NVSHMEM PE members[r] (NVSHMEM's world is the default group).
-            members = dist.get_process_group_ranks(group or dist.group.WORLD)
-            # nvshmem_malloc is collective over the whole world, so every process creates its
-            # buffer now (each for its own group) and the size must be equal everywhere.
-            sizes = [None] * dist.get_world_size()
-            dist.all_gather_object(sizes, capacity)
-            capacity = max(sizes)
-        else:
-            self.rank, self.world, members = 0, 1, [0]
         ops = _ops()
-        self.handle = int(ops.buffer_create(self.rank, self.world, members, self.device.index,
-                                            timeout, _group_hash(members), capacity))
-        self.subgroup = bool(ops.buffer_is_subgroup(self.handle))
-        reach = [[bool(v) for v in ops.buffer_reach(self.handle)]]
-        if _distributed():
-            everyone = [None] * self.world
-            dist.all_gather_object(everyone, reach[0], group=group)
-            reach = everyone
+        # (group, rank, world) from simulated_world: a rank of W on this GPU, no NVSHMEM, no
+        # torch.distributed (the group meets in comet's own host rendezvous).
+        self._simulated = _simulated is not None
+        if self._simulated:
+            sim_group, self.rank, self.world = _simulated
+            self.handle = int(ops.buffer_create_sim(sim_group, self.rank, timeout,
+                                                    _group_hash(list(range(self.world))),
+                                                    capacity))
+            self.subgroup = False
+            # every rank reaches every other by pointer (one GPU): the same row everywhere
+            reach = [[bool(v) for v in ops.buffer_reach(self.handle)]] * self.world
+        else:
+            reach = self._create_nvshmem(ops, group, reserve, timeout, capacity)
+        distributed = _distributed() and not self._simulated
         self._barrier()  # every header is cleared before anyone uses it
         try:
             # Every rank sees the same matrix, so every rank accepts or raises alike.
             self.ranks_per_node = node_shape.ranks_per_node(reach)
             ops.buffer_set_ranks_per_node(self.handle, self.ranks_per_node)
             self.node_reduce = symm.node_reduce_setting(node_reduce)
-            if _distributed():
+            if distributed:
                 symm._check_same_across_ranks(self.node_reduce, "node_reduce", group, self.world)
             ops.buffer_set_node_reduce(self.handle, self.node_reduce)
             ops.buffer_set_sm_margin(self.handle,
@@ -225,7 +219,38 @@ class Buffer:
         if reserve is not None:
             self.reserve(**{k: v for k, v in reserve.items() if k in _RESERVE_KEYS})
 
+    def _create_nvshmem(self, ops, group, reserve, timeout, capacity):
+        """This rank's buffer on the NVSHMEM heap (collective over NVSHMEM's world); returns the
+        group's reachability matrix."""
+        init_nvshmem(self.device, reserve=reserve)
+        if _distributed():
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            # Group rank r is NVSHMEM PE members[r] (NVSHMEM's world is the default group).
+            members = dist.get_process_group_ranks(group or dist.group.WORLD)
+            # nvshmem_malloc is collective over the whole world, so every process creates its
+            # buffer now (each for its own group) and the size must be equal everywhere.
+            sizes = [None] * dist.get_world_size()
+            dist.all_gather_object(sizes, capacity)
+            capacity = max(sizes)
+        else:
+            self.rank, self.world, members = 0, 1, [0]
+        self.handle = int(ops.buffer_create(self.rank, self.world, members, self.device.index,
+                                            timeout, _group_hash(members), capacity))
+        self.subgroup = bool(ops.buffer_is_subgroup(self.handle))
+        reach = [[bool(v) for v in ops.buffer_reach(self.handle)]]
+        if _distributed():
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, reach[0], group=group)
+            reach = everyone
+        return reach
+
     # -- settings -----------------------------------------------------------------------------
+
+    @property
+    def device_ranks(self) -> int:
+        """Ranks of the group on this buffer's GPU: 1, or W in a simulated world (each rank's
+        kernels then use at most floor(SMs / W) SMs: docs/gpu.md, "Several ranks on one GPU")."""
+        return self.world if self._simulated else 1
 
     @property
     def sm_margin(self) -> int:
@@ -367,7 +392,9 @@ class Buffer:
         raise error(verdict or message)
 
     def _barrier(self):
-        if _distributed():  # NVSHMEM allocation is world-collective: a subgroup syncs the world
+        if self._simulated:  # the W threads' rendezvous (csrc/cuda/symm_sim.cpp)
+            _ops().sim_barrier(self.handle)
+        elif _distributed():  # NVSHMEM allocation is world-collective: a subgroup syncs the world
             dist.barrier(group=None if self.subgroup else self.group)
 
     def __repr__(self):
@@ -375,6 +402,66 @@ class Buffer:
                 f"ranks_per_node={self.ranks_per_node}, node_reduce={self.node_reduce}, "
                 f"device={self.device}, "
                 f"handle={self.handle})")
+
+
+def simulated_world(world: int, *, device=None, timeout: float | None = None,
+                    capacity_bytes: int | None = None, node_reduce: bool | None = None,
+                    tp_size: int | None = None, placement=None,
+                    sm_margin: int | None = None) -> list[Buffer]:
+    """`world` CUDA buffers forming one group on ONE GPU (comet.Buffer.simulated_world(W,
+    device="cuda")): rank r's ops are called from thread r, each thread with a torch.cuda.Stream
+    of its own. The same kernels and call protocol as W GPUs; the symmetric memory is one device
+    allocation per symmetric object for the group (no NVSHMEM), the collectives a rendezvous of
+    the W threads (csrc/cuda/symm_sim.cpp), and each rank's kernels use at most floor(SMs / W)
+    SMs minus sm_margin, so that the ranks' grids are co-resident. Needs
+    CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts: a lazy kernel load may
+    synchronise the device while another rank's kernel waits for this rank."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"comet: a simulated world needs an int world >= 1, got {world!r}")
+    if not getattr(_C, "with_cuda", False):
+        raise RuntimeError("comet: Buffer.simulated_world(device='cuda') needs the CUDA kernels, "
+                           "which this build of comet lacks (rebuild with nvcc available and "
+                           "COMET_CUDA unset), or use device='cpu'")
+    if not torch.cuda.is_available():
+        raise RuntimeError("comet: Buffer.simulated_world(device='cuda') needs a CUDA GPU and "
+                           "none is visible; use device='cpu'")
+    loading = os.environ.get("CUDA_MODULE_LOADING", "")
+    if loading.upper() != "EAGER":
+        raise RuntimeError("comet: a simulated world on one GPU needs CUDA_MODULE_LOADING=EAGER "
+                           f"(it is {loading or 'unset: lazy'}), set before CUDA starts: a lazy "
+                           "kernel load may wait for every kernel on the device, including "
+                           "another rank's kernel that waits for this rank")
+    dev = _device(device)
+    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    symm.tp_size_setting(tp_size, world)  # every setting checked before any memory exists
+    symm.node_reduce_setting(node_reduce)
+    if sm_margin is not None:
+        symm.sm_margin_setting(sm_margin, DEFAULT_SM_MARGIN)
+    # The CUDA context (and, eagerly, every module) now, not in the ranks' threads, whose
+    # rendezvous would count that time against the timeout.
+    torch.cuda.set_device(dev)
+    torch.zeros(1, device=dev)
+    group = int(_ops().sim_group_create(world, dev.index, timeout))
+    buffers, errors = [None] * world, [None] * world
+
+    def create(r):  # collective: each rank's constructor on a thread of its own
+        try:
+            torch.cuda.set_device(dev)
+            buffers[r] = Buffer(device=dev, timeout=timeout, capacity_bytes=capacity_bytes,
+                                node_reduce=node_reduce, tp_size=tp_size, placement=placement,
+                                sm_margin=sm_margin, _simulated=(group, r, world))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=create, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # the rendezvous times out after `timeout`
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise RuntimeError(f"comet: creating rank {r} of the simulated world failed: {e}") from e
+    return buffers
 
 
 _RESERVE_KEYS = ("tokens", "hidden", "topk", "num_experts", "dtype")

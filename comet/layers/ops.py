@@ -194,11 +194,14 @@ def _static_int(v) -> int:
 @torch.compiler.assume_constant_result
 def launch_choice(device_type: str, device_index, layer: int, world: int, num_experts: int,
                   topk: int, hidden: int, n: int, token_bucket: int, dtype: str,
-                  n_comm=None, tile=None, ranks_per_node=None, node_reduce=False, tp_size=1):
+                  n_comm=None, tile=None, ranks_per_node=None, node_reduce=False, tp_size=1,
+                  device_ranks=1):
     """(n_comm, n_gemm, tile_m, tile_n, source, band_n): launch_config's answer; source is the
     tuner's ("measured", "cache", "cache-nearest", "model", "default"), "explicit" when both were
     given, or "fallback" when the shape is not one the tuner handles (the op's checks then report
-    it); band_n is layer1's band width (the tuner's; 1, column order, without one)."""
+    it); band_n is layer1's band width (the tuner's; 1, column order, without one).
+    device_ranks: ranks of the group on this GPU (a simulated world's W): the tuner splits the
+    rank's share of the SMs, floor(SMs / device_ranks), as the kernels' grids do."""
     from comet.tune import tuner as tn
 
     cpu = device_type != "cuda"
@@ -214,6 +217,7 @@ def launch_choice(device_type: str, device_index, layer: int, world: int, num_ex
             sms = torch.cuda.get_device_properties(idx).multi_processor_count
             _cuda_arch[idx] = (pm.spec_from_device_name(name) or tn._norm_arch(name), int(sms))
         arch, blocks = _cuda_arch[idx]
+        blocks = max(1, blocks // max(1, int(device_ranks)))
 
     def done(nc, tl, source, band=1):
         nc = int(nc)
@@ -264,7 +268,7 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
                   layer: int, world: int, num_experts: int, x, w, topk_ids,
                   w_transposed: bool = False, ranks_per_node: int | None = None,
                   node_reduce: bool = False, with_band: bool = False, tp_size: int = 1,
-                  fp8: bool = False):
+                  fp8: bool = False, device_ranks: int = 1):
     """(n_comm, n_gemm, tile_m, tile_n) for one call of moe_layer{layer}: the autotuner's choice
     (comet.tune.tuner: measured cache, else cost model) for this shape; explicit n_comm / tile win.
     with_band: also layer1's band_n (n-tiles per column band), the tuner's choice.
@@ -272,7 +276,8 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
     layer0: x [T, H], w = w0 [E_local, N0, H]; layer1: x = h [M, N1], w = w1 [E_local, H, N1]
     (w_transposed: the last two dimensions swapped); topk_ids [T, k]. Malformed inputs get a
     fallback config (the op's checks report them). fp8: the call runs in FP8 (its dtype key is
-    float8_e4m3fn whatever x's dtype).
+    float8_e4m3fn whatever x's dtype). device_ranks: ranks of the group on this GPU
+    (launch_choice).
     """
     pick = (lambda c: (*c[:4], c[5])) if with_band else (lambda c: c[:4])
     shaped = topk_ids.dim() == 2 and x.dim() == 2 and w.dim() == 3
@@ -290,7 +295,8 @@ def launch_config(device: torch.device, n_comm: int | None, tile: tuple[int, int
                               "float8_e4m3fn" if fp8 else str(x.dtype).replace("torch.", ""),
                               None if n_comm is None else int(n_comm),
                               None if tile is None else (int(tile[0]), int(tile[1])),
-                              ranks_per_node, bool(node_reduce), int(tp_size)))
+                              ranks_per_node, bool(node_reduce), int(tp_size),
+                              int(device_ranks)))
 
 
 def _buffer_for(buffer, group, t):
@@ -493,7 +499,7 @@ def layer0_call(buf, x, w0, topk_ids, *, num_experts: int, b0=None, w0_transpose
     cfg = launch_config(device, n_comm, tile, layer=0, world=buf.world, num_experts=num_experts,
                         ranks_per_node=getattr(buf, "ranks_per_node", None),
                         x=x, w=w0, topk_ids=topk_ids, w_transposed=w0_transposed, tp_size=tp,
-                        fp8=fp8)
+                        fp8=fp8, device_ranks=getattr(buf, "device_ranks", 1))
     return Call(buf, tuple(cfg), tp, -1 if max_rows is None else int(max_rows))
 
 
@@ -511,7 +517,8 @@ def layer1_call(buf, h, w1, topk_weights, layout: Layout, *, b1=None, w1_transpo
                         node_reduce=getattr(buf, "node_reduce", False),
                         num_experts=layout.num_experts, x=h, w=w1, topk_ids=layout.topk_ids,
                         w_transposed=w1_transposed, with_band=True,
-                        tp_size=int(layout.tp_size), fp8=fp8)
+                        tp_size=int(layout.tp_size), fp8=fp8,
+                        device_ranks=getattr(buf, "device_ranks", 1))
     return Call(buf, tuple(cfg[:4]), int(layout.tp_size), int(layout.max_rows),
                 cfg[4] if band is None else int(band))
 

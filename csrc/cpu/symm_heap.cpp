@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "call_verdict.h"
+#include "handle_registry.h"
 #include "comet/flags.h"
 #include "comet/grow_rule.h"
 
@@ -453,29 +454,19 @@ void SymmHeap::rearm() {
 }
 
 namespace {
-std::mutex g_mutex;
-std::map<int64_t, std::shared_ptr<SymmHeap>> g_heaps;
-int64_t g_next = 1;
+HandleRegistry<SymmHeap> g_heaps(1);
 }  // namespace
 
-int64_t register_heap(std::shared_ptr<SymmHeap> heap) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_heaps[g_next] = std::move(heap);
-  return g_next++;
-}
+int64_t register_heap(std::shared_ptr<SymmHeap> heap) { return g_heaps.add(std::move(heap)); }
 
 std::shared_ptr<SymmHeap> find_heap(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_heaps.find(handle);
-  if (it == g_heaps.end())
+  std::shared_ptr<SymmHeap> heap = g_heaps.find(handle);
+  if (heap == nullptr)
     throw std::invalid_argument("comet: no live buffer with handle " + std::to_string(handle) +
                                 " (closed, or not created by comet.buffers.symm)");
-  return it->second;
+  return heap;
 }
 
-void release_heap(int64_t handle) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  g_heaps.erase(handle);
-}
+void release_heap(int64_t handle) { g_heaps.take(handle); }
 
 }  // namespace comet::cpu

@@ -1,7 +1,10 @@
 // The GPU side of comet.buffers.symm: one CudaBuffer per expert-parallel group owns the rank's symmetric
-// header and data segment on the NVSHMEM heap, the peer pointer tables the kernels use (from
-// nvshmem_ptr), the per-buffer device state (call counter, self-resetting counters) and the pinned
-// host memory the ops read (the call summary of eager calls, the error record kernels write).
+// header and data segment, the peer pointer tables the kernels use, the per-buffer device state
+// (call counter, self-resetting counters) and the pinned host memory the ops read (the call
+// summary of eager calls, the error record kernels write). Where the symmetric memory comes from
+// and how the group meets on the host is its SymmBackend's (symm_backend.h): the NVSHMEM heap and
+// nvshmem_ptr (a GPU per rank), or one cudaMalloc per symmetric object for W ranks of one process
+// on one GPU (the simulated world).
 //
 // Peers whose memory nvshmem_ptr cannot reach are allowed when they form whole nodes (comet/
 // topology.h: ranks_per_node consecutive ranks per node, each rank reaching exactly its node's);
@@ -15,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -22,6 +26,7 @@
 
 #include "call_params.h"
 #include "put_ring.h"
+#include "symm_backend.h"
 
 namespace comet::gpu {
 
@@ -39,11 +44,13 @@ struct CallSummary {
 
 class CudaBuffer {
  public:
-  // pes[r]: the NVSHMEM PE of group rank r (the group may be a subgroup of the NVSHMEM world).
-  // Collective over the NVSHMEM world, because nvshmem_malloc is: every process of the world
-  // constructs its buffer (of whichever group) together, with the same capacity.
-  CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes, int device, int64_t group_hash,
-             double timeout_s, size_t capacity_bytes);
+  // pes[r]: the NVSHMEM PE of group rank r (the group may be a subgroup of the NVSHMEM world;
+  // the inter-node proxy's table). Collective as symm's allocations are (NVSHMEM: over its whole
+  // world, so every process of the world constructs its buffer, of whichever group, together;
+  // the simulated world: its W ranks' threads), with the same capacity.
+  CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes,
+             std::shared_ptr<SymmBackend> symm, int device, int64_t group_hash, double timeout_s,
+             size_t capacity_bytes);
   ~CudaBuffer();
   CudaBuffer(const CudaBuffer&) = delete;
   CudaBuffer& operator=(const CudaBuffer&) = delete;
@@ -54,7 +61,16 @@ class CudaBuffer {
   // (nvshmem_malloc is world-collective), so it only happens in reserve(), never inside a call.
   bool subgroup() const { return subgroup_; }
   const std::vector<int32_t>& pes() const { return pes_; }
+  SymmBackend& symm() const { return *symm_; }
   int device() const { return device_; }
+  // Ranks of the group on this rank's GPU (SymmBackend::device_ranks: 1, or W when simulated).
+  int32_t device_ranks() const { return symm_->device_ranks(); }
+  // The SMs this rank's kernels may use out of the GPU's `device_sms`: all of them with a GPU per
+  // rank; floor(SMs / W) when W ranks share the GPU, so that every rank's grids (each at most one
+  // block per SM of its share, sm_margin and the proxy's SM taken from it) are co-resident, and
+  // none waits for an SM another rank's spinning blocks hold (docs/gpu.md, "Several ranks on one
+  // GPU").
+  int32_t sm_share(int32_t device_sms) const { return device_sms / std::max(device_ranks(), 1); }
   int64_t group_hash() const { return group_hash_; }
   // The placement fingerprint the next calls announce (as SymmHeap::call_tag on the CPU).
   int32_t call_tag() const { return call_tag_; }
@@ -145,14 +161,19 @@ class CudaBuffer {
   uint64_t rearm_round() const { return round_; }
   void recover();
 
-  // Collective: frees the NVSHMEM memory (every rank must call it).
+  // Collective: frees the symmetric memory (every rank must call it).
   void release();
+
+  // Symmetric bytes one buffer of `world` ranks takes with a data segment of `data_bytes` (the
+  // header and the data, rounded as the buffer rounds them).
+  static int64_t heap_bytes(int32_t world, size_t data_bytes);
 
  private:
   void refresh_tables(cudaStream_t stream);
 
   int32_t rank_, world_;
   std::vector<int32_t> pes_;
+  std::shared_ptr<SymmBackend> symm_;
   bool subgroup_ = false;
   int device_;
   int64_t group_hash_;
@@ -185,6 +206,9 @@ class CudaBuffer {
   std::string dead_;
   uint64_t round_ = 0;  // completed re-arms, equal on every rank after each
 };
+
+// Throws "comet.buffers.symm (CUDA): <what>: <CUDA's error>" unless e is cudaSuccess.
+void cuda_check(cudaError_t e, const char* what);
 
 // Text of what the device recorded in an ErrorRecord (empty when nothing); ops_cuda.cpp.
 std::string describe_error(const ErrorRecord& e);

@@ -238,9 +238,13 @@ bool plan_fp8(Checker& c, LaunchPlan& lp, const cudaDeviceProp& prop, int layer,
   return true;
 }
 
+// device_ranks: ranks of the group on this GPU (CudaBuffer::device_ranks; W in the simulated
+// world): the grid then uses at most its share of the SMs (CudaBuffer::sm_share), one block per
+// SM, so that the W ranks' grids, which wait on each other, are all resident at once.
 LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64_t k,
                        int64_t n_out, const void* a, const void* b, bool b_mn, int64_t n_comm,
-                       int64_t n_gemm, int64_t tile_m, bool proxy_sm, int64_t sm_margin) {
+                       int64_t n_gemm, int64_t tile_m, bool proxy_sm, int64_t sm_margin,
+                       const CudaBuffer& buf) {
   LaunchPlan lp;
   if (c.failed()) return lp;
   lp.sm_margin = int(sm_margin);
@@ -274,16 +278,28 @@ LaunchPlan plan_launch(Checker& c, int layer, ScalarKind kind, int device, int64
                                                     lp.info.smem_bytes) != cudaSuccess)
     per_sm = 0;
   // The SMs left to other kernels: sm_margin for whatever peers may wait on beside this call
-  // (a collective, another buffer's call), and one more for the inter-node proxy.
-  const int sms = prop.multiProcessorCount - (proxy_sm ? 1 : 0) - int(sm_margin);
-  if (!c.value(sms >= 1, "sm_margin=" + std::to_string(sm_margin) + " leaves none of this GPU's " +
-                             std::to_string(prop.multiProcessorCount) + " SMs to the call" +
+  // (a collective, another buffer's call), and one more for the inter-node proxy. Several ranks
+  // on this GPU: this rank's share, one block per SM (a block of any kernel fits on an SM no
+  // other block holds, so the ranks' grids, together no more blocks than SMs, are co-resident).
+  const bool shared = buf.device_ranks() > 1;
+  const int own_sms = buf.sm_share(prop.multiProcessorCount);
+  const int sms = own_sms - (proxy_sm ? 1 : 0) - int(sm_margin);
+  if (shared) per_sm = std::min(per_sm, 1);
+  const std::string whose = shared ? "this rank's share of this GPU's SMs (" +
+                                         std::to_string(own_sms) + " = " +
+                                         std::to_string(prop.multiProcessorCount) + " / " +
+                                         std::to_string(buf.device_ranks()) + " ranks on it)"
+                                   : "this GPU's " + std::to_string(prop.multiProcessorCount) +
+                                         " SMs";
+  if (!c.value(sms >= 1, "sm_margin=" + std::to_string(sm_margin) + " leaves none of " + whose +
+                             " to the call" +
                              (proxy_sm ? " (one more is the inter-node proxy's)" : "")))
     return lp;
   const int64_t resident = int64_t(per_sm) * sms;
   std::ostringstream why;
   why << "this GPU's co-resident blocks of the fused kernel: " << per_sm << " per SM x " << sms
-      << " SMs" << (proxy_sm ? ", one SM left to the inter-node proxy" : "")
+      << " SMs" << (shared ? " of " + whose : "")
+      << (proxy_sm ? ", one SM left to the inter-node proxy" : "")
       << (sm_margin > 0 ? ", sm_margin=" + std::to_string(sm_margin) + " left free" : "")
       << "; the blocks wait on each other, so a larger grid could deadlock; n_gemm=0 uses "
          "every block n_comm leaves";
@@ -387,11 +403,13 @@ class Carver {
 };
 
 // Grid of a multi-block prologue kernel (prologue.cu): about 16 items per thread, at most one block
-// per SM (its grid barrier needs every block resident), and the scratch its programs need for
+// per SM of the rank's share (its grid barrier needs every block resident; with several ranks on
+// the GPU, every rank's), and the scratch its programs need for
 // `keys` counting-sort keys. The inter-node proxy's one 32-thread block, when running, fits beside
 // a prologue block on any SM (256 threads, ~60 registers, 4 KiB of shared memory).
-int32_t prologue_blocks(int64_t items, int device, int sm_margin) {
-  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount - sm_margin;
+int32_t prologue_blocks(int64_t items, const CudaBuffer& b, int sm_margin) {
+  const int sms =
+      b.sm_share(at::cuda::getDeviceProperties(b.device())->multiProcessorCount) - sm_margin;
   return int32_t(std::clamp<int64_t>(ceil_div(std::max<int64_t>(items, 1),
                                               int64_t(kPrologueThreads) * 16),
                                      1, std::max(sms, 1)));
@@ -689,7 +707,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int64_t F = activation_cols(act, N0);
   LaunchPlan lp = plan_launch(c, 0, kind, dev, H, activation_gated(act) ? F : N0, nullptr,
                               shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm, tile_m,
-                              b.multi_node(), call_margin(b, sm_margin));
+                              b.multi_node(), call_margin(b, sm_margin), b);
   if (act != Activation::None && !lp.sm90 && !c.failed())  // its own instantiation
     lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(int(tile_m), true)
                            : fused_sm80_layer0_info(kind, lp.b_mn, int(tile_m), true);
@@ -729,7 +747,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   pre.take(p.rows_ready, W);
   pre.take(p.order_bucket, int64_t(W) + 1);
   pre.take(p.small, int64_t(std::max(El, W)) + 1);
-  p.source_blocks = prologue_blocks(T * k, dev, p.sm_margin);
+  p.source_blocks = prologue_blocks(T * k, b, p.sm_margin);
   take_grid_scratch(pre, p, p.source_blocks, std::max(E, W));
   at::Tensor ws_pre = pre.allocate(dev);
 
@@ -752,7 +770,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     row_slot = at::empty({rows_cap}, i32);
     post.take(p.mtiles, p.mtiles_cap);
     post.take(p.mtile_order, p.mtiles_cap);
-    p.plan_blocks = prologue_blocks(p.mtiles_cap, dev, p.sm_margin);
+    p.plan_blocks = prologue_blocks(p.mtiles_cap, b, p.sm_margin);
     take_grid_scratch(post, p, p.plan_blocks, W);
     post.take(p.mtile_ready, p.mtiles_cap);  // cleared with the source data's copies below
     post.take(p.mtile_rows, p.mtiles_cap);
@@ -892,7 +910,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const bool w_mn = shaped && w1_transposed;
   const LaunchPlan lp = plan_launch(c, 1, kind, dev, N1, H, shaped ? h.data_ptr() : nullptr,
                                     shaped ? w1.data_ptr() : nullptr, w_mn, n_comm, n_gemm,
-                                    tile_m, b.multi_node(), call_margin(b, sm_margin));
+                                    tile_m, b.multi_node(), call_margin(b, sm_margin), b);
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer1, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -930,8 +948,8 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   ws.take(p.item_keys, T * k);
   ws.take(p.small, int64_t(std::max(El, W)) + 1);
   ws.take(p.order_bucket, int64_t(W) + 1);
-  p.source_blocks = prologue_blocks(T * k, dev, p.sm_margin);
-  p.plan_blocks = prologue_blocks(h_rows, dev, p.sm_margin);
+  p.source_blocks = prologue_blocks(T * k, b, p.sm_margin);
+  p.plan_blocks = prologue_blocks(h_rows, b, p.sm_margin);
   take_grid_scratch(ws, p, std::max(p.source_blocks, p.plan_blocks), W);
   ws.take(p.mtiles, p.mtiles_cap);
   ws.take(p.plan.entry_source, p.plan_cap);

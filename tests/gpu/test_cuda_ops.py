@@ -38,9 +38,10 @@ def run_layers(case, dtype, rank, n_comm=None, inputs=None, buffer=None):
 
 
 def check_against_reference(case, dtype, rank, world, y0, layout, h, out, inputs, rows=None,
-                            biases=None):
+                            biases=None, hs=None):
     """rows: the valid row count when the outputs are padded (calls with max_rows); biases:
-    (b0s, b1s) the call used, or None."""
+    (b0s, b1s) the call used, or None; hs: every rank's h (default: gathered from the ranks'
+    processes)."""
     xs, w0s, w1s, ids, wts = inputs
     b0s, b1s = biases if biases is not None else (None, None)
     expect = ref.dispatch_rows(ids, case.experts, rank)
@@ -53,7 +54,7 @@ def check_against_reference(case, dtype, rank, world, y0, layout, h, out, inputs
     y0_ref = ref.layer0_sim(xs, w0s, ids, case.experts, b0s)[rank]
     torch.testing.assert_close(y0[:m].cpu(), y0_ref, **TOL[dtype])
     # layer1 is checked on the h every rank actually produced (so layer0's rounding cancels out)
-    hs = all_gather_cpu(h[:m].cpu(), world)
+    hs = all_gather_cpu(h[:m].cpu(), world) if hs is None else hs
     out_ref = ref.layer1_sim(hs, w1s, wts, ids, case.experts, b1s)[rank]
     assert out.dtype == dtype and tuple(out.shape) == (case.tokens[rank], case.hidden)
     torch.testing.assert_close(out.cpu(), out_ref, **TOL[dtype])

@@ -15,8 +15,12 @@ import comet
 from comet.plan import Placement
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-E, H, N, K = 2 * WORLD, 64, 32, 2
+H, N, K = 64, 32, 2
 TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def experts(world):
+    return 2 * world
 
 
 def _device():
@@ -29,16 +33,18 @@ def _buffer():
     return symm_cuda.buffer_for(None, _device())
 
 
-def _placements():
-    ps = {"contiguous": Placement.contiguous(E, WORLD),
-          "replicated": Placement([list(range(WORLD))] + [[e // 2] for e in range(1, E)],
-                                  world=WORLD)}
-    if WORLD >= 2:  # the last rank holds nothing; rank 0 takes its experts
-        ps["zero"] = Placement([[min(e // 2, WORLD - 2)] for e in range(E)], world=WORLD)
+def placements(world=WORLD):
+    E = experts(world)
+    ps = {"contiguous": Placement.contiguous(E, world),
+          "replicated": Placement([list(range(world))] + [[e // 2] for e in range(1, E)],
+                                  world=world)}
+    if world >= 2:  # the last rank holds nothing; rank 0 takes its experts
+        ps["zero"] = Placement([[min(e // 2, world - 2)] for e in range(E)], world=world)
     return ps
 
 
-def _inputs(rank):
+def inputs(rank, world=WORLD):
+    E = experts(world)
     g = torch.Generator().manual_seed(5)
     w0 = (torch.randn(E, N, H, generator=g) / H ** 0.5).bfloat16()
     w1 = (torch.randn(E, H, N, generator=g) / N ** 0.5).bfloat16()
@@ -51,7 +57,7 @@ def _inputs(rank):
     return x, w0, w1, ids, torch.rand(T, K, generator=gr)
 
 
-def _reference(x, w0, w1, ids, wts):
+def reference(x, w0, w1, ids, wts):
     out = torch.zeros(x.shape[0], H, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(K):
@@ -62,21 +68,23 @@ def _reference(x, w0, w1, ids, wts):
     return out
 
 
-def _run(rank, p):
-    x, w0, w1, ids, wts = _inputs(rank)
-    dev, mine = _device(), list(p.local_experts(rank))
+def run(rank, p, buffer=None):
+    """Both layers with placement p on rank `rank` of p's world (buffer: the group's default)."""
+    x, w0, w1, ids, wts = inputs(rank, p.world)
+    buffer = buffer or _buffer()
+    dev, mine = buffer.device, list(p.local_experts(rank))
     y0, layout = comet.moe_layer0(x.to(dev), w0[mine].contiguous().to(dev), ids.to(dev),
-                                  num_experts=E, placement=p, buffer=_buffer())
+                                  num_experts=experts(p.world), placement=p, buffer=buffer)
     h = torch.tanh(y0.float()).to(y0.dtype)
     return comet.moe_layer1(h, w1[mine].contiguous().to(dev), wts.to(dev), layout,
-                            buffer=_buffer()).cpu()
+                            buffer=buffer).cpu()
 
 
 def test_out_is_bitwise_equal_across_placements(world):
     rank, _ = world
-    x, w0, w1, ids, wts = _inputs(rank)
-    outs = {name: _run(rank, p) for name, p in _placements().items()}
-    torch.testing.assert_close(outs["contiguous"].double(), _reference(x, w0, w1, ids, wts), **TOL)
+    x, w0, w1, ids, wts = inputs(rank)
+    outs = {name: run(rank, p) for name, p in placements().items()}
+    torch.testing.assert_close(outs["contiguous"].double(), reference(x, w0, w1, ids, wts), **TOL)
     for name, out in outs.items():
         assert torch.equal(out, outs["contiguous"]), name
 
@@ -84,6 +92,6 @@ def test_out_is_bitwise_equal_across_placements(world):
 @pytest.mark.skipif(WORLD < 2, reason="needs two ranks to disagree")
 def test_placements_that_differ_raise_on_every_rank(world):
     rank, _ = world
-    ps = _placements()
+    ps = placements()
     with pytest.raises((ValueError, RuntimeError), match="placement"):
-        _run(rank, ps["replicated"] if rank == 1 else ps["contiguous"])
+        run(rank, ps["replicated"] if rank == 1 else ps["contiguous"])
