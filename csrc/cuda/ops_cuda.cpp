@@ -31,6 +31,7 @@
 #include <sstream>
 
 #include "call_verdict.h"
+#include "comet/capture_rule.h"
 #include "comet/block_roles.h"
 #include "comet/exec_context.h"
 #include "comet/layout.h"
@@ -49,7 +50,7 @@ std::string describe_error(const ErrorRecord& e) {
   std::ostringstream m;
   switch (e.code) {
     case 0: return {};
-    case 1:
+    case kErrTimeout:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
         << " s waiting for " << wait_site_name(WaitSite(e.site)) << " (index " << e.index
         << ", call " << e.epoch << ", the flag held " << e.seen
@@ -57,39 +58,52 @@ std::string describe_error(const ErrorRecord& e) {
            "COMET_TIMEOUT or Buffer(timeout=...)); every rank of the group calls "
            "Buffer.recover() to use this buffer again";
       break;
-    case 2:
+    case kErrRowsOverflow:
       m << "comet.moe_layer0: rank " << e.rank << " received " << e.index
         << " rows in call " << e.epoch << " but max_rows is " << e.limit
         << "; that call's outputs on this rank are invalid (raise max_rows)";
       break;
-    case 3:
-      m << "comet: rank " << e.rank << " call " << e.epoch << ": " << e.index
-        << " exceeds the workspace bound " << e.limit
-        << " (the layout does not match the peers' routing)";
+    case kErrWorkspace:
+      if (Workspace(e.site) == Workspace::MTiles)
+        m << "comet: rank " << e.rank << " call " << e.epoch << ": the m-tile plan holds "
+          << e.index << " tiles, more than its workspace of " << e.limit
+          << " (a bug of comet: no input should reach it)";
+      else
+        m << layout_mismatch_message(e.rank, e.index, Workspace(e.site) == Workspace::PlanEntries,
+                                     e.limit)
+          << " (call " << e.epoch << ")";
+      m << "; every rank of the group calls Buffer.recover() to use this buffer again";
       break;
-    case 4:
+    case kErrRejected:
       m << "comet: call " << e.epoch << " (without host synchronisation) was rejected: ";
       if (e.index >= 0)
         m << "rank " << e.index << ": " << e.message;
       else
-        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group)";
+        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group), or their "
+             "layer1 layouts do not match the routing";
       break;
     case kErrRingFull:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
         << " s waiting for room in its inter-node put ring (a put to rank " << e.index
         << ", ticket " << e.limit << ", the proxy had issued " << e.seen
-        << "): the proxy kernel is not running or a remote peer stopped draining; this buffer "
-           "is unusable now";
+        << "): the proxy kernel is not running or a remote peer stopped draining; the put was "
+           "dropped; every rank of the group calls Buffer.recover() to use this buffer again";
       break;
     case kErrProxyIdle:
       m << "comet: rank " << e.rank << ": the inter-node proxy waited " << e.seconds
         << " s for a request or its stop (ring position " << e.seen << " of " << e.limit
-        << "); the call's kernels stalled; this buffer is unusable now";
+        << "); the call's kernels stalled; every rank of the group calls Buffer.recover() to "
+           "use this buffer again";
       break;
     case kErrBadPut:
       m << "comet: rank " << e.rank << " (block " << e.block << "): a put to rank " << e.index
         << " names memory outside this rank's symmetric header and data segment, or the buffer "
-           "has no put ring (a bug); this buffer is unusable now";
+           "has no put ring (a bug of comet: no input should reach it); the put was dropped; "
+           "every rank of the group calls Buffer.recover() to use this buffer again";
+      break;
+    case kErrStaleGraph:
+      m << "comet: rank " << e.rank << ": "
+        << stale_graph_message(uint64_t(e.index), uint64_t(e.limit));
       break;
     default: m << "comet: unknown device error " << e.code;
   }
@@ -316,7 +330,7 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
   }
   TORCH_CHECK(b->dead().empty(), "comet: this buffer cannot be used again: ", b->dead());
   const ErrorRecord& er = b->error_host();
-  if (er.code == 1) b->mark_broken(describe_error(er));
+  if (fails_call(er.code)) b->mark_broken(describe_error(er));
   TORCH_CHECK(b->broken().empty(), "comet: this buffer needs re-arming after a failed call (",
               b->broken(), "): every rank of the group calls Buffer.recover() (collective), "
               "then calls again");
@@ -325,6 +339,20 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
     b->clear_error();
   }
   return b;
+}
+
+// A buffer across nodes refuses to be captured in a CUDA graph (comet/capture_rule.h says why),
+// before anything is enqueued; every rank captures the same calls, so every rank raises.
+void refuse_capture_across_nodes(const CudaBuffer& b, cudaStream_t stream, const char* op,
+                                 const std::string& pending) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    status = cudaStreamCaptureStatusNone;
+  }
+  const std::string why =
+      capture_refusal(b.topology().nodes(), status == cudaStreamCaptureStatusActive);
+  TORCH_CHECK_VALUE(why.empty(), op, ": ", why, with_pending(CheckResult{}, pending).message);
 }
 
 CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
@@ -436,6 +464,8 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.state = b.state();
   p.error = b.error_device();
   p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
+  p.generation = b.generation();
+  p.segment_bytes = b.capacity();
   p.n_comm = int32_t(n_comm);
   p.n_gemm = lp.n_gemm;
   p.tile_m = kTileM;
@@ -534,12 +564,16 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     } catch (const SegmentRefused& e) {  // every rank alike; the old segment is back
       p.datas = b.datas_table();
       p.ring = b.put_ring();
+      p.generation = b.generation();
+      p.segment_bytes = b.capacity();
       proxy.resume();
       launch_finish(p, stream);
       TORCH_CHECK(false, op_name, ": ", e.what());
     }
     p.datas = b.datas_table();
     p.ring = b.put_ring();
+    p.generation = b.generation();  // the kernels after begin compare with the new segment's
+    p.segment_bytes = b.capacity();
     proxy.resume();
   }
   return s;
@@ -626,6 +660,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  refuse_capture_across_nodes(b, stream, "comet.moe_layer0", pending);
   b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
@@ -822,6 +857,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  refuse_capture_across_nodes(b, stream, "comet.moe_layer1", pending);
   b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
