@@ -116,7 +116,8 @@ __device__ void workspace_overflow(const CallParams& p, Workspace what, int64_t 
 }
 
 // A CUDA graph captured before the data segment was reallocated (comet/capture_rule.h): true on
-// every thread; one records it. Checked before the kernel touches any segment.
+// every thread; one records it. The begin kernel checks it before it touches any segment and
+// rejects the call, so the kernels after it (publish, fused, combine) skip theirs.
 __device__ bool stale_replay(const CallParams& p) {
   const DeviceState* st = p.state;
   if (!stale_launch(p.generation, st->generation)) return false;
@@ -131,6 +132,15 @@ __device__ bool stale_replay(const CallParams& p) {
     __threadfence_system();
   }
   return true;
+}
+
+// put_signal (gpu_context.cuh) out of line: the prologue kernels may call functions (unlike the
+// fused kernels), and its ring protocol inlined at every put of the node pushes crowds their
+// registers into spills.
+__device__ __noinline__ void put_out_of_line(const CallParams& p, int32_t r, void* dst,
+                                             const void* src, size_t bytes, uint64_t* sig,
+                                             uint64_t value) {
+  put_signal(p, r, dst, src, bytes, sig, value);
 }
 
 // Execution context of the multi-block prologue kernels (exec_context.h): every thread of the
@@ -161,7 +171,7 @@ class GridContext {
   __device__ bool reachable(int32_t r) const { return p_->topo.same_node(p_->rank, r); }
   __device__ void put_signal(int32_t r, void* dst, const void* src, size_t bytes, uint64_t* sig,
                              uint64_t value) {
-    gpu::put_signal(*p_, r, dst, src, bytes, sig, value);
+    put_out_of_line(*p_, r, dst, src, bytes, sig, value);
   }
 
  private:
@@ -392,7 +402,7 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
   DeviceState* st = p.state;
   const uint64_t e = st->epoch;
   const int32_t status = st->status;
-  if (status == int32_t(CallStatus::Rejected) || stale_replay(p)) return;
+  if (status == int32_t(CallStatus::Rejected)) return;
   GridContext ctx(p);
   const PrologueScratch s = prologue_scratch(p);
   // Our source data (x and the send plan / the routing and pair lists) is in our data segment:

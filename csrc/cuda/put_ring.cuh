@@ -96,12 +96,13 @@ static __device__ __forceinline__ void ring_push(const PutRing& r, ErrorRecord* 
   if (t - tail.load(cuda::std::memory_order_acquire) >= kPutRingSlots) {
     const uint64_t start = ring_globaltimer();
     uint32_t backoff = 64;
-    for (uint32_t spin = 1; t - tail.load(cuda::std::memory_order_acquire) >= kPutRingSlots;
-         ++spin) {
+    while (t - tail.load(cuda::std::memory_order_acquire) >= kPutRingSlots) {
       __nanosleep(backoff);
       if (backoff < 2048) backoff <<= 1;
-      // The ticket is abandoned either way: the proxy stops at the call's end without it.
-      if (spin % 64 == 0 && call_failed(err)) return;
+      // Once the back-off is at its longest (a read of host memory per round is cheap then):
+      // the call failed elsewhere, so give up now; the ticket is abandoned either way (the
+      // proxy stops at the call's end without it).
+      else if (call_failed(err)) return;
       const uint64_t now = ring_globaltimer();
       if (now - start > timeout_ns) {
         transport_failed(err, kErrRingFull, me, target,
