@@ -38,9 +38,12 @@ cudaError_t preload_combine_kernel();  // loads it now (as preload_prologue_kern
 
 // dispatch_fp8's sending side (fp8_pack.cu): x [tokens, hidden] of `kind` (bf16 / fp16 / fp32),
 // contiguous, quantised and packed into `tokens` rows of row_bytes at dst (comet/fp8_rows.h), one
-// warp per 128-value block; the rows' padding bytes are not written (nothing reads them).
+// warp per 128-value block; the rows' padding bytes are not written (nothing reads them). dst is
+// in the data segment: with `state`, nothing is written unless `generation` is the segment's
+// (a CUDA graph replayed after a grow: comet/capture_rule.h, segment_copy.h).
 void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, int64_t hidden,
-                              char* dst, int64_t row_bytes, cudaStream_t stream);
+                              char* dst, int64_t row_bytes, cudaStream_t stream,
+                              const DeviceState* state = nullptr, uint64_t generation = 0);
 cudaError_t preload_fp8_pack_kernel();  // loads it now (as preload_prologue_kernels)
 
 // What the occupancy check needs about a fused kernel.

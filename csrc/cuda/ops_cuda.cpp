@@ -42,6 +42,7 @@
 #include "op_checks.h"
 #include "proxy.h"
 #include "proxy_session.h"
+#include "segment_copy.h"
 
 namespace comet::gpu {
 
@@ -144,6 +145,7 @@ void preload_kernels(int device) {
   cudaError_t e = preload_prologue_kernels();
   if (e == cudaSuccess) e = preload_combine_kernel();
   if (e == cudaSuccess) e = preload_fp8_pack_kernel();
+  if (e == cudaSuccess) e = preload_segment_copy_kernel();
   // The proxy runs only across nodes, which a newer GPU refuses (plan_launch): not loaded there.
   if (e == cudaSuccess && !newer_gpu(prop)) e = preload_proxy_kernels();
   for (const void* f : fused) {
@@ -579,28 +581,57 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
   return s;
 }
 
-void copy_async(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return;
-  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
-             "copying source data into the symmetric buffer");
+// Writes of a call's source data into this rank's data segment. A call being captured in a CUDA
+// graph copies with the generation-checked kernel (segment_copy.h), so that a replay after a grow
+// writes nothing into the freed segment; other calls, whose segment is current, use the copy
+// engine.
+struct SegmentWriter {
+  cudaStream_t stream;
+  const CallParams* p;  // its generation is the segment's the call was launched with
+  bool captured;
+
+  void copy(void* dst, const void* src, size_t bytes) const {
+    copy_2d(dst, bytes, src, bytes, bytes, 1);
+  }
+  void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+               size_t height) const {
+    if (width == 0 || height == 0) return;
+    if (captured) {
+      launch_segment_copy(dst, dpitch, src, spitch, width, height, p->state, p->generation,
+                          stream);
+      check_cuda(cudaGetLastError(), "launching the segment copy");
+    } else if (height == 1) {
+      check_cuda(cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, stream),
+                 "copying source data into the symmetric buffer");
+    } else {
+      check_cuda(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                                   cudaMemcpyDeviceToDevice, stream),
+                 "copying source data into the symmetric buffer");
+    }
+  }
+};
+
+SegmentWriter segment_writer(const CallParams& p, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    status = cudaStreamCaptureStatusNone;
+  }
+  return SegmentWriter{stream, &p, status == cudaStreamCaptureStatusActive};
 }
 
 // T packed FP8 rows (comet/fp8_rows.h) straight into the symmetric x region: the values q
 // [T, H] and their scales [T, ceil(H/128)] land at their offsets of each row_bytes-long row (two
 // strided copies, no staging tensor). The rows' padding bytes are not written: nothing reads them
 // (the GEMM's A is H wide; the comm blocks copy them along unread).
-void copy_packed_rows(char* dst, const at::Tensor& q, const at::Tensor& scale, int64_t row_bytes,
-                      cudaStream_t stream) {
+void copy_packed_rows(const SegmentWriter& w, char* dst, const at::Tensor& q,
+                      const at::Tensor& scale, int64_t row_bytes) {
   const int64_t T = q.size(0), H = q.size(1);
   if (T == 0) return;
   const size_t scale_bytes = size_t(scale.size(1)) * 4;
-  check_cuda(cudaMemcpy2DAsync(dst, size_t(row_bytes), q.data_ptr(), size_t(H), size_t(H),
-                               size_t(T), cudaMemcpyDeviceToDevice, stream),
-             "copying FP8 rows into the symmetric buffer");
-  check_cuda(cudaMemcpy2DAsync(dst + fp8_row_scales_at(H), size_t(row_bytes), scale.data_ptr(),
-                               scale_bytes, scale_bytes, size_t(T), cudaMemcpyDeviceToDevice,
-                               stream),
-             "copying FP8 row scales into the symmetric buffer");
+  w.copy_2d(dst, size_t(row_bytes), q.data_ptr(), size_t(H), size_t(H), size_t(T));
+  w.copy_2d(dst + fp8_row_scales_at(H), size_t(row_bytes), scale.data_ptr(), scale_bytes,
+            scale_bytes, size_t(T));
 }
 
 void launch_fused(int layer, ScalarKind kind, const CallParams& p, const LaunchPlan& lp,
@@ -807,21 +838,23 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
 
   // This rank's source data into its data segment (after begin: peers are done with it).
   char* own = b.own_data();
-  copy_async(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4, stream);
-  copy_async(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4, stream);
+  const SegmentWriter to_segment = segment_writer(p, stream);
+  to_segment.copy(own + p.regions.bucket_off, p.bucket, size_t(E + 1) * 4);
+  to_segment.copy(own + p.regions.send_slot, p.send_slot, size_t(T * k) * 4);
   // The routing and bucket positions: a destination fills a token's other slot rows from its
   // primary one (comm_layer0.h: dedup).
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
+  to_segment.copy(own + p.regions.ids, p.ids, size_t(T * k) * 4);
+  to_segment.copy(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4);
   p.dedup = layer0_dedup_setting() ? 1 : 0;
   b.traffic_row_bytes[0] = p.row_bytes;
   if (fp8 && is_fp8(x))
-    copy_packed_rows(own + p.regions.x, x, fp8_scale, p.row_bytes, stream);
+    copy_packed_rows(to_segment, own + p.regions.x, x, fp8_scale, p.row_bytes);
   else if (fp8)
     launch_fp8_quantize_pack(x.data_ptr(), scalar_kind(x.scalar_type()), T, H,
-                             own + p.regions.x, p.row_bytes, stream);
+                             own + p.regions.x, p.row_bytes, stream,
+                             to_segment.captured ? p.state : nullptr, p.generation);
   else
-    copy_async(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes), stream);
+    to_segment.copy(own + p.regions.x, x.data_ptr(), size_t(T * p.row_bytes));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
@@ -984,11 +1017,12 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   p.out = out.data_ptr();
 
   char* own = b.own_data();
-  copy_async(own + p.regions.ids, p.ids, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4, stream);
-  copy_async(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4, stream);
-  copy_async(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4, stream);
+  const SegmentWriter to_segment = segment_writer(p, stream);
+  to_segment.copy(own + p.regions.ids, p.ids, size_t(T * k) * 4);
+  to_segment.copy(own + p.regions.send_pos, p.send_pos, size_t(T * k) * 4);
+  to_segment.copy(own + p.regions.weights, weights32.data_ptr(), size_t(T * k) * 4);
+  to_segment.copy(own + p.regions.pair_off, p.pair_off, size_t(W + 1) * 4);
+  to_segment.copy(own + p.regions.pair_slot, p.pair_slot, size_t(T * k) * 4);
   b.traffic_row_bytes[1] = H * scalar_bytes(ScalarKind(p.out_kind));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");

@@ -9,7 +9,8 @@
 // the device state holds the current one. Every call is launched with the generation it saw; the
 // kernels that touch the segments first compare the two and, when they differ, record the stale
 // replay and skip the call (the begin kernel marks it rejected, so the kernels after it skip
-// theirs). Nothing reads back during a replay, so the error surfaces at the buffer's next eager
+// theirs; a captured call copies its source data into the segment with a kernel that compares
+// too, csrc/cuda/segment_copy.h). Nothing reads back during a replay, so the error surfaces at the buffer's next eager
 // call or Buffer.check().
 //
 // Captures across nodes. Across nodes the call's kernels need the inter-node proxy kernel to run
