@@ -99,10 +99,9 @@ static __device__ __forceinline__ void ring_push(const PutRing& r, ErrorRecord* 
     while (t - tail.load(cuda::std::memory_order_acquire) >= kPutRingSlots) {
       __nanosleep(backoff);
       if (backoff < 2048) backoff <<= 1;
-      // Once the back-off is at its longest (a read of host memory per round is cheap then):
-      // the call failed elsewhere, so give up now; the ticket is abandoned either way (the
-      // proxy stops at the call's end without it).
-      else if (call_failed(err)) return;
+      // (No early exit when the call failed elsewhere: that check made the combine kernel
+      // spill. Such a producer waits out its timeout, bounded; its ticket is abandoned either
+      // way, and the proxy stops at the call's end without it.)
       const uint64_t now = ring_globaltimer();
       if (now - start > timeout_ns) {
         transport_failed(err, kErrRingFull, me, target,
