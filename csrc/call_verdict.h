@@ -45,6 +45,22 @@ inline std::string call_verdict(const CallMeta* metas, int32_t world, int32_t ra
     else continue;
     return msg.str();
   }
+  if (!routing_matches_layouts(metas, world)) {
+    int64_t routed = 0, rows = 0;
+    for (int32_t s = 0; s < world; ++s) {
+      routed += metas[s].routed_rows;
+      rows += metas[s].layout_rows;
+    }
+    msg << op_name << ": the layouts do not match the routing: the group's routing sends "
+        << routed << " rows";
+    if (m0.tp > 1) msg << " (to each of tp_size = " << m0.tp << " ranks: " << routed * m0.tp << ")";
+    msg << " but its layouts (recv_counts) dispatch " << rows << " (";
+    for (int32_t s = 0; s < world && s < 8; ++s)
+      msg << (s ? ", " : "") << "rank " << s << ": " << metas[s].layout_rows;
+    if (world > 8) msg << ", ...";
+    msg << "): pass every rank the layout moe_layer0 returned for this call";
+    return msg.str();
+  }
   return {};
 }
 

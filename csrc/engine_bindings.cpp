@@ -15,6 +15,7 @@
 #include "comet/prologue.h"
 #include "comet/grow_rule.h"
 #include "comet/stream_rule.h"
+#include "comet/capture_rule.h"
 #include "comet/symm_layout.h"
 #include "comet/topology.h"
 #include "cpu/block_runner.h"
@@ -305,6 +306,18 @@ void bind_engine(py::module_& m) {
                           bool current_capturing) {
     return int32_t(comet::stream_step(has_bound, bound, bound_capturing, current,
                                       current_capturing));
+  });
+  // comet/capture_rule.h, for tests without a GPU: a launch's staleness after grows, the stale
+  // replay's error and the refusal of a capture across nodes ("" when allowed).
+  e.def("stale_launch", [](uint64_t launched, uint64_t current) {
+    return comet::stale_launch(launched, current);
+  });
+  e.def("next_generation", [](uint64_t g) { return comet::next_generation(g); });
+  e.def("stale_graph_message", [](uint64_t captured_bytes, uint64_t current_bytes) {
+    return comet::stale_graph_message(captured_bytes, current_bytes);
+  });
+  e.def("capture_refusal", [](int32_t nodes, bool capturing) {
+    return comet::capture_refusal(nodes, capturing);
   });
   // The ops' launch checks (csrc/op_checks.cpp) for a device type without a call: the message
   // Checker::launch gives (and Checker::grid's for a grid of at most grid_limit blocks, when >= 0),

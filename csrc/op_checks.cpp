@@ -430,6 +430,8 @@ CallMeta make_call_meta(OpKind op, int32_t world, int64_t group_hash, int64_t nu
   m.dtype = check.ok() ? dtype : -1;
   m.tokens = tokens;
   m.max_rows = max_rows;
+  m.routed_rows = -1;  // counted by the layer1 paths that can (ops_cpu.cpp, the CUDA begin kernel)
+  m.layout_rows = -1;
   m.error = check.code;
   std::strncpy(m.message, check.message.c_str(), sizeof(m.message) - 1);
   return m;

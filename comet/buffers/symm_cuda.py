@@ -152,8 +152,9 @@ class Buffer:
     Create it on every rank of `group` together - for a subgroup of the world, on every process
     of the world together, each for its own group (see the module docstring) - or let
     comet.moe_layer0/1 create one per group and device on first use. `timeout` (seconds, default $COMET_TIMEOUT or 60) bounds every
-    spin-wait of the kernels: a wait that times out records which flag never arrived, traps, and
-    the op (or check()) raises with that description. `capacity_bytes` is the initial data
+    spin-wait of the kernels: a wait that times out records which flag never arrived and
+    returns (no kernel traps), and the op (or check(), or the next call) raises with that
+    description; every rank then calls recover(). `capacity_bytes` is the initial data
     segment (default $COMET_CUDA_BUFFER_BYTES or 64 MiB); eager calls grow it as needed.
 
     `ranks_per_node` / `nodes`: how the group splits into nodes (consecutive group ranks that
@@ -364,7 +365,8 @@ class Buffer:
             raise RuntimeError(msg)
 
     def recover(self) -> None:
-        """Re-arm this buffer after a failed call (a timed-out wait), collectively: every rank
+        """Re-arm this buffer after a failed call (a timed-out wait, a layout that did not match
+        the peers' routing, a failure of the inter-node transport), collectively: every rank
         of the group calls it within the timeout. Each rank waits for its queued work, and all
         continue from the group's newest call number with fresh counters; the segments are kept.
         Until then every call raises. Raises, and the buffer is unusable for good, when the CUDA

@@ -347,11 +347,11 @@ void layer1_call(SymmHeap& heap, uint64_t epoch, const Layer1Problem<Acc>& p, co
       if (grid_rank(ctx) == 0) entries = n;
     });
   }
+  // The rule of the GPU's publish kernel: the call fails on this rank (nothing written past the
+  // plan's room); ops_cpu.cpp's guarded_call stops the peers and the buffer needs a re-arm.
   if (entries < 0 || slots != M)
     throw std::invalid_argument(
-        "comet.moe_layer1: the peers' routing sends this rank more rows than the layout "
-        "(recv_counts) says (" + std::to_string(M) +
-        "): pass the layout moe_layer0 returned for this call");
+        layout_mismatch_message(d, slots, entries == kPlanEntriesOverflow, M));
   plan.entries = entries;
 
   const int32_t NT = int32_t(ceil_div(H, l.tile_n));

@@ -281,10 +281,14 @@ at::Tensor moe_layer1_cpu(const at::Tensor& h, const at::Tensor& w1, const at::T
   const CheckResult& check = checker.result();
   const bool ok = check.ok();
   const at::ScalarType out_type = ok ? result_dtype(h, w1, false, out_dtype) : at::kFloat;
-  const CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
-                                ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0,
-                                scalar_kind(out_type), ok ? topk_ids.size(0) : 0, max_rows, check,
-                                tp_size);
+  CallMeta me = make_meta(OpKind::Layer1, *heap, num_experts, ok ? topk_ids.size(1) : 0,
+                          ok ? w1_out(w1, w1_transposed) : 0, ok ? h.size(1) : 0,
+                          scalar_kind(out_type), ok ? topk_ids.size(0) : 0, max_rows, check,
+                          tp_size);
+  if (ok) {  // the group's verdict checks the layouts against the routing (call_verdict.h)
+    me.routed_rows = topk_ids.ge(0).sum().item<int64_t>();
+    me.layout_rows = recv_counts.sum().item<int64_t>();
+  }
   const uint64_t epoch = begin_checked_call(*heap, me, check, "comet.moe_layer1");
   if (n_gemm == 0) n_gemm = 1;
   return guarded_call(*heap, epoch, [&]() -> at::Tensor {

@@ -25,29 +25,51 @@ enum class CallStatus : int32_t {
   Ok = 0,
   Rejected = 1,      // some rank's input was bad or ranks disagree (every rank sees the same)
   RowsOverflow = 2,  // this rank received more rows than max_rows (local; reported later)
+  Failed = 3,        // the publish kernel found its plans do not fit (ErrorRecord kErrWorkspace)
 };
 
 // Benchmark modes (comet.buffers.symm_cuda.Buffer.bench_mode): the fused kernels with either side idle
 // but the readiness protocol intact, so the two sides' times can be measured apart.
 enum class BenchMode : int32_t { Fused = 0, CommOnly = 1, GemmOnly = 2 };
 
-// First failure on the device, in mapped pinned host memory: the host can read it even after the
-// kernel trapped (the transport's failures and a workspace overflow still trap: the CUDA context
-// is then unusable, host memory is not; a timed-out wait records code 1 and returns).
+// First failure on the device, in mapped pinned host memory, written by the kernel that found it
+// (error_record.cuh: the first failure wins). No kernel traps: whatever a kernel finds, it records
+// here and returns, so the CUDA context survives and the host raises the description.
 struct ErrorRecord {
-  int32_t code;     // 0 none, 1 wait timed out, 2 rows over max_rows, 3 workspace bound exceeded,
-                    // 4 a call without host synchronisation was rejected (bad input / mismatch),
-                    // 5-7 the inter-node transport (put_ring.h: ring full, proxy idle, bad put)
-  int32_t site;     // WaitSite of a timeout
+  int32_t code;     // 0 none, else one of the codes below
+  int32_t site;     // WaitSite of a timeout; which workspace overflowed (kErrWorkspace)
   int32_t rank;     // rank that recorded it
   int32_t block;    // block that recorded it
-  int64_t index;    // flag index of a timeout / offending count of an overflow / target rank
-  int64_t limit;    // bound of an overflow / ring ticket waited for
+  int64_t index;    // flag index of a timeout / offending count of an overflow / target rank /
+                    //   the segment bytes a stale graph was captured with
+  int64_t limit;    // bound of an overflow / ring ticket waited for / the segment's bytes now
   uint64_t epoch;   // call the wait belonged to
   uint64_t seen;    // last value the flag held
   double seconds;   // how long it waited
   char message[240];  // code 4: the rejecting rank's message (empty: ranks disagree)
 };
+
+// ErrorRecord codes (describe_error in ops_cuda.cpp words each; 5-7 are the inter-node
+// transport's, put_ring.h).
+constexpr int32_t kErrTimeout = 1;     // a wait timed out
+constexpr int32_t kErrRowsOverflow = 2;  // this rank received more rows than max_rows (local)
+constexpr int32_t kErrWorkspace = 3;   // a prologue plan outgrew its workspace (the layout does
+                                       //   not match the peers' routing)
+constexpr int32_t kErrRejected = 4;    // a call without host synchronisation was rejected
+constexpr int32_t kErrStaleGraph = 8;  // a CUDA graph captured before the buffer grew was replayed
+
+// Which part of the publish kernel's workspace overflowed (ErrorRecord.site of kErrWorkspace).
+enum class Workspace : int32_t { MTiles = 0, PlanEntries = 1, PlanSlots = 2 };
+
+// Whether a recorded code failed the call on this rank: its later waits return at once, it
+// publishes nothing more to its peers (gpu_context.cuh: call_failed), and the buffer refuses
+// calls until every rank re-armed it (CudaBuffer::recover). The other codes are reports: a
+// row overflow (this rank skips its GEMM, its peers are unaffected), a rejection or a stale
+// graph (every rank skipped the call alike) are raised by the next call or Buffer.check().
+COMET_HD constexpr bool fails_call(int32_t code) {
+  return code == kErrTimeout || code == kErrWorkspace || code == kErrRingFull ||
+         code == kErrProxyIdle || code == kErrBadPut;
+}
 
 // Per-buffer device state, persistent across calls (device memory, zero-initialised once).
 struct DeviceState {
@@ -65,12 +87,18 @@ struct DeviceState {
   uint32_t grid_arrived;  // grid barrier of the multi-block prologue kernels (parallel.h)
   uint64_t grid_generation;
   unsigned long long first_bad_id;  // this call's first invalid expert id (slot index), or ~0
+  unsigned long long routed_rows;   // this call's slots with an expert id (CallMeta.routed_rows)
   unsigned long long kernel_start;  // %globaltimer at the fused kernel's first block start
   unsigned long long kernel_end;    // ... and at its last warp's exit (reset by begin)
   // Buffer.traffic: rows the comm blocks pulled from other ranks in the last layer0 call and sent
   // to other ranks in the last layer1 call (the op's own count reset by begin)
   unsigned long long layer0_rows_received;
   unsigned long long layer1_rows_sent;
+  // The data segment's generation (comet/capture_rule.h): advanced by every reallocation
+  // (CudaBuffer::grow), with the segment's bytes; a call launched (captured) with another one
+  // is stale.
+  uint64_t generation;
+  uint64_t segment_bytes;
 };
 
 struct CallParams {
@@ -92,6 +120,10 @@ struct CallParams {
   DeviceState* state;
   ErrorRecord* error;
   uint64_t timeout_ns;
+  // The data segment this call was launched (or captured) with: its generation and bytes
+  // (compared with DeviceState's by the begin and publish kernels, comet/capture_rule.h).
+  uint64_t generation;
+  uint64_t segment_bytes;
   // Nodes of the group (comet/topology.h): peers on other nodes have null entries in headers /
   // datas and are reached through the put ring only (ring.slots null on one node).
   NodeTopology topo;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "comet/capture_rule.h"
 #include "comet/grow_rule.h"
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
@@ -75,6 +77,7 @@ CudaBuffer::CudaBuffer(int32_t rank, int32_t world, std::vector<int32_t> pes,
 
   cuda_check(cudaMalloc(reinterpret_cast<void**>(&state_), sizeof(DeviceState)), "cudaMalloc");
   cuda_check(cudaMemset(state_, 0, sizeof(DeviceState)), "clearing the device state");
+  publish_generation(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
   cuda_check(cudaHostAlloc(reinterpret_cast<void**>(&error_host_), sizeof(ErrorRecord),
                            cudaHostAllocMapped),
              "cudaHostAlloc");
@@ -162,7 +165,7 @@ void CudaBuffer::set_ranks_per_node(int32_t n) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   ranks_per_node_ = n;
   if (n < world_ && ring_mem_ == nullptr) {
-    const size_t bytes = sizeof(RingControl) + size_t(kPutRingSlots) * sizeof(PutRequest);
+    const size_t bytes = ring_bytes();
     cuda_check(cudaMalloc(&ring_mem_, bytes), "cudaMalloc (put ring)");
     cuda_check(cudaMemset(ring_mem_, 0, bytes), "clearing the put ring");
     cuda_check(cudaMalloc(reinterpret_cast<void**>(&pes_dev_), sizeof(int32_t) * world_),
@@ -270,6 +273,8 @@ void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
     data_ = symm_->alloc(cap);
     if (data_ != nullptr) {
       capacity_ = cap;
+      generation_ = next_generation(generation_);
+      publish_generation(stream);
       refresh_tables(stream);
       return;
     }
@@ -284,9 +289,25 @@ void CudaBuffer::grow(size_t bytes, cudaStream_t stream) {
     throw std::runtime_error(dead_);
   }
   capacity_ = old;
+  generation_ = next_generation(generation_);  // new memory all the same
+  publish_generation(stream);
   refresh_tables(stream);
   throw SegmentRefused(why + "; the buffer keeps its " + std::to_string(old) +
                        " bytes and serves the calls that fit");
+}
+
+// The segment's generation and bytes into the device state, stream-ordered before the calls that
+// follow (refresh_tables, called after it, synchronises the stream).
+void CudaBuffer::publish_generation(cudaStream_t stream) {
+  static_assert(offsetof(DeviceState, segment_bytes) ==
+                    offsetof(DeviceState, generation) + sizeof(uint64_t),
+                "DeviceState: segment_bytes follows generation");
+  generation_host_[0] = generation_;
+  generation_host_[1] = uint64_t(capacity_);
+  cuda_check(cudaMemcpyAsync(&state_->generation, generation_host_, sizeof(generation_host_),
+                             cudaMemcpyHostToDevice, stream),
+             "copying the segment generation");
+  cuda_check(cudaStreamSynchronize(stream), "copying the segment generation");
 }
 
 void CudaBuffer::clear_error() { std::memset(error_host_, 0, sizeof(ErrorRecord)); }
@@ -332,6 +353,10 @@ void CudaBuffer::recover() {
     throw std::runtime_error("comet: this buffer cannot be used again: " + dead_);
   }
   symm_->quiet();
+  // The put ring may hold tickets a failed call abandoned (put_ring.cuh): empty it, so the next
+  // call's proxy starts from a consistent head and tail.
+  if (ring_mem_ != nullptr)
+    cuda_check(cudaMemset(ring_mem_, 0, ring_bytes()), "clearing the put ring");
   const uint64_t target = round_ + 1;
   DeviceState st;
   auto copy = [&](void* dst, const void* src, size_t n, cudaMemcpyKind kind) {

@@ -128,6 +128,9 @@ class CudaBuffer {
   void grow(size_t bytes, cudaStream_t stream);
   // The largest data segment a call or reserve asked for so far.
   size_t requested() const { return requested_; }
+  // The data segment's generation (comet/capture_rule.h): advanced by every reallocation in
+  // grow(), and mirrored in DeviceState, so a replayed call launched with an older one is caught.
+  uint64_t generation() const { return generation_; }
 
   // The stream the buffer's calls run on (comet/stream_rule.h): called by every op before its
   // first kernel with the caller's stream; binds it, hands the buffer over to it (the new stream
@@ -157,7 +160,7 @@ class CudaBuffer {
   const std::string& broken() const { return broken_; }
   void mark_dead(const std::string& why);
   const std::string& dead() const { return dead_; }
-  bool needs_rearm() const { return !broken_.empty() || error_host_->code == 1; }
+  bool needs_rearm() const { return !broken_.empty() || fails_call(error_host_->code); }
   uint64_t rearm_round() const { return round_; }
   void recover();
 
@@ -170,6 +173,10 @@ class CudaBuffer {
 
  private:
   void refresh_tables(cudaStream_t stream);
+  void publish_generation(cudaStream_t stream);
+  static size_t ring_bytes() {
+    return sizeof(RingControl) + size_t(kPutRingSlots) * sizeof(PutRequest);
+  }
 
   int32_t rank_, world_;
   std::vector<int32_t> pes_;
@@ -202,6 +209,8 @@ class CudaBuffer {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t handover_ = nullptr;
   size_t requested_ = 0;
+  uint64_t generation_ = 0;
+  uint64_t generation_host_[2] = {0, 0};  // staging of publish_generation (synchronised copy)
   std::string broken_;
   std::string dead_;
   uint64_t round_ = 0;  // completed re-arms, equal on every rank after each

@@ -8,6 +8,7 @@
 // arithmetic as the CPU backend's quantize_pack_block, so both give the same bits. A lane's 4
 // values go out as one 4-byte store (rows are 16-byte aligned, a block starts at a multiple of
 // 128), except in a ragged last block.
+#include "comet/capture_rule.h"
 #include "comet/fp8_rows.h"
 #include "comet/numeric.h"
 #include "launch.h"
@@ -19,7 +20,9 @@ constexpr int kWarpsPerBlock = 4;
 
 __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     fp8_quantize_pack_kernel(const void* x, int32_t kind, int64_t H, char* dst,
-                             int64_t row_bytes, int64_t groups_per_row) {
+                             int64_t row_bytes, int64_t groups_per_row, const DeviceState* state,
+                             uint64_t generation) {
+  if (state != nullptr && stale_launch(generation, state->generation)) return;  // launch.h
   const int64_t row = int64_t(blockIdx.x) / groups_per_row;
   const int64_t kb = (int64_t(blockIdx.x) % groups_per_row) * kWarpsPerBlock + threadIdx.x / 32;
   if (kb >= scale_blocks(H)) return;  // whole warps leave: the shuffles below stay full-warp
@@ -50,11 +53,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 }  // namespace
 
 void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, int64_t hidden,
-                              char* dst, int64_t row_bytes, cudaStream_t stream) {
+                              char* dst, int64_t row_bytes, cudaStream_t stream,
+                              const DeviceState* state, uint64_t generation) {
   if (tokens == 0 || hidden == 0) return;
   const int64_t groups = ceil_div(scale_blocks(hidden), kWarpsPerBlock);
   fp8_quantize_pack_kernel<<<unsigned(tokens * groups), 32 * kWarpsPerBlock, 0, stream>>>(
-      x, int32_t(kind), hidden, dst, row_bytes, groups);
+      x, int32_t(kind), hidden, dst, row_bytes, groups, state, generation);
 }
 
 cudaError_t preload_fp8_pack_kernel() {

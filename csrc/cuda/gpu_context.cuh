@@ -15,10 +15,11 @@
 //                    producer waited before loading), sync() is a named barrier over them.
 //
 // A wait that does not complete within the buffer's timeout records what it waited for in the
-// ErrorRecord (mapped host memory), prints it and returns, instead of hanging the GPU. It does not
-// trap, so the CUDA context survives and Buffer.recover() can re-arm the buffer: once a failure
-// is recorded every later wait of the call returns at once and nothing more is published to the
-// peers (call_failed: the prologue's flags, put_signal, layer1's arrival flags), so the call's
+// ErrorRecord (mapped host memory), prints it and returns, instead of hanging the GPU. Nothing
+// traps, so the CUDA context survives and Buffer.recover() can re-arm the buffer: once a failure
+// is recorded (a timeout, a workspace overflow, a transport failure: fails_call) every later
+// wait of the call returns at once and nothing more is published to the peers (call_failed in
+// error_record.cuh: the prologue's flags, put_signal, layer1's arrival flags), so the call's
 // kernels drain quickly and no peer takes this call's data for a call of its own.
 #pragma once
 
@@ -54,13 +55,6 @@ static __device__ __forceinline__ void fence_proxy_async_global() {
 #endif
 }
 
-// Whether a wait of this call timed out (code 1; volatile: mapped host memory another block
-// may have written). Other codes (an overflow, a rejection of an earlier call without host
-// synchronisation) wait there to be reported and do not stop the call.
-static __device__ __forceinline__ bool call_failed(const ErrorRecord* e) {
-  return e != nullptr && *reinterpret_cast<const volatile int32_t*>(&e->code) == 1;
-}
-
 // Where a timeout is reported, and how long a wait may take.
 struct WaitConfig {
   ErrorRecord* error;
@@ -79,7 +73,7 @@ static __device__ __forceinline__ void wait_timed_out(ErrorRecord* e, int32_t ra
                                                       uint64_t epoch, WaitSite site, int64_t index,
                                                       uint64_t seen, uint64_t waited_ns) {
 #endif
-  if (e != nullptr && atomicCAS(reinterpret_cast<int*>(&e->code), 0, 1) == 0) {
+  if (claim_error(e, kErrTimeout)) {
     e->site = int32_t(site);
     e->rank = rank;
     e->block = int32_t(blockIdx.x);

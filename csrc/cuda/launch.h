@@ -40,9 +40,12 @@ cudaError_t preload_combine_kernel();  // loads it now (as preload_prologue_kern
 
 // dispatch_fp8's sending side (fp8_pack.cu): x [tokens, hidden] of `kind` (bf16 / fp16 / fp32),
 // contiguous, quantised and packed into `tokens` rows of row_bytes at dst (comet/fp8_rows.h), one
-// warp per 128-value block; the rows' padding bytes are not written (nothing reads them).
+// warp per 128-value block; the rows' padding bytes are not written (nothing reads them). dst is
+// in the data segment: with `state`, nothing is written unless `generation` is the segment's
+// (a CUDA graph replayed after a grow: comet/capture_rule.h).
 void launch_fp8_quantize_pack(const void* x, ScalarKind kind, int64_t tokens, int64_t hidden,
-                              char* dst, int64_t row_bytes, cudaStream_t stream);
+                              char* dst, int64_t row_bytes, cudaStream_t stream,
+                              const DeviceState* state = nullptr, uint64_t generation = 0);
 cudaError_t preload_fp8_pack_kernel();  // loads it now (as preload_prologue_kernels)
 
 // A call's device copies and flag clears, as one kernel launch (stream_copies.cu) in place of a
@@ -60,6 +63,11 @@ struct CopyList {
   static constexpr int32_t kMax = 8;  // layer0's 4 copies, x's values and scales, 2 clears
   CopyDesc d[kMax];
   int32_t n = 0;
+  // The data segment the copies write into, as the call was launched (or captured) with: with
+  // `state`, the kernel writes nothing unless `generation` is still the segment's
+  // (comet/capture_rule.h: a CUDA graph replayed after a grow).
+  const DeviceState* state = nullptr;
+  uint64_t generation = 0;
   // Adds a copy (src) or a clear (src null) of rows x width bytes; nothing when empty. False
   // when the list is full (a caller's bug: the op checks it).
   bool add(void* dst, const void* src, int64_t width, int64_t rows = 1, int64_t dst_pitch = 0,

@@ -31,6 +31,7 @@
 #include <sstream>
 
 #include "call_verdict.h"
+#include "comet/capture_rule.h"
 #include "comet/block_roles.h"
 #include "comet/exec_context.h"
 #include "comet/layout.h"
@@ -49,7 +50,7 @@ std::string describe_error(const ErrorRecord& e) {
   std::ostringstream m;
   switch (e.code) {
     case 0: return {};
-    case 1:
+    case kErrTimeout:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
         << " s waiting for " << wait_site_name(WaitSite(e.site)) << " (index " << e.index
         << ", call " << e.epoch << ", the flag held " << e.seen
@@ -57,39 +58,52 @@ std::string describe_error(const ErrorRecord& e) {
            "COMET_TIMEOUT or Buffer(timeout=...)); every rank of the group calls "
            "Buffer.recover() to use this buffer again";
       break;
-    case 2:
+    case kErrRowsOverflow:
       m << "comet.moe_layer0: rank " << e.rank << " received " << e.index
         << " rows in call " << e.epoch << " but max_rows is " << e.limit
         << "; that call's outputs on this rank are invalid (raise max_rows)";
       break;
-    case 3:
-      m << "comet: rank " << e.rank << " call " << e.epoch << ": " << e.index
-        << " exceeds the workspace bound " << e.limit
-        << " (the layout does not match the peers' routing)";
+    case kErrWorkspace:
+      if (Workspace(e.site) == Workspace::MTiles)
+        m << "comet: rank " << e.rank << " call " << e.epoch << ": the m-tile plan holds "
+          << e.index << " tiles, more than its workspace of " << e.limit
+          << " (a bug of comet: no input should reach it)";
+      else
+        m << layout_mismatch_message(e.rank, e.index, Workspace(e.site) == Workspace::PlanEntries,
+                                     e.limit)
+          << " (call " << e.epoch << ")";
+      m << "; every rank of the group calls Buffer.recover() to use this buffer again";
       break;
-    case 4:
+    case kErrRejected:
       m << "comet: call " << e.epoch << " (without host synchronisation) was rejected: ";
       if (e.index >= 0)
         m << "rank " << e.index << ": " << e.message;
       else
-        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group)";
+        m << "ranks disagree on the call (op, shapes, dtype, max_rows or group), or their "
+             "layer1 layouts do not match the routing";
       break;
     case kErrRingFull:
       m << "comet: rank " << e.rank << " (block " << e.block << ") gave up after " << e.seconds
         << " s waiting for room in its inter-node put ring (a put to rank " << e.index
         << ", ticket " << e.limit << ", the proxy had issued " << e.seen
-        << "): the proxy kernel is not running or a remote peer stopped draining; this buffer "
-           "is unusable now";
+        << "): the proxy kernel is not running or a remote peer stopped draining; the put was "
+           "dropped; every rank of the group calls Buffer.recover() to use this buffer again";
       break;
     case kErrProxyIdle:
       m << "comet: rank " << e.rank << ": the inter-node proxy waited " << e.seconds
         << " s for a request or its stop (ring position " << e.seen << " of " << e.limit
-        << "); the call's kernels stalled; this buffer is unusable now";
+        << "); the call's kernels stalled; every rank of the group calls Buffer.recover() to "
+           "use this buffer again";
       break;
     case kErrBadPut:
       m << "comet: rank " << e.rank << " (block " << e.block << "): a put to rank " << e.index
         << " names memory outside this rank's symmetric header and data segment, or the buffer "
-           "has no put ring (a bug); this buffer is unusable now";
+           "has no put ring (a bug of comet: no input should reach it); the put was dropped; "
+           "every rank of the group calls Buffer.recover() to use this buffer again";
+      break;
+    case kErrStaleGraph:
+      m << "comet: rank " << e.rank << ": "
+        << stale_graph_message(uint64_t(e.index), uint64_t(e.limit));
       break;
     default: m << "comet: unknown device error " << e.code;
   }
@@ -344,7 +358,7 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
   }
   TORCH_CHECK(b->dead().empty(), "comet: this buffer cannot be used again: ", b->dead());
   const ErrorRecord& er = b->error_host();
-  if (er.code == 1) b->mark_broken(describe_error(er));
+  if (fails_call(er.code)) b->mark_broken(describe_error(er));
   TORCH_CHECK(b->broken().empty(), "comet: this buffer needs re-arming after a failed call (",
               b->broken(), "): every rank of the group calls Buffer.recover() (collective), "
               "then calls again");
@@ -353,6 +367,20 @@ std::shared_ptr<CudaBuffer> buffer_or_throw(int64_t handle, std::string* pending
     b->clear_error();
   }
   return b;
+}
+
+// A buffer across nodes refuses to be captured in a CUDA graph (comet/capture_rule.h says why),
+// before anything is enqueued; every rank captures the same calls, so every rank raises.
+void refuse_capture_across_nodes(const CudaBuffer& b, cudaStream_t stream, const char* op,
+                                 const std::string& pending) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    status = cudaStreamCaptureStatusNone;
+  }
+  const std::string why =
+      capture_refusal(b.topology().nodes(), status == cudaStreamCaptureStatusActive);
+  TORCH_CHECK_VALUE(why.empty(), op, ": ", why, with_pending(CheckResult{}, pending).message);
 }
 
 CallMeta make_meta(OpKind op, const CudaBuffer& b, int64_t num_experts, int64_t topk,
@@ -466,6 +494,8 @@ CallParams base_params(const CudaBuffer& b, OpKind op, int64_t num_experts, int6
   p.state = b.state();
   p.error = b.error_device();
   p.timeout_ns = uint64_t(std::max(0.0, b.timeout()) * 1e9);
+  p.generation = b.generation();
+  p.segment_bytes = b.capacity();
   p.n_comm = int32_t(n_comm);
   p.n_gemm = lp.n_gemm;
   p.tile_m = lp.tile_m;
@@ -564,12 +594,16 @@ CallSummary settle(CudaBuffer& b, CallParams& p, const CheckResult& local, const
     } catch (const SegmentRefused& e) {  // every rank alike; the old segment is back
       p.datas = b.datas_table();
       p.ring = b.put_ring();
+      p.generation = b.generation();
+      p.segment_bytes = b.capacity();
       proxy.resume();
       launch_finish(p, stream);
       TORCH_CHECK(false, op_name, ": ", e.what());
     }
     p.datas = b.datas_table();
     p.ring = b.put_ring();
+    p.generation = b.generation();  // the kernels after begin compare with the new segment's
+    p.segment_bytes = b.capacity();
     proxy.resume();
   }
   return s;
@@ -596,7 +630,13 @@ void add_packed_rows(CopyList& l, char* dst, const at::Tensor& q, const at::Tens
            scale_bytes);
 }
 
-void launch_call_copies(const CopyList& l, cudaStream_t stream) {
+// The copies kernel writes into the data segment the call was launched with: it first compares
+// that segment's generation with the device state's and writes nothing when they differ (a CUDA
+// graph replayed after a grow: comet/capture_rule.h). An eager call's generation is always
+// current, so the same kernel serves both.
+void launch_call_copies(CopyList& l, const CallParams& p, cudaStream_t stream) {
+  l.state = p.state;
+  l.generation = p.generation;
   launch_copies(l, stream);
   check_cuda(cudaGetLastError(), "launching the copies kernel (source data, flag clears)");
 }
@@ -658,6 +698,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  refuse_capture_across_nodes(b, stream, "comet.moe_layer0", pending);
   b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
@@ -842,10 +883,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     add_copy(copies, own + p.regions.x, x.data_ptr(), T * p.row_bytes);
   add_copy(copies, p.mtile_ready, nullptr, p.mtiles_cap * int64_t(sizeof(uint64_t)));
   add_copy(copies, p.mtile_rows, nullptr, p.mtiles_cap * int64_t(sizeof(uint32_t)));
-  launch_call_copies(copies, stream);
+  launch_call_copies(copies, p, stream);
   if (fp8 && !is_fp8(x))  // dispatch_fp8: quantised and packed on the way in
     launch_fp8_quantize_pack(x.data_ptr(), scalar_kind(x.scalar_type()), T, H,
-                             own + p.regions.x, p.row_bytes, stream);
+                             own + p.regions.x, p.row_bytes, stream, p.state, p.generation);
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");
 
@@ -881,6 +922,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   const int dev = b.device();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  refuse_capture_across_nodes(b, stream, "comet.moe_layer1", pending);
   b.claim_stream(stream);  // one stream at a time (comet/stream_rule.h)
   const int32_t W = b.world();
 
@@ -1014,7 +1056,7 @@ at::Tensor moe_layer1_cuda(const at::Tensor& h, const at::Tensor& w1,
   add_copy(copies, p.ntile_ready, nullptr, int64_t(NT) * int64_t(sizeof(uint64_t)));
   add_copy(copies, p.ntile_count, nullptr, int64_t(NT) * int64_t(sizeof(uint32_t)));
   add_copy(copies, p.chunk_done, nullptr, chunks * int64_t(sizeof(uint32_t)));
-  launch_call_copies(copies, stream);
+  launch_call_copies(copies, p, stream);
   b.traffic_row_bytes[1] = H * scalar_bytes(ScalarKind(p.out_kind));
   launch_publish(p, stream);
   check_cuda(cudaGetLastError(), "launching the publish kernel");

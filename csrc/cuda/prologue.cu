@@ -28,11 +28,13 @@
 #include <cstdio>
 
 #include "call_params.h"
+#include "comet/capture_rule.h"
 #include "comet/flags.h"
 #include "comet/layout.h"
 #include "comet/node_push.h"
 #include "comet/prologue.h"
 #include "comet/topology.h"
+#include "error_record.cuh"
 #include "gpu_context.cuh"
 #include "launch.h"
 
@@ -78,7 +80,7 @@ __device__ int32_t verdict(const CallMeta* m, int32_t world) {
         m[s].hidden != m[0].hidden || m[s].cols != m[0].cols || m[s].dtype != m[0].dtype ||
         m[s].max_rows != m[0].max_rows)
       return -1;
-  return -2;
+  return routing_matches_layouts(m, world) ? -2 : -1;
 }
 
 // A CallMeta copied a word at a time: a struct copy holds all of it in registers (and spills).
@@ -90,9 +92,11 @@ __device__ void copy_meta(CallMeta* dst, const CallMeta* src) {
   for (size_t i = 0; i < sizeof(CallMeta) / 8; ++i) d[i] = s[i];
 }
 
-__device__ void record_overflow(const CallParams& p, int32_t code, int64_t value, int64_t limit) {
+__device__ void record_overflow(const CallParams& p, int32_t code, int64_t value, int64_t limit,
+                                int32_t site = 0) {
   ErrorRecord* e = p.error;
-  if (e != nullptr && atomicCAS(reinterpret_cast<int*>(&e->code), 0, code) == 0) {
+  if (claim_error(e, code)) {
+    e->site = site;
     e->rank = p.rank;
     e->block = int32_t(blockIdx.x);
     e->index = value;
@@ -100,6 +104,43 @@ __device__ void record_overflow(const CallParams& p, int32_t code, int64_t value
     e->epoch = p.state->epoch;
     __threadfence_system();
   }
+}
+
+// A plan of the publish kernel outgrew its workspace (`count` > `cap`): recorded as a failure of
+// the call (error_record.cuh), which stops it here instead of trapping. The fused kernels and the
+// combine skip their work (status), this rank publishes nothing more (its source data, already
+// announced, is good), and its peers' waits for what it would have sent end in their timeout.
+__device__ void workspace_overflow(const CallParams& p, Workspace what, int64_t count, int64_t cap) {
+  record_overflow(p, kErrWorkspace, count, cap, int32_t(what));
+  p.state->status = int32_t(CallStatus::Failed);
+}
+
+// A CUDA graph captured before the data segment was reallocated (comet/capture_rule.h): true on
+// every thread; one records it. The begin kernel checks it before it touches any segment and
+// rejects the call, so the kernels after it (publish, fused, combine) skip theirs.
+__device__ bool stale_replay(const CallParams& p) {
+  const DeviceState* st = p.state;
+  if (!stale_launch(p.generation, st->generation)) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && claim_error(p.error, kErrStaleGraph)) {
+    ErrorRecord* e = p.error;
+    e->rank = p.rank;
+    e->block = 0;
+    e->index = int64_t(p.segment_bytes);
+    e->limit = int64_t(st->segment_bytes);
+    e->seen = p.generation;
+    e->epoch = st->generation;
+    __threadfence_system();
+  }
+  return true;
+}
+
+// put_signal (gpu_context.cuh) out of line: the prologue kernels may call functions (unlike the
+// fused kernels), and its ring protocol inlined at every put of the node pushes crowds their
+// registers into spills.
+__device__ __noinline__ void put_out_of_line(const CallParams& p, int32_t r, void* dst,
+                                             const void* src, size_t bytes, uint64_t* sig,
+                                             uint64_t value) {
+  put_signal(p, r, dst, src, bytes, sig, value);
 }
 
 // Execution context of the multi-block prologue kernels (exec_context.h): every thread of the
@@ -130,7 +171,7 @@ class GridContext {
   __device__ bool reachable(int32_t r) const { return p_->topo.same_node(p_->rank, r); }
   __device__ void put_signal(int32_t r, void* dst, const void* src, size_t bytes, uint64_t* sig,
                              uint64_t value) {
-    gpu::put_signal(*p_, r, dst, src, bytes, sig, value);
+    put_out_of_line(*p_, r, dst, src, bytes, sig, value);
   }
 
  private:
@@ -168,17 +209,24 @@ __device__ PrologueScratch prologue_scratch(const CallParams& p) {
 __global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant__ CallParams p) {
   GridContext ctx(p);
   const PrologueScratch s = prologue_scratch(p);
-  // Routing values (shapes and dtypes were checked on the host): the first bad slot, if any.
-  if (grid_rank(ctx) == 0) p.state->first_bad_id = ~0ull;
+  // Routing values (shapes and dtypes were checked on the host): the first bad slot, if any,
+  // and the rows the routing sends (its slots with an expert id: CallMeta.routed_rows).
+  if (grid_rank(ctx) == 0) {
+    p.state->first_bad_id = ~0ull;
+    p.state->routed_rows = 0;
+  }
   grid_sync(ctx, s.bar);
   const Share sh = share_of(p.tokens * p.topk, grid_rank(ctx), grid_size(ctx));
+  unsigned long long routed = 0;
   for (int64_t i = sh.begin; i < sh.end; ++i) {
     const int32_t v = p.ids[i];
     if (v < -1 || v >= p.num_experts) {
       atomicMin(&p.state->first_bad_id, (unsigned long long)i);
       break;
     }
+    routed += v >= 0;
   }
+  if (routed != 0) atomicAdd(&p.state->routed_rows, routed);
   if (p.op == int32_t(OpKind::Layer0))
     send_plan_program(ctx, s, p.ids, p.tokens, p.topk, p.num_experts, p.bucket, p.send_slot,
                       p.send_pos);
@@ -193,6 +241,12 @@ __global__ void __launch_bounds__(kThreads) source_kernel(const __grid_constant_
 // state updates, the error text and the O(W) verdict.
 __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__ CallParams p,
                                                          const __grid_constant__ CallMeta meta) {
+  // A stale replay skips the call on every rank alike (all grew together): no call number, no
+  // flag; the kernels after this one see the status and skip theirs.
+  if (stale_replay(p)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.state->status = int32_t(CallStatus::Rejected);
+    return;
+  }
   GridContext ctx(p);
   const PrologueScratch sc = prologue_scratch(p);
   const WaitConfig wc{p.error, p.timeout_ns, p.rank};
@@ -236,6 +290,11 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
           << "] = " << int64_t(p.ids[i]) << " is not an expert id: valid ids are 0.."
           << int64_t(p.num_experts - 1) << " and -1 (dropped slot)";
       me.error = 1;
+    }
+    if (me.error == 0 && !layer0 && rows >= 0) {
+      // What the group's verdict checks against the routing (routing_matches_layouts).
+      me.routed_rows = int64_t(st->routed_rows);
+      me.layout_rows = rows;
     }
     if (me.error == 0 && !layer0 && (rows < 0 || (p.max_rows < 0 ? rows != p.h_rows
                                                                   : rows > p.h_rows))) {
@@ -318,7 +377,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
         // Local: this rank skips its GEMM and rows (peers are unaffected) and the next call, or
         // Buffer.check(), reports it.
         status = int32_t(CallStatus::RowsOverflow);
-        record_overflow(p, 2, rows, p.max_rows);
+        record_overflow(p, kErrRowsOverflow, rows, p.max_rows);
       }
     }
   }
@@ -327,7 +386,7 @@ __global__ void __launch_bounds__(kThreads) begin_kernel(const __grid_constant__
     // No host reads this call's verdict: keep it for the next call / Buffer.check().
     ErrorRecord* er = p.error;
     const int32_t bad = st->bad_rank;
-    if (er != nullptr && atomicCAS(reinterpret_cast<int*>(&er->code), 0, 4) == 0) {
+    if (claim_error(er, kErrRejected)) {
       er->rank = p.rank;
       er->index = bad;
       er->epoch = e;
@@ -386,8 +445,9 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
                         layer1 ? nullptr : p.mtile_order, p.order_bucket};
   const int64_t mtiles = tile_plan_program(ctx, s, ta);
   if (mtiles < 0) {
-    if (grid_rank(ctx) == 0) record_overflow(p, 3, mtiles, p.mtiles_cap);
-    __trap();
+    // (no input reaches it: begin refused more rows than the workspace was sized for)
+    if (grid_rank(ctx) == 0) workspace_overflow(p, Workspace::MTiles, s.small[El], p.mtiles_cap);
+    return;
   }
   int64_t entries = 0;
   if (layer1) {
@@ -395,11 +455,17 @@ __global__ void __launch_bounds__(kThreads) publish_kernel(const __grid_constant
                                    p.plan, &st->plan_slots,
                                    p.topo.reduce_rpn(), p.tp};
     entries = reduce_plan_program(ctx, s, ra);
-    if (entries < 0) {
-      // The peers' routing does not match this rank's layout (recv_counts): refuse rather than
-      // overrun the plan.
-      if (grid_rank(ctx) == 0) record_overflow(p, 3, entries, p.plan_cap);
-      __trap();
+    // The peers' routing must send exactly the layout's M rows (expert_off[E_local], from
+    // recv_counts): more would overrun the plan (its room is h's rows), fewer leave rows of h
+    // unread. Else the call fails here, as on the CPU backend: the layout does not match.
+    const int64_t M = p.expert_off[El];
+    if (entries < 0 || st->plan_slots != M) {
+      if (grid_rank(ctx) == 0)
+        workspace_overflow(p,
+                           entries == kPlanEntriesOverflow ? Workspace::PlanEntries
+                                                           : Workspace::PlanSlots,
+                           st->plan_slots, M);
+      return;
     }
   }
   if (grid_rank(ctx) == 0) {

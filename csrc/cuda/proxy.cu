@@ -47,6 +47,8 @@ __device__ __forceinline__ bool inside(const PutRing& r, uint32_t seg, uint64_t 
   return segment(r, seg) != nullptr && off <= n && bytes <= n - off;
 }
 
+// Records a failure of the proxy (the first failure wins) and says so; the call has then failed
+// (fails_call), so the proxy issues nothing more and its producers stop.
 __device__ void report(const ProxyParams& p, int32_t code, int32_t target, uint64_t seen,
                        uint64_t wanted, uint64_t waited_ns) {
   printf("comet: rank %d: the inter-node proxy %s (target rank %d, ring position %llu of %llu)\n",
@@ -63,18 +65,25 @@ __global__ void __launch_bounds__(kProxyThreads, 1) proxy_kernel(const __grid_co
   RingControl* c = r.control;
   ull tail = c->tail;  // only this thread writes it
   bool unfenced = false;
+  // The call failed (error_record.cuh; read from host memory only while idle): issue nothing
+  // more, and stop at the call's end even with tickets left (a producer that gave up abandons
+  // its ticket; recover() empties the ring).
+  bool failed = call_failed(p.error);
   uint64_t idle_since = ring_globaltimer();
   uint32_t backoff = 32;
-  for (;;) {
+  for (uint32_t spin = 1;; ++spin) {
     PutRequest* s = &r.slots[tail & (kPutRingSlots - 1)];
-    if (acquire_ull(&s->seq) == tail + 1) {
+    if (!failed && acquire_ull(&s->seq) == tail + 1) {
       const PutRequest q = *s;
       const uint32_t ds = q.segs & 15u, ss = q.segs >> 4 & 15u, gs = q.segs >> 8 & 15u;
       const bool data = q.bytes != 0, sig = gs != uint32_t(Seg::None);
       if (q.rank < 0 || q.rank >= p.world ||
           (data && (!inside(r, ds, q.dst_off, q.bytes) || !inside(r, ss, q.src_off, q.bytes))) ||
-          (sig && !inside(r, gs, q.sig_off, sizeof(uint64_t))))
+          (sig && !inside(r, gs, q.sig_off, sizeof(uint64_t)))) {
         report(p, kErrBadPut, q.rank, tail, c->head, 0);
+        failed = true;
+        continue;
+      }
       const int pe = p.pes[q.rank];
       void* dst = data ? segment(r, ds) + q.dst_off : nullptr;
       const void* src = data ? segment(r, ss) + q.src_off : nullptr;
@@ -95,16 +104,22 @@ __global__ void __launch_bounds__(kProxyThreads, 1) proxy_kernel(const __grid_co
       continue;
     }
     // Stop: set by the end kernel after every enqueuing kernel of the call finished, so once it
-    // is seen, head is final and every ticket below it is (or is about to be) published.
+    // is seen, head is final and every ticket below it is (or is about to be) published, unless
+    // the call failed.
     if (cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(c->stop).load(
             cuda::std::memory_order_acquire) != 0 &&
-        acquire_ull(&c->head) == tail)
+        (failed || acquire_ull(&c->head) == tail))
       break;
     __nanosleep(backoff);
     if (backoff < 1024) backoff <<= 1;
+    if (!failed && spin % 64 == 0) failed = call_failed(p.error);
     const uint64_t now = ring_globaltimer();
-    if (now - idle_since > p.idle_timeout_ns)
+    if (now - idle_since > p.idle_timeout_ns) {
+      if (failed) break;  // a second idle timeout after the failure: the stop is not coming
       report(p, kErrProxyIdle, -1, tail, acquire_ull(&c->head), now - idle_since);
+      failed = true;
+      idle_since = now;
+    }
   }
   nvshmem_quiet();
   // The next call's proxy starts after this kernel ended (the main stream joined it before its

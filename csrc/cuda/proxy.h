@@ -11,7 +11,9 @@
 // after every enqueuing kernel, sends this rank's "done with call e" to the peers on other nodes
 // (header mailboxes) and asks the proxy to stop; the proxy drains what is left, calls
 // nvshmem_quiet (every put of the call delivered) and exits; the main stream then waits for it,
-// so the op's work (and a CUDA graph capturing it) ends with the transport idle.
+// so the op's work ends with the transport idle. Such calls are never captured in a CUDA graph:
+// the proxy must run concurrently with the fused kernels, which a graph's two branches do not
+// promise (comet/capture_rule.h; the ops refuse the capture).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +27,7 @@ struct ProxyParams {
   const int32_t* pes;        // [world] device: NVSHMEM PE of each group rank
   int32_t world, rank;
   ErrorRecord* error;
-  uint64_t idle_timeout_ns;  // neither a request nor the stop for this long: report and trap
+  uint64_t idle_timeout_ns;  // neither a request nor the stop for this long: record, issue no more
 };
 
 struct ProxyEnd {

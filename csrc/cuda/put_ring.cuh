@@ -19,11 +19,18 @@
 //             the slot may be reused).
 // The ring's requests are issued in ticket order, which is what makes put_signal FIFO per target
 // (the proxy adds the fences NVSHMEM needs for that).
+//
+// Failures record and return (error_record.cuh), they never trap: a producer whose request names
+// memory outside the segments, or that finds its slot still taken after the timeout, records it
+// (kErrBadPut / kErrRingFull), drops the put and writes nothing into the ring. The call has then
+// failed (fails_call): later producers of the call return at once, the proxy stops at the call's
+// end without waiting for the dropped tickets, and CudaBuffer::recover() empties the ring.
 #pragma once
 
 #include <cuda/atomic>
 
 #include "call_params.h"
+#include "error_record.cuh"
 #include "put_ring.h"
 
 namespace comet::gpu {
@@ -44,12 +51,12 @@ static __device__ __forceinline__ Seg locate(const PutRing& r, const void* p, ui
   return Seg::None;
 }
 
-// Records a transport failure (first one wins) and traps. Inline, no printf: producers sit in the
+// Records a transport failure (the first failure wins). Inline, no printf: producers sit in the
 // fused kernels, which must contain no function call (gpu_context.cuh).
 static __device__ __forceinline__ void transport_failed(ErrorRecord* e, int32_t code, int32_t rank,
                                                         int32_t target, uint64_t seen,
                                                         uint64_t wanted, uint64_t waited_ns) {
-  if (e != nullptr && atomicCAS(reinterpret_cast<int*>(&e->code), 0, code) == 0) {
+  if (claim_error(e, code)) {
     e->rank = rank;
     e->block = int32_t(blockIdx.x);
     e->index = target;
@@ -58,7 +65,6 @@ static __device__ __forceinline__ void transport_failed(ErrorRecord* e, int32_t 
     e->seconds = double(waited_ns) * 1e-9;
     __threadfence_system();
   }
-  __trap();
 }
 
 static __device__ __forceinline__ uint64_t ring_globaltimer() {
@@ -73,15 +79,17 @@ static __device__ __forceinline__ void ring_push(const PutRing& r, ErrorRecord* 
                                                  uint64_t timeout_ns, int32_t target, void* dst,
                                                  const void* src, uint64_t bytes, uint64_t* sig,
                                                  uint64_t value) {
-  // A wait of this call timed out (gpu_context.cuh): its data must not reach a peer.
-  if (err != nullptr && *reinterpret_cast<const volatile int32_t*>(&err->code) == 1) return;
+  // This call failed (error_record.cuh): its data must not reach a peer.
+  if (call_failed(err)) return;
   PutRequest q;
   const Seg ds = bytes ? locate(r, dst, bytes, &q.dst_off) : Seg::None;
   const Seg ss = bytes ? locate(r, src, bytes, &q.src_off) : Seg::None;
   const Seg gs = sig ? locate(r, sig, sizeof(uint64_t), &q.sig_off) : Seg::None;
   if (r.slots == nullptr || (bytes && (ds == Seg::None || ss == Seg::None)) ||
-      (sig && gs != Seg::Header))
+      (sig && gs != Seg::Header)) {
     transport_failed(err, kErrBadPut, me, target, bytes, uint64_t(r.slots != nullptr), 0);
+    return;  // no ticket taken
+  }
   using ull = unsigned long long;
   const ull t = atomicAdd(&r.control->head, 1ull);
   cuda::atomic_ref<ull, cuda::thread_scope_device> tail(r.control->tail);
@@ -91,10 +99,15 @@ static __device__ __forceinline__ void ring_push(const PutRing& r, ErrorRecord* 
     while (t - tail.load(cuda::std::memory_order_acquire) >= kPutRingSlots) {
       __nanosleep(backoff);
       if (backoff < 2048) backoff <<= 1;
+      // (No early exit when the call failed elsewhere: that check made the combine kernel
+      // spill. Such a producer waits out its timeout, bounded; its ticket is abandoned either
+      // way, and the proxy stops at the call's end without it.)
       const uint64_t now = ring_globaltimer();
-      if (now - start > timeout_ns)
-        transport_failed(err, kErrRingFull, me, target, tail.load(cuda::std::memory_order_relaxed),
-                         t, now - start);
+      if (now - start > timeout_ns) {
+        transport_failed(err, kErrRingFull, me, target,
+                         tail.load(cuda::std::memory_order_relaxed), t, now - start);
+        return;
+      }
     }
   }
   PutRequest* s = &r.slots[t & (kPutRingSlots - 1)];

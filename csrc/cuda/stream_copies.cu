@@ -4,9 +4,11 @@
 // buffer, or a local workspace range to zero), so all threads of the grid take one descriptor
 // after the other in grid-stride loops: no ordering inside the kernel is needed, and the kernel
 // sits in the stream where the copies were, so what ran before them and after them is unchanged.
-// Every pointer is a kernel argument: a captured CUDA graph replays it with the call's own.
+// Every pointer is a kernel argument: a captured CUDA graph replays it with the call's own, and
+// a replay after the data segment was reallocated (a grow) writes nothing (CopyList::state).
 #include <algorithm>
 
+#include "comet/capture_rule.h"
 #include "launch.h"
 
 namespace comet::gpu {
@@ -36,6 +38,7 @@ __device__ void copy_units(const CopyDesc& d, int64_t tid, int64_t stride) {
 // __grid_constant__: the descriptors are read from the parameter space where indexed, not
 // copied to a local array.
 __global__ void __launch_bounds__(kCopyThreads) stream_copies_kernel(const __grid_constant__ CopyList l) {
+  if (l.state != nullptr && stale_launch(l.generation, l.state->generation)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int32_t i = 0; i < l.n; ++i) {

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "comet/capture_rule.h"
 #include "comet/grow_rule.h"
 #include "comet/stream_rule.h"
 #include "comet/symm_layout.h"
@@ -271,8 +273,8 @@ std::string buffer_check(int64_t h) {
   if (e != cudaSuccess) {
     msg = (msg.empty() ? std::string() : msg + "; ") + "CUDA error: " + cudaGetErrorString(e);
     b->mark_dead(msg);
-  } else if (!msg.empty() && b->error_host().code != 1) {
-    b->clear_error();  // reported once; a timeout stays until recover()
+  } else if (!msg.empty() && !fails_call(b->error_host().code)) {
+    b->clear_error();  // reported once; a failure (a timeout, ...) stays until recover()
   }
   return msg;
 }

@@ -3,6 +3,7 @@
 // layouts (gathered or given recv_counts; negative counts refused), m-tiles, layer0 orders and
 // reduce plans (bitwise, element by element) for random worlds including empty ranks, dropped
 // slots and duplicate experts.
+#include <atomic>
 #include <algorithm>
 #include <random>
 #include <vector>
@@ -231,15 +232,23 @@ int main() {
         CHECK(std::equal(w_row.begin(), w_row.end(), s_row.begin()));
         CHECK(std::equal(w_w.begin(), w_w.end(), s_w.begin()));
       }
-      // Too small a capacity is refused on every thread, nothing overrun.
+      // Too small a capacity is refused on every thread, nothing overrun, and the count that
+      // exceeded it is reported (the entries when they do, else the slots).
       if (M > 1) {
         ra.cap = M - 1;
         int64_t refused = 0;
+        std::atomic<int64_t> disagree{0};
+        slots = -1;
         cpu::run_grid(nullptr, g.blocks, g.threads, 0, [&](cpu::CpuContext& ctx) {
           const int64_t en = reduce_plan_program(ctx, ps, ra);
           if (grid_rank(ctx) == 0) refused = en;
+          if (en != kPlanEntriesOverflow && en != kPlanSlotsOverflow) ++disagree;
         });
-        CHECK(refused == -1);
+        CHECK(disagree == 0);
+        const int64_t want_refusal = int64_t(w_src.size()) > ra.cap ? kPlanEntriesOverflow
+                                                                    : kPlanSlotsOverflow;
+        CHECK(refused == want_refusal);
+        CHECK(slots == (want_refusal == kPlanEntriesOverflow ? int64_t(w_src.size()) : M));
       }
     }
   }

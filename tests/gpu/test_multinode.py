@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.cases import cases_for, make_inputs
-from tests.gpu.test_cuda_ops import DTYPES, check_against_reference, run_captured, run_layers
+from tests.gpu.test_cuda_ops import DTYPES, check_against_reference, run_layers
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL = int(os.environ.get("LOCAL_WORLD_SIZE", str(WORLD)))
@@ -75,14 +75,30 @@ def test_back_to_back_calls_and_growth_across_nodes(world):
         check_against_reference(case, torch.bfloat16, rank, w, y0, layout, h, out, inputs)
 
 
-def test_cuda_graph_capture_across_nodes(world):
-    """The proxy's fork / join on a side stream is captured with the op's kernels."""
+def test_cuda_graph_capture_across_nodes_is_refused(world):
+    """A call on a buffer across nodes refuses to be captured before it enqueues anything: it
+    needs the proxy kernel running beside it, which a graph's branches do not promise
+    (docs/gpu.md, "CUDA graphs"). Eager calls go on, equal to the reference."""
+    from comet.buffers import symm_cuda
+
     rank, w = world
     case = dataclasses.replace(cases_for(w)[0], hidden=64, n0=48, n1=32, seed=23)
     dtype = torch.bfloat16
-    y0, layout, h, out, inputs, _max_rows = run_captured(case, dtype, rank)
-    m = int(layout.recv_counts.sum())
-    check_against_reference(case, dtype, rank, w, y0, layout, h, out, inputs, rows=m)
+    xs, w0s, _, ids, _ = make_inputs(case, dtype)
+    dev = _device()
+    run_layers(case, dtype, rank)  # eager: sizes the buffer
+    buf = symm_cuda.buffer_for(None, dev)
+    max_rows = sum(case.tokens) * case.topk
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=f"spans {w // LOCAL} nodes cannot be captured in a "
+                                         "CUDA graph"):
+        with torch.cuda.graph(graph):
+            torch.ops.comet.moe_layer0(xs[rank].to(dev), w0s[rank].to(dev), ids[rank].to(dev),
+                                       case.experts, buf.handle, 2, 0, 128, 128,
+                                       max_rows=max_rows)
+    assert not buf.needs_recovery
+    y0, layout, h, out, inputs = run_layers(case, dtype, rank)
+    check_against_reference(case, dtype, rank, w, y0, layout, h, out, inputs)
 
 
 def test_bad_expert_id_on_another_node_raises_everywhere(world):

@@ -233,7 +233,7 @@ struct ReducePlanArgs {
   const int64_t* seg_off;      // this rank's dispatch layout
   int64_t cap;                 // room for entries and for slots in plan
   ReducePlan<Acc> plan;        // out (plan.entries is set by the caller from the return value)
-  int64_t* slots_out;          // out: number of slots
+  int64_t* slots_out;          // out: number of slots, or on an overflow the count over cap
   int32_t reduce_rpn = 0;      // ranks per node when layer1's partials are node-reduced, else 0
   int32_t tp = 1;              // tp_size (layout.h); > 1 only with flat partials (reduce_rpn 0)
 };
@@ -242,8 +242,12 @@ struct ReducePlanArgs {
 // W reads); each thread resolves its entries (source by binary search, token from the source's
 // pair list, partial slot, slot count); a scan of the slot counts gives entry_begin; each thread
 // fills its entries' slots. Entries go source-ascending, token-ascending; slots ascending j.
-// Returns the number of entries, or -1 (every thread) when entries or slots exceed cap: the
-// peers' routing does not match this rank's layout.
+// Returns the number of entries, or (every thread) kPlanEntriesOverflow / kPlanSlotsOverflow when
+// the entries / slots exceed cap, with that count in *slots_out: the peers' routing does not
+// match this rank's layout. Both backends refuse the call then (nothing is written past cap).
+constexpr int64_t kPlanEntriesOverflow = -1;
+constexpr int64_t kPlanSlotsOverflow = -2;
+
 template <class Ctx, class Acc>
 COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
                                      const ReducePlanArgs<Acc>& a) {
@@ -258,7 +262,10 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
   }
   grid_sync(ctx, s.bar);
   const int64_t entries = base[a.world];
-  if (entries > a.cap) return -1;
+  if (entries > a.cap) {
+    if (grid_rank(ctx) == 0) *a.slots_out = entries;
+    return kPlanEntriesOverflow;
+  }
   const Share sh = share_of(entries, grid_rank(ctx), grid_size(ctx));
   for (int64_t e = sh.begin; e < sh.end; ++e) {
     const int32_t src = part_of(base, a.world, e);
@@ -276,7 +283,10 @@ COMET_HD int64_t reduce_plan_program(Ctx& ctx, const PrologueScratch& s,
   ctx.work(sh.size());
   const int64_t slots = grid_exclusive_scan(ctx, s.bar, a.plan.entry_begin, entries,
                                             s.sort.scan);
-  if (slots > a.cap) return -1;
+  if (slots > a.cap) {
+    if (grid_rank(ctx) == 0) *a.slots_out = slots;
+    return kPlanSlotsOverflow;
+  }
   if (grid_rank(ctx) == 0) {
     a.plan.entry_begin[entries] = slots;
     *a.slots_out = slots;

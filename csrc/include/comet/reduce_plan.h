@@ -7,6 +7,8 @@
 // counts.
 #pragma once
 
+#include <string>
+
 #include "comet/layout.h"
 
 namespace comet {
@@ -21,5 +23,16 @@ struct ReducePlan {
   int64_t* slot_row;      // [slots] row in the dispatch layout
   Acc* slot_weight;       // [slots]
 };
+
+// The error of a layer1 call whose layout (recv_counts: `layout_rows` rows on this rank) does not
+// match the peers' routing, which sends `sent` rows here (at least that many when only the
+// (token, rank) pairs were counted). Both backends word it so.
+inline std::string layout_mismatch_message(int32_t rank, int64_t sent, bool at_least,
+                                           int64_t layout_rows) {
+  return "comet.moe_layer1: the peers' routing sends rank " + std::to_string(rank) + " " +
+         (at_least ? "at least " : "") + std::to_string(sent) +
+         " rows but its layout (recv_counts) dispatches " + std::to_string(layout_rows) +
+         ": pass the layout moe_layer0 returned for this call, unedited, on every rank";
+}
 
 }  // namespace comet

@@ -34,8 +34,28 @@ struct CallMeta {
   int64_t data_bytes;   // data segment bytes this rank's call needs
   int64_t max_rows;     // the call's bound on dispatched rows (-1: none); shapes every rank's
                         // outputs and whether all raise on overflow, so it must agree
+  // layer1: the rows this rank's routing sends (its slots with an expert id) and the rows its
+  // layout (recv_counts) dispatches to it; -1: not counted (layer0, a rejected input). The
+  // group's totals must match (routing_matches_layouts).
+  int64_t routed_rows;
+  int64_t layout_rows;
   char message[240];
 };
+
+// Whether the layer1 layouts of a call can match its routing, from every rank's metadata: every
+// routed row lands on each of the tp ranks of its expert's EP rank, so the layouts dispatch tp
+// times the routed rows in all. A cheap, necessary test before any data moves (a layout moved
+// between ranks keeps the totals: the reduce plans catch that, comet/prologue.h); true when a
+// rank did not count.
+COMET_HD bool routing_matches_layouts(const CallMeta* m, int32_t world) {
+  int64_t routed = 0, rows = 0;
+  for (int32_t s = 0; s < world; ++s) {
+    if (m[s].routed_rows < 0 || m[s].layout_rows < 0) return true;
+    routed += m[s].routed_rows;
+    rows += m[s].layout_rows;
+  }
+  return rows == int64_t(m[0].tp) * routed;
+}
 
 constexpr int kFlagStride = 8;  // uint64 words: one 64-byte line per flag, no false sharing
 
