@@ -166,7 +166,7 @@ def test_fp8_format_below_the_ops_and_master_weights_above():
 
 # The cost model's parts (comet/tune/model/), in the order they build on each other.
 MODEL_PARTS = ["hardware", "fp8", "shape", "tp", "gemm", "one_node", "nodes", "comm", "pipeline",
-               "backward", "activation", "decode"]
+               "small_tile", "backward", "activation", "decode"]
 
 
 def test_cost_model_parts_build_in_order():

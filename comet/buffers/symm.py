@@ -78,6 +78,17 @@ class Traffic(NamedTuple):
     layer1_bytes: int
 
 
+# Buffer.simulated_world's other devices: "cuda" -> comet.buffers.symm_cuda.simulated_world, which
+# registers itself when imported (the package imports it), so this module, which symm_cuda builds
+# on, does not import it.
+_SIMULATED_WORLDS: dict = {}
+
+
+def register_simulated_world(device_type: str, make) -> None:
+    """Let Buffer.simulated_world(device=<device_type>...) build its buffers with `make`."""
+    _SIMULATED_WORLDS[device_type] = make
+
+
 class Buffer:
     """Symmetric memory and call state for one expert-parallel group.
 
@@ -206,9 +217,7 @@ class Buffer:
             if given:
                 raise ValueError(f"comet: {', '.join(given)} of Buffer.simulated_world are the "
                                  f"CPU backend's; device={device!r} takes none of them")
-            from comet.buffers import symm_cuda
-
-            return symm_cuda.simulated_world(world, device=device, timeout=timeout,
+            return _SIMULATED_WORLDS["cuda"](world, device=device, timeout=timeout,
                                              node_reduce=node_reduce, tp_size=tp_size,
                                              placement=placement, sm_margin=sm_margin,
                                              capacity_bytes=capacity_bytes)

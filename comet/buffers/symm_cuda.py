@@ -482,3 +482,6 @@ def buffer_for(group=None, device=None) -> Buffer:
         if buf is None or buf._closed:
             buf = _buffers[key] = Buffer(group, device=dev)
         return buf
+
+
+symm.register_simulated_world("cuda", simulated_world)

@@ -185,4 +185,17 @@ __device__ __forceinline__ void store_tile_act(const Acc& acc, const Coord& coor
   }
 }
 
+// The fused activation's epilogue of one tile, either form: a gated form's up-half bias lies F
+// columns after its gate-half bias (w0 = [gate; up], b0 likewise), a plain form's is unused.
+template <class T, class B, class Acc, class Coord>
+__device__ __forceinline__ void store_activation_tile(const Acc& acc, const Coord& coord, int rows,
+                                                      int cols, T* dst, int64_t F,
+                                                      const B* bias_gate, Activation act) {
+  if (activation_gated(act))
+    store_tile_act<true>(acc, coord, rows, cols, dst, F, bias_gate,
+                         bias_gate != nullptr ? bias_gate + F : nullptr, act);
+  else
+    store_tile_act<false>(acc, coord, rows, cols, dst, F, bias_gate, bias_gate, act);
+}
+
 }  // namespace comet::gpu

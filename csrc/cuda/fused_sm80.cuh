@@ -63,11 +63,7 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   T* out = static_cast<T*>(p.y0) + mt.row_begin * F + j0;
   // One mainloop (plain forms: half = kBN, the remap the identity), two epilogues.
   Tile::template run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
-    if (gated)
-      store_tile_act<true>(acc, coord, a.rows, b.rows, out, F, bias_gate,
-                           bias_gate != nullptr ? bias_gate + F : nullptr, act);
-    else
-      store_tile_act<false>(acc, coord, a.rows, b.rows, out, F, bias_gate, bias_gate, act);
+    store_activation_tile(acc, coord, a.rows, b.rows, out, F, bias_gate, act);
   });
 }
 
