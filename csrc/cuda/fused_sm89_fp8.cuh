@@ -162,7 +162,7 @@ FusedKernelInfo info() {
 }
 
 template <int kLayer, int kM, bool kAct = false>
-void launch(const CallParams& p, int grid, cudaStream_t stream) {
+void launch_kernel(const CallParams& p, int grid, cudaStream_t stream) {
   using Tile = Fp8TileGemm<kM>;
   info<kLayer, kM, kAct>();
   fused_kernel<kLayer, kM, kAct>
@@ -180,9 +180,9 @@ FusedKernelInfo info(int tile_m) {
 template <int kLayer, bool kAct = false>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
   if (p.tile_m == 64)
-    launch<kLayer, 64, kAct>(p, grid, stream);
+    launch_kernel<kLayer, 64, kAct>(p, grid, stream);
   else
-    launch<kLayer, 128, kAct>(p, grid, stream);
+    launch_kernel<kLayer, 128, kAct>(p, grid, stream);
 }
 
 }  // namespace comet::gpu::sm89
