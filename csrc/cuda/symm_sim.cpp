@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "cuda_buffer.h"
+#include "handle_registry.h"
 #include "rendezvous.h"
 
 namespace comet::gpu {
@@ -147,9 +149,11 @@ class SimBackend final : public SymmBackend {
 };
 
 // Groups being built: a handle until all W ranks have created their buffers.
-std::mutex g_groups_mutex;
-std::map<int64_t, std::pair<std::shared_ptr<SimGroup>, int32_t>> g_groups;  // group, joined
-int64_t g_next_group = 1;
+struct GroupBeingBuilt {
+  std::shared_ptr<SimGroup> group;
+  std::atomic<int32_t> joined{0};
+};
+HandleRegistry<GroupBeingBuilt> g_groups(1);
 
 int64_t sim_group_create(int64_t world, int64_t device, double timeout) {
   TORCH_CHECK_VALUE(world >= 1 && world <= 1024, kWho, ": world must be in [1, 1024], got ", world);
@@ -158,25 +162,21 @@ int64_t sim_group_create(int64_t world, int64_t device, double timeout) {
   cuda_check(cudaGetDeviceCount(&count), "counting the GPUs");
   TORCH_CHECK_VALUE(device >= 0 && device < count, kWho, ": no CUDA device ", device, " (",
                     count, " visible)");
-  std::lock_guard<std::mutex> lock(g_groups_mutex);
-  g_groups[g_next_group] = {std::make_shared<SimGroup>(int32_t(world), int(device), timeout), 0};
-  return g_next_group++;
+  auto building = std::make_shared<GroupBeingBuilt>();
+  building->group = std::make_shared<SimGroup>(int32_t(world), int(device), timeout);
+  return g_groups.add(std::move(building));
 }
 
 // Rank `rank`'s buffer of the group (collective: every rank's thread calls it at once).
 int64_t buffer_create_sim(int64_t group, int64_t rank, double timeout, int64_t group_hash,
                           int64_t capacity) {
-  std::shared_ptr<SimGroup> g;
-  {
-    std::lock_guard<std::mutex> lock(g_groups_mutex);
-    auto it = g_groups.find(group);
-    TORCH_CHECK_VALUE(it != g_groups.end(), kWho, ": no simulated group ", group,
-                      " being created (each rank joins once)");
-    g = it->second.first;
-    TORCH_CHECK_VALUE(rank >= 0 && rank < g->world(), kWho, ": rank ", rank,
-                      " outside the group of ", g->world());
-    if (++it->second.second == g->world()) g_groups.erase(it);  // every rank has joined
-  }
+  const std::shared_ptr<GroupBeingBuilt> building = g_groups.find(group);
+  TORCH_CHECK_VALUE(building != nullptr, kWho, ": no simulated group ", group,
+                    " being created (each rank joins once)");
+  const std::shared_ptr<SimGroup> g = building->group;
+  TORCH_CHECK_VALUE(rank >= 0 && rank < g->world(), kWho, ": rank ", rank,
+                    " outside the group of ", g->world());
+  if (++building->joined == g->world()) g_groups.take(group);  // every rank has joined
   std::vector<int32_t> pes(size_t(g->world()));
   for (int32_t r = 0; r < g->world(); ++r) pes[size_t(r)] = r;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(g->device()));
