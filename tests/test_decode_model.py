@@ -7,6 +7,8 @@ import pytest
 
 from comet.tune import cli
 from comet.tune import perfmodel as pm
+from comet.tune.model import comm
+from comet.tune.model.gemm import SMALL_TILE
 from comet.tune.model import decode as dm
 
 
@@ -48,7 +50,10 @@ def test_bounds(W, rpn, dtype, T):
     f, u, lim = dm.decode_fused(p, spec), dm.decode_unfused(p, spec), dm.decode_limit(p, spec)
     assert lim <= f["folded"] <= f["fused"]
     assert lim <= u["unfused"]
-    launches = (3 + 3) * pm.KERNEL_GAP_S + (11 + 15) * pm.GRID_BARRIER_S
+    # the prologue grids: one block per 4096 routing slots; a one-block grid's barriers are
+    # its block's own (comet/parallel.h), charged BLOCK_BARRIER_S
+    barrier = pm.GRID_BARRIER_S if T * 8 > 4096 else comm.BLOCK_BARRIER_S
+    launches = (3 + 3) * pm.KERNEL_GAP_S + (11 + 15) * barrier
     assert f["fused"] - f["folded"] == pytest.approx(launches, rel=1e-9)
     weights = (dm.weight_bytes(p, 0) + dm.weight_bytes(p, 1)) / (spec.hbm_gbs * 1e9 * spec.hbm_eff)
     assert u["gemm0"] + u["gemm1"] >= weights * (1 - 1e-12)
@@ -97,3 +102,51 @@ def test_fused_charges_each_stream_operation(monkeypatch, dtype, T):
     assert ops == 2
     assert f["fused"] - g["fused"] == pytest.approx(ops * pm.KERNEL_GAP_S, rel=1e-9)
     assert f["folded"] - g["folded"] == pytest.approx(ops * pm.KERNEL_GAP_S, rel=1e-9)
+
+
+def _simulated_layer0(m, n_comm, group, comm_s, gemm_s):
+    """An event simulation of layer0's two stages over m-tiles, written here: comm block b fills
+    m-tiles b, b + n_comm, ... one after another, so m-tile i is ready at the end of round
+    i // n_comm (each round comm_s / rounds); the GEMM walks raster groups of ``group`` m-tiles in
+    order, a group starting when its m-tiles are ready and the previous group is done, taking
+    its share of gemm_s. Returns the end of the last group."""
+    rounds = -(-m // n_comm)
+    ready = [comm_s * (i // n_comm + 1) / rounds for i in range(m)]
+    end = 0.0
+    for first in range(0, m, group):
+        members = range(first, min(m, first + group))
+        end = max(end, max(ready[i] for i in members)) + gemm_s * len(members) / m
+    return end
+
+
+@pytest.mark.parametrize("W,dtype,T", list(itertools.product((8, 16), ("fp8", "bf16"),
+                                                             (1, 8, 32, 128, 256))))
+def test_layer0_pipeline_against_an_event_simulation(monkeypatch, W, dtype, T):
+    """layer0's kernel (no prefetch) is never below the simulation of its two stages and within
+    its last raster group's GEMM share above it (the model charges a whole group after the
+    dispatch's end, the simulation the group's actual size and ready times)."""
+    monkeypatch.setattr(dm, "WEIGHT_STAGE_BYTES", 0)  # no weights before rows: two plain stages
+    spec = pm.GPUS["h800"]
+    p = dm.DecodePoint(W, T, dtype, 8)
+    for tile in dm.CUDA_TILES:
+        m = dm._mtiles(p, tile)
+        for n_comm in (1, 3, 6, 12, 40):
+            n_gemm = spec.max_blocks - n_comm
+            comm_s = dm.comm_time(p.shape(0), spec, n_comm, 0)
+            gemm_s = dm.decode_gemm(p, spec, 0, n_gemm, 0.0, tile)
+            group = min(max(1, int(n_gemm ** 0.5)), m)
+            sim = _simulated_layer0(m, n_comm, group, comm_s, gemm_s)
+            got = dm._layer0_kernel(p, spec, n_comm, tile)
+            assert sim * (1 - 1e-9) <= got <= sim + gemm_s * group / m + 1e-12, (tile, n_comm)
+
+
+def test_layer0_starts_before_the_dispatch_ends():
+    """At 128 tokens on 8 ranks every m-tile holds rows of all 8 sources, yet the GEMM starts
+    after the first raster group's rows: the kernel is below dispatch + GEMM by at least half
+    the dispatch (arithmetic of the two stages, independent of the constants' values)."""
+    spec = pm.GPUS["h800"]
+    p = dm.DecodePoint(8, 128, "bf16", 8)
+    n_comm = 6
+    comm_s = dm.comm_time(p.shape(0), spec, n_comm, 0)
+    serial = comm_s + dm.decode_gemm(p, spec, 0, spec.max_blocks - n_comm, 0.0, SMALL_TILE)
+    assert dm._layer0_kernel(p, spec, n_comm, SMALL_TILE) <= serial - comm_s / 2

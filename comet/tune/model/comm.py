@@ -63,9 +63,13 @@ from .tp import TP_PATH_SLACK, _tp_combine_partials, _tp_hops, _tp_staging_bytes
 #   layer1: source (pair lists: ~5), begin, publish (m-tiles ~4 + reduce plan ~6): ~15 barriers,
 #           plus the combine kernel's launch after the fused kernel.
 # A grid barrier is an atomic arrival through L2 and a spin on the generation flag; each thread
-# handles ~T*k/P elements (P = prologue threads, 4096 elements per block), a few passes.
+# handles ~T*k/P elements (P = prologue threads, 4096 elements per block), a few passes. A
+# prologue grid of one block (up to 4096 routing slots: every decode size) skips all that: its
+# barriers are the block's own (comet/parallel.h, grid_sync), charged BLOCK_BARRIER_S.
 KERNEL_GAP_S = 3e-6     # back-to-back launch on one stream (assumption)
-GRID_BARRIER_S = 1.5e-6  # one grid-wide barrier of a prologue kernel (assumption)
+GRID_BARRIER_S = 1.5e-6  # one grid-wide barrier of a multi-block prologue kernel (assumption)
+BLOCK_BARRIER_S = 5e-8   # a grid barrier of a one-block grid: one __syncthreads (assumption)
+PROLOGUE_ITEMS_PER_BLOCK = 4096  # 256 threads x 16 items (csrc/cuda/ops_cuda.cpp, prologue_blocks)
 PROLOGUE_BARRIERS = {0: 11, 1: 15}
 PROLOGUE_LAUNCHES = {0: 3, 1: 3}
 # The call's other stream operations before its fused kernel (csrc/cuda/ops_cuda.cpp; docs/design.md,
@@ -164,11 +168,25 @@ def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     the group spans nodes), and each prologue thread's share of the T*k routing slots (a few
     passes at ~0.05 us per element)."""
     _check_layer(layer)
-    threads = max(1, math.ceil(shape.T * shape.k / 4096)) * 256
+    blocks = prologue_grid(shape)
+    threads = blocks * 256
     per_thread = 3 * math.ceil(shape.T * shape.k / threads) * 0.05e-6
     alpha = spec.alpha if shape.nodes == 1 else max(spec.alpha, spec.nic_alpha)
-    return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * GRID_BARRIER_S
+    return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * barrier_time(blocks)
             + 2 * alpha + per_thread)
+
+
+def prologue_grid(shape: MoEShape) -> int:
+    """Blocks of the prologue kernels' grids: one per PROLOGUE_ITEMS_PER_BLOCK routing slots (the
+    source kernel's rule; the m-tile and row counts of the other two are of the same order under
+    uniform routing, so the model gives all three this grid)."""
+    return max(1, math.ceil(shape.T * shape.k / PROLOGUE_ITEMS_PER_BLOCK))
+
+
+def barrier_time(blocks: int) -> float:
+    """One grid barrier of a prologue grid of ``blocks`` blocks: GRID_BARRIER_S, or a block
+    barrier's BLOCK_BARRIER_S for one block (comet/parallel.h, grid_sync)."""
+    return GRID_BARRIER_S if blocks > 1 else BLOCK_BARRIER_S
 
 
 def stream_ops_time(layer: int) -> float:

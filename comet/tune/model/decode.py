@@ -23,14 +23,20 @@ Per rank, uniform routing over ``E`` experts, top-``k``, ``W`` ranks each with `
   64-row tile's at the assumed MMA share of comet.tune.model.gemm.
 
 The fused layer, as built (:func:`decode_fused`): the prologue of each layer (comet.tune.model.comm's
-estimate, with the call's memsets and device copies at a launch gap each: ``stream_ops_time``),
-layer0's kernel, the activation (one launch; its bytes are negligible here), layer1's
-kernel and the combine kernel.  layer0's GEMM blocks issue the weight loads of their first
-pipeline stages (small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one) before they wait
-for a tile's rows ("weights before
-rows": the sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), but at decode one m-tile holds every row of its expert, from every source rank, so a
-tile's rows are ready only when the dispatch has ended: the kernel is the dispatch, then the
-weights that the prefetch did not cover.  layer1's h is local, so its GEMM streams w1 from the
+estimate, with the call's copies kernel at a launch gap: ``stream_ops_time``; at decode sizes its
+grids are one block, whose grid barriers are block barriers), layer0's kernel, the activation (one
+launch; its bytes are negligible here), layer1's kernel and the combine kernel.  layer0's kernel
+is a two-stage pipeline over m-tiles (:func:`_layer0_kernel`): the comm blocks fill the m-tiles in
+the GEMM's visit order, ``n_comm`` at a time (csrc/include/comet/comm_layer0.h), and at decode one
+m-tile holds its expert's rows from every source rank, so an m-tile is ready at the end of its
+comm round, not of the whole dispatch; the GEMM blocks walk the m-tiles in raster groups of
+``g = raster_group(n_gemm)`` (csrc/include/comet/tile_order.h), so they start once the first
+group's rounds are done (``first``) and the last group's GEMM follows the dispatch's end:
+``max(first + G, C + G g / m)`` for ``m`` m-tiles, dispatch ``C`` and GEMM ``G``.  While the
+first group's rows travel the GEMM blocks load the weights of their first pipeline stages
+(small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one; "weights before rows": the
+sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), at most what the
+stream moves in ``first``.  layer1's h is local, so its GEMM streams w1 from the
 start, and its comm blocks reduce and send each column band after the GEMM publishes it: ``max(P,
 C) + min(P, C) / cols`` (docs/design.md's two-stage pipeline with ``cols`` equal chunks).  Each
 layer's ``n_comm`` is the one with the least kernel time.  ``folded`` is the same without the
@@ -53,10 +59,10 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from .comm import (GRID_BARRIER_S, KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, combine_time,
-                   comm_time, prologue_time, stream_ops_time)
+from .comm import (KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, barrier_time, combine_time,
+                   comm_time, prologue_grid, prologue_time, stream_ops_time)
 from .fp8 import FP8_SCALE_BLOCK, FP8_SCALE_BYTES
-from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims
+from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims, raster_group
 from .hardware import GpuSpec
 from .nodes import internode_bytes, intranode_bytes
 from .shape import MoEShape
@@ -125,14 +131,18 @@ def _rows_per_expert(p: DecodePoint) -> float:
     return 0.0 if a <= 0 or p.T == 0 else p.T * p.k / a
 
 
-def _tiles(p: DecodePoint, layer: int, tile=DEFAULT_TILE) -> int:
-    """Output tiles of ``layer``'s grouped GEMM: the active experts' m-tiles times the n-tiles."""
+def _mtiles(p: DecodePoint, tile=DEFAULT_TILE) -> int:
+    """m-tiles of the active experts (m-tiles never straddle experts)."""
     rows = _rows_per_expert(p)
     if rows <= 0:
         return 0
-    a = active_experts(p.W, p.E, p.k, p.T)
+    return math.ceil(active_experts(p.W, p.E, p.k, p.T) - 1e-9) * math.ceil(rows / tile[0] - 1e-9)
+
+
+def _tiles(p: DecodePoint, layer: int, tile=DEFAULT_TILE) -> int:
+    """Output tiles of ``layer``'s grouped GEMM: the active experts' m-tiles times the n-tiles."""
     n_out, _ = gemm_dims(p.shape(layer), layer)
-    return math.ceil(a - 1e-9) * math.ceil(rows / tile[0] - 1e-9) * math.ceil(n_out / tile[1])
+    return _mtiles(p, tile) * math.ceil(n_out / tile[1])
 
 
 def _stream_rate(spec: GpuSpec, blocks: int, tiles: int, tile=DEFAULT_TILE) -> float:
@@ -155,10 +165,24 @@ def decode_gemm(p: DecodePoint, spec: GpuSpec, layer: int, n_gemm: int,
 
 
 def _layer0_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE) -> float:
+    """The dispatch and the GEMM as a two-stage pipeline over m-tiles (module doc): the comm
+    blocks fill the m-tiles in the GEMM's visit order, ``n_comm`` at a time; the GEMM blocks walk
+    them in raster groups of ``g`` m-tiles, so they start when the first group is filled and
+    the last group's GEMM follows the dispatch's end."""
     n_gemm = spec.max_blocks - n_comm
     comm = comm_time(p.shape(0), spec, n_comm, 0)
-    prefetch = min(weight_bytes(p, 0), n_gemm * STAGES[tile[0]] * WEIGHT_STAGE_BYTES)
-    return comm + decode_gemm(p, spec, 0, n_gemm, prefetch, tile)
+    m = _mtiles(p, tile)
+    if m == 0:
+        return comm
+    rounds = math.ceil(m / n_comm)
+    group = min(raster_group(n_gemm), m)
+    first = comm * min(rounds, math.ceil(group / n_comm)) / rounds
+    # weights before rows: while the first group's rows travel, each GEMM block's first stages of
+    # B are loaded (at most what the stream moves in that time)
+    rate = _stream_rate(spec, n_gemm, _tiles(p, 0, tile), tile)
+    prefetch = min(weight_bytes(p, 0), n_gemm * STAGES[tile[0]] * WEIGHT_STAGE_BYTES, rate * first)
+    gemm = decode_gemm(p, spec, 0, n_gemm, prefetch, tile)
+    return max(first + gemm, comm + gemm * group / m)
 
 
 def _layer1_kernel(p: DecodePoint, spec: GpuSpec, n_comm: int, tile=DEFAULT_TILE) -> float:
@@ -215,7 +239,8 @@ def decode_fused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
     fused = pro + KERNEL_GAP_S + k0 + act + KERNEL_GAP_S + k1 + comb
     # folded: the prologue's launches and grid barriers gone (its memsets and copies, its work and its metadata
     # exchange's round trips stay, inside the fused kernel)
-    folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S + PROLOGUE_BARRIERS[l] * GRID_BARRIER_S
+    folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S
+                         + PROLOGUE_BARRIERS[l] * barrier_time(prologue_grid(p.shape(l)))
                          for l in (0, 1))
     return {"n_comm0": n0, "n_comm1": n1, "tile_m0": t0[0], "tile_m1": t1[0], "prologue": pro, "layer0": k0, "activation": act,
             "layer1": k1, "combine": comb, "fused": fused, "folded": folded}

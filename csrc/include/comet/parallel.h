@@ -49,9 +49,16 @@ struct GridBarrier {
 // Every thread of every block calls it. Thread 0 of a block reads the generation BEFORE arriving
 // (it cannot advance until this block arrives), arrives, and waits for generation + 1; the last
 // arriver resets the counter and releases the new generation (arrive_and_publish).
+//
+// A grid of one block (every prologue kernel at decode sizes: up to 4096 routing slots, m-tiles or
+// rows per block) has nobody to meet: the block barrier alone orders its threads' writes before
+// their later reads, so it skips the fence, the arrival and the spin on the generation flag (an
+// L2 round trip each, paid ~11-15 times per call otherwise). The generation is not advanced; the
+// next multi-block barrier targets its own current value + 1, so the skip changes nothing there.
 template <class Ctx>
 COMET_HD void grid_sync(Ctx& ctx, const GridBarrier& b) {
   ctx.sync();
+  if (ctx.blocks() == 1) return;
   uint64_t target = 0;
   if (ctx.thread() == 0) {
     ctx.fence_peers();  // the block's writes (ordered by sync()) before the arrival
