@@ -24,6 +24,21 @@ def cuda_ready() -> bool:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def fp8_capable(device=None) -> bool:
+    """Whether comet runs FP8 operands on this GPU (csrc/cuda/ops_cuda.cpp's rule): sm_89 (the
+    mma.sync e4m3 kernels), sm_90 (wgmma) and newer GPUs (sm_89's kernels by PTX); sm_80 and
+    sm_86 have no FP8 tensor cores and refuse it."""
+    cap = torch.cuda.get_device_capability(device)
+    return cap == (8, 9) or cap[0] >= 9
+
+
+def require_fp8(device=None):
+    """Skips the calling test on a GPU without FP8 tensor cores, naming it."""
+    if not fp8_capable(device):
+        cap = torch.cuda.get_device_capability(device)
+        pytest.skip(f"FP8 needs sm_89, sm_90 or newer; this GPU is sm_{cap[0]}{cap[1]}")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "host_only: a test of the CUDA backend that needs no GPU")
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.conftest import all_gather_cpu
+from tests.gpu.conftest import all_gather_cpu, fp8_capable
 from tests.test_decode_small_t import TOPK, _step_inputs, check_against_oracle, one_step
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -31,7 +31,7 @@ def _steps(world):
 
 
 def _cases():
-    fp8_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() in ((8, 9), (9, 0))
+    fp8_ok = torch.cuda.is_available() and fp8_capable()
     cases = [("bf16", True, torch.int64), ("bf16", False, torch.int32)]
     if fp8_ok:
         cases += [("fp8", True, torch.int32), ("fp8", False, torch.int64),

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.gpu.conftest import all_gather_cpu
+from tests.gpu.conftest import all_gather_cpu, fp8_capable
 from tests.test_decode_small_t import check_results, run_steps
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -26,8 +26,7 @@ def test_small_batches_at_a_fixed_max_rows(world, experts):
 
     rank, w = world
     dev = torch.device("cuda", torch.cuda.current_device())
-    dtypes = ("bf16", "fp8") if torch.cuda.get_device_capability() in ((8, 9), (9, 0)) \
-        else ("bf16",)
+    dtypes = ("bf16", "fp8") if fp8_capable() else ("bf16",)
     res = run_steps(rank, w, experts, dtypes, dev, lambda obj: all_gather_cpu(obj, w),
                     lambda: symm_cuda.Buffer(device=dev), tiles=((128, 128), (64, 128)))
     check_results(all_gather_cpu(res, w), w, experts, dtypes)

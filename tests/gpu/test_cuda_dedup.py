@@ -8,7 +8,7 @@ import torch
 
 import comet
 from comet import fp8
-from tests.gpu.conftest import all_gather_cpu
+from tests.gpu.conftest import all_gather_cpu, require_fp8
 
 
 def _routing(world, E, k, T, seed):
@@ -55,9 +55,8 @@ def _run(rank, world, ids, E, dedup, monkeypatch, n_comm, fp8_rows):
 @pytest.mark.parametrize("n_comm", [None, 0, 2])
 def test_same_bits_as_one_row_per_slot_and_traffic(world, monkeypatch, n_comm, fp8_rows):
     rank, W = world
-    if fp8_rows and torch.cuda.get_device_capability()[0] < 9 and \
-            torch.cuda.get_device_capability() != (8, 9):
-        pytest.skip("FP8 rows need sm_89 or sm_90")
+    if fp8_rows:
+        require_fp8()
     E, k, T = 4 * W, 4, 37
     ids = _routing(W, E, k, T, seed=W)
     on = _run(rank, W, ids, E, True, monkeypatch, n_comm, fp8_rows)

@@ -29,7 +29,7 @@ import comet.nn
 from comet import fp8
 from comet import reference as ref
 from tests.cases import Case, cases_for, h_from_y0, make_biases, make_inputs
-from tests.gpu.conftest import all_gather_cpu
+from tests.gpu.conftest import all_gather_cpu, require_fp8
 from tests.gpu.test_cuda_ops import check_against_reference, run_layers
 from tests.test_fp8 import _fp8_inputs
 from tests.test_fp8_grad import _close_bf16
@@ -37,7 +37,6 @@ from tests.test_fp8_grad import _close_bf16
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 BF16 = torch.bfloat16
 TOL = dict(atol=2e-2, rtol=2e-2)
-FP8_SMS = ((8, 9), (9, 0))
 
 
 def _device():
@@ -127,7 +126,7 @@ def _forward_matches_reference_bitwise(case, rank, w, with_biases):
 @pytest.mark.parametrize("case,with_biases", CASES, ids=[str(c) for c, _ in CASES])
 def test_fp8_layers_match_reference_on_dequantised_values(world, case, with_biases):
     rank, w = world
-    _require(*FP8_SMS)
+    require_fp8()
     _forward_matches_reference_bitwise(case, rank, w, with_biases)
 
 
@@ -155,7 +154,7 @@ def test_dispatched_rows_unpack_to_the_source_rows(world):
     """layer0's `a` with FP8 x: uint8 [M, row_bytes(H)], each row the source token's FP8 values and
     scales (values first), bit for bit."""
     rank, _ = world
-    _require(*FP8_SMS)
+    require_fp8()
     case = CASES[1][0]
     xq, w0q, _w1q, ids, _wts = _fp8_inputs(case)
     _y0, a, source, token = _layer0_raw(_to(xq[rank][0]), _to(w0q[rank][0]), _to(w0q[rank][1]),
@@ -174,7 +173,7 @@ def test_dispatch_fp8_equals_prequantised_x(world):
     """dispatch_fp8=True quantises the bf16 x on the sending rank with quantize_rows: y0 and the
     packed rows equal those of the call given quantize_rows(x) and its scales, bit for bit."""
     rank, _ = world
-    _require(*FP8_SMS)
+    require_fp8()
     case = CASES[0][0]
     xs, _w0s, _w1s, ids, _wts = make_inputs(case, BF16)
     _xq, w0q, _w1q, _ids, _wts = _fp8_inputs(case)
@@ -205,7 +204,7 @@ def test_backward_matches_reference_autograd(world):
     gradient seeded, layer1 (h, w1, b1, topk_weights) on a leaf h (this rank's activation of its
     y0), each against the reference's autograd on the same values in fp32."""
     rank, w = world
-    _require(*FP8_SMS)
+    require_fp8()
     case = GRAD
     xs, w0s, w1s, ids, wts = make_inputs(case, BF16)
     b0s, b1s = make_biases(case, BF16)
@@ -245,7 +244,7 @@ def test_nn_moe_fp8_tracks_the_bf16_module(world):
     output per row): output and every gradient within FP8's error (0.1 relative) of the bf16
     module with the same seed."""
     rank, w = world
-    _require(*FP8_SMS)
+    require_fp8()
     hidden, ffn, experts, topk = 256, 144, 2 * w, 2
     x_all = [_seed((40 + 9 * r, hidden), 3 + r).to(BF16) for r in range(w)]
 

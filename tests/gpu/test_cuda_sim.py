@@ -15,6 +15,7 @@ import torch
 import comet
 from comet import reference as ref
 from tests.cases import cases_for, h_from_y0, make_inputs
+from tests.gpu.conftest import require_fp8
 from tests.gpu.sim import WORLDS, rank_errors, run_ranks, sim_world
 from tests.gpu.test_cuda_ops import check_against_reference
 
@@ -202,9 +203,8 @@ def test_a_token_crosses_once_per_destination_rank(world, fp8_rows, monkeypatch)
     from comet import fp8
     from tests.gpu.test_cuda_dedup import _routing
 
-    if fp8_rows and torch.cuda.get_device_capability()[0] < 9 and \
-            torch.cuda.get_device_capability() != (8, 9):
-        pytest.skip("FP8 rows need sm_89 or sm_90")
+    if fp8_rows:
+        require_fp8()
     E, k, T, H, N = 4 * world, 4, 37, 256, 256
     el = E // world
     ids = _routing(world, E, k, T, seed=world)
