@@ -1,6 +1,7 @@
 // Fused persistent kernels of the sm_80 path (cp.async + mma.sync), one per layer and dtype:
 // the comm blocks (comet/block_roles.h) run the comm program, the rest walk the engine's tile schedule
-// (comet/gemm_schedule.h: layer0_gemm / layer1_gemm, with the readiness wait and the per-column
+// (comet/gemm_schedule.h: layer0_gemm_deferred, whose wait for a tile's rows the tile's mainloop
+// makes after its first weight loads (rows_wait.cuh), and layer1_gemm with the per-column
 // publication) and compute each tile with sm80::TileGemm, whose epilogue adds the tile's expert
 // bias (p.b0 / p.b1, when given) to the fp32 accumulators.
 //
@@ -42,9 +43,9 @@ __device__ __forceinline__ typename Tile::Operand weight_tile(const T* B, int32_
 }
 
 // layer0's tile with the fused activation: h's tile of n-tile nt (see above).
-template <class Tile, bool kMnB, class T>
+template <class Tile, bool kMnB, class T, class Wait>
 __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p, const MTile& mt,
-                                                int32_t nt, bool vec) {
+                                                int32_t nt, bool vec, Wait&& wait) {
   const Activation act = Activation(p.activation);
   const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
   const T* A = reinterpret_cast<const T*>(p.a);
@@ -62,9 +63,12 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   const T* bias_gate = bias != nullptr ? bias + int64_t(mt.expert) * N0 + j0 : nullptr;
   T* out = static_cast<T*>(p.y0) + mt.row_begin * F + j0;
   // One mainloop (plain forms: half = kBN, the remap the identity), two epilogues.
-  Tile::template run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
-    store_activation_tile(acc, coord, a.rows, b.rows, out, F, bias_gate, act);
-  });
+  Tile::template run_with<true>(
+      smem, a, b, K, vec,
+      [&](auto const& acc, auto const& coord) {
+        store_activation_tile(acc, coord, a.rows, b.rows, out, F, bias_gate, act);
+      },
+      wait);
 }
 
 template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
@@ -88,16 +92,17 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
     const T* B = static_cast<const T*>(p.w0);
     const T* bias = static_cast<const T*>(p.b0);  // [El, N] or null
     T* Y = static_cast<T*>(p.y0);
-    layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) {
+    // Weights before rows: the tile's mainloop takes the wait for its rows (rows_wait.cuh).
+    layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
       if constexpr (kAct) {
-        activation_tile<Tile, kMnB, T>(smem, p, mt, nt, vec);
+        activation_tile<Tile, kMnB, T>(smem, p, mt, nt, vec, wait);
       } else {
-      const int64_t col0 = int64_t(nt) * Tile::kBN;
-      const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
-      const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, N);
-      T* out = Y + mt.row_begin * N + col0;
-      Tile::run(smem, a, b, K, vec, out, N,
-                bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
+        const int64_t col0 = int64_t(nt) * Tile::kBN;
+        const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
+        const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, N);
+        T* out = Y + mt.row_begin * N + col0;
+        Tile::run(smem, a, b, K, vec, out, N,
+                  bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr, wait);
       }
     });
   } else {

@@ -71,10 +71,11 @@ inline bool fp8_vec(const CallParams& p) {
 #if COMET_SM89_FP8_DEVICE
 // The tile (m-tile mt, n-tile nt) of layer kLayer: A rows and scales of the m-tile, the weight
 // rows of columns [col0, col0 + kBN) of its expert with their block's scales, and the output.
-template <int kLayer, int kM, class Out>
+// `wait`: layer0's wait for the tile's rows, made by the mainloop (rows_wait.cuh).
+template <int kLayer, int kM, class Out, class Wait = NoRowsWait>
 __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bool vec,
                                              const MTile& mt, int32_t nt, Out* out_base,
-                                             const void* bias_base) {
+                                             const void* bias_base, Wait&& wait = Wait{}) {
   using Tile = Fp8TileGemm<kM>;
   const int64_t K = gemm_k<kLayer>(p), N = gemm_n<kLayer>(p);
   const int64_t col0 = int64_t(nt) * Tile::kBN;
@@ -86,13 +87,13 @@ __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bo
       p.w_scale + (int64_t(mt.expert) * scale_blocks(N) + col0 / Tile::kBN) * scale_blocks(K)};
   const auto* bias = static_cast<const cutlass::bfloat16_t*>(bias_base);  // [El, N] or null
   Tile::run(smem, a, b, K, vec, out_base + mt.row_begin * N + col0, N,
-            bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
+            bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr, wait);
 }
 
 // layer0's tile with the fused activation: h's tile of n-tile nt.
-template <int kM>
+template <int kM, class Wait>
 __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p, bool vec,
-                                                const MTile& mt, int32_t nt) {
+                                                const MTile& mt, int32_t nt, Wait&& wait) {
   using Tile = Fp8TileGemm<kM>;
   const Activation act = Activation(p.activation);
   const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
@@ -114,9 +115,12 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   auto* out = static_cast<cutlass::bfloat16_t*>(p.y0) + mt.row_begin * F + j0;
   // One mainloop (plain forms: half = kBN, the remap the identity, both B scales the tile's),
   // two epilogues.
-  Tile::template run_with<true>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
-    store_activation_tile(acc, coord, a.rows, b.rows, out, F, bias_gate, act);
-  });
+  Tile::template run_with<true>(
+      smem, a, b, K, vec,
+      [&](auto const& acc, auto const& coord) {
+        store_activation_tile(acc, coord, a.rows, b.rows, out, F, bias_gate, act);
+      },
+      wait);
 }
 #endif
 
@@ -135,11 +139,12 @@ __global__ void __launch_bounds__(Fp8TileGemm<kM>::kThreads, 1)
   if constexpr (kLayer == 0) {
     const GemmScheduleArgs ga = layer0_schedule_args(p, epoch);
     auto* y0 = static_cast<cutlass::bfloat16_t*>(p.y0);
-    layer0_gemm(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt) {
+    // Weights before rows: the tile's mainloop takes the wait for its rows (rows_wait.cuh).
+    layer0_gemm_deferred(ctx, gb.g, gb.ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
       if constexpr (kAct)
-        activation_tile<kM>(smem, p, vec, mt, nt);
+        activation_tile<kM>(smem, p, vec, mt, nt, wait);
       else
-        compute_tile<0, kM>(smem, p, vec, mt, nt, y0, p.b0);
+        compute_tile<0, kM>(smem, p, vec, mt, nt, y0, p.b0, wait);
     });
   } else {
     const GemmScheduleArgs ga = layer1_schedule_args(p, epoch);

@@ -40,6 +40,7 @@
 
 #include "comet/activation.h"
 #include "epilogue.cuh"
+#include "rows_wait.cuh"
 
 namespace comet::gpu::sm80 {
 
@@ -202,19 +203,24 @@ struct TileGemm {
   // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
   // adding bias[c] to column c first when bias is not null (the tile's slice of its expert's bias
   // row). `smem` holds kSmemBytes. Every thread of the block must call it.
-  template <class Out>
+  // `wait`: the wait for the tile's rows, when the caller hands it over (rows_wait.cuh).
+  template <class Out, class Wait = NoRowsWait>
   static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
-                             Out* dst, int64_t ld, const T* bias) {
-    run_with<false>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
-      store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
-    });
+                             Out* dst, int64_t ld, const T* bias, Wait&& wait = Wait{}) {
+    run_with<false>(
+        smem, a, b, K, vec,
+        [&](auto const& acc, auto const& coord) {
+          store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
+        },
+        wait);
   }
 
   // The mainloop (kPaired: B through the remap), then epilogue(acc, coord): the accumulator
-  // fragment and the tile-local (row, col) of each of its elements.
-  template <bool kPaired, class Epilogue>
+  // fragment and the tile-local (row, col) of each of its elements. `wait`: as in run.
+  template <bool kPaired, class Epilogue, class Wait = NoRowsWait>
   static __device__ __forceinline__ void run_with(char* smem, const Operand& a, const Operand& b,
-                                                  int64_t K, bool vec, Epilogue&& epilogue) {
+                                                  int64_t K, bool vec, Epilogue&& epilogue,
+                                                  Wait&& wait = Wait{}) {
     T* sa = reinterpret_cast<T*>(smem);
     T* sb = sa + cosize_v<SmemLayoutA>;
     Tensor sA = make_tensor(make_smem_ptr(sa), SmemLayoutA{});  // (BM, BK, PIPE)
@@ -239,14 +245,28 @@ struct TileGemm {
     const int k_tiles = int((K + kBK - 1) / kBK);
     constexpr int kBlocks = size<2>(tCrA);
 
-    // Prologue: the first kStages-1 k-tiles in flight.
+    // Prologue: the first kStages-1 k-tiles in flight; with a wait handed over, B's first
+    // (one group), the wait, then A's (a group each: rows_wait.cuh).
+    if constexpr (kDefersRows<Wait>) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) {
-        load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
-        load_stage_b<kPaired>(sb, b, K, s, s, vec);
-      }
+      for (int s = 0; s < kStages - 1; ++s)
+        if (s < k_tiles) load_stage_b<kPaired>(sb, b, K, s, s, vec);
       cp_async_fence();
+      wait();
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
+        cp_async_fence();
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) {
+          load_stage<kBM>(sa, SmemLayoutA{}, a, K, s, s, vec);
+          load_stage_b<kPaired>(sb, b, K, s, s, vec);
+        }
+        cp_async_fence();
+      }
     }
 
     for (int kt = 0; kt < k_tiles; ++kt) {

@@ -47,6 +47,7 @@
 
 #include "comet/activation.h"
 #include "epilogue.cuh"
+#include "rows_wait.cuh"
 
 namespace comet::gpu::sm89 {
 
@@ -152,47 +153,71 @@ struct Fp8TileGemm {
   }
 
   // The scales of k-tile `kt` (= K block kt) into stage `stage`: A's kBM row scales (0 for rows
-  // past a.rows), B's one (kPaired: and its up half's, at sbs[kStages + stage]).
-  template <bool kPaired>
-  static __device__ __forceinline__ void load_scales(float* sas, float* sbs, const Operand& a,
-                                                     const Operand& b, int kt, int stage) {
+  // past a.rows; threads below kBM), B's one (kPaired: and its up half's, at sbs[kStages +
+  // stage]; threads kBM and kBM + 1). Apart, so that B's can go before the rows' wait.
+  static __device__ __forceinline__ void load_scales_a(float* sas, const Operand& a, int kt,
+                                                       int stage) {
     const int t = int(threadIdx.x);
     if (t < kBM) {
       const bool ok = t < a.rows;
       cp_async_4(sas + stage * kBM + t, ok ? a.scale + int64_t(t) * a.scale_ld + kt : a.scale, ok);
-    } else if (t == kBM) {
+    }
+  }
+  template <bool kPaired>
+  static __device__ __forceinline__ void load_scales_b(float* sbs, const Operand& b, int kt,
+                                                       int stage) {
+    const int t = int(threadIdx.x);
+    if (t == kBM) {
       cp_async_4(sbs + stage, b.scale + kt, true);
     } else if (kPaired && t == kBM + 1) {
       cp_async_4(sbs + kStages + stage, b.scale_up + kt, true);
     }
   }
 
+  // k-tile kt of A (rows and row scales) and of B (weights and block scales) into `stage`.
+  static __device__ __forceinline__ void load_a_tile(uint8_t* sa, float* sas, const Operand& a,
+                                                     int64_t K, int kt, int stage, bool vec) {
+    load_stage<kBM>(sa, SmemLayoutA{}, a, K, kt, stage, vec);
+    load_scales_a(sas, a, kt, stage);
+  }
+  template <bool kPaired>
+  static __device__ __forceinline__ void load_b_tile(uint8_t* sb, float* sbs, const Operand& b,
+                                                     int64_t K, int kt, int stage, bool vec) {
+    load_stage<kBN, kPaired>(sb, SmemLayoutB{}, b, K, kt, stage, vec);
+    load_scales_b<kPaired>(sbs, b, kt, stage);
+  }
   template <bool kPaired>
   static __device__ __forceinline__ void load_k_tile(uint8_t* sa, uint8_t* sb, float* sas,
                                                      float* sbs, const Operand& a,
                                                      const Operand& b, int64_t K, int kt,
                                                      int stage, bool vec) {
-    load_stage<kBM>(sa, SmemLayoutA{}, a, K, kt, stage, vec);
-    load_stage<kBN, kPaired>(sb, SmemLayoutB{}, b, K, kt, stage, vec);
-    load_scales<kPaired>(sas, sbs, a, b, kt, stage);
+    load_a_tile(sa, sas, a, K, kt, stage, vec);
+    load_b_tile<kPaired>(sb, sbs, b, K, kt, stage, vec);
   }
 
   // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
   // adding bias[c] to column c first when bias is not null (the tile's slice of its expert's bias
   // row). `smem` holds kSmemBytes. Every thread of the block must call it.
-  template <class Out>
+  // `wait`: the wait for the tile's rows, when the caller hands it over (rows_wait.cuh).
+  template <class Out, class Wait = NoRowsWait>
   static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
-                             Out* dst, int64_t ld, const cutlass::bfloat16_t* bias) {
-    run_with<false>(smem, a, b, K, vec, [&](auto const& acc, auto const& coord) {
-      store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
-    });
+                             Out* dst, int64_t ld, const cutlass::bfloat16_t* bias,
+                             Wait&& wait = Wait{}) {
+    run_with<false>(
+        smem, a, b, K, vec,
+        [&](auto const& acc, auto const& coord) {
+          store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
+        },
+        wait);
   }
 
   // The mainloop (kPaired: B through the remap, its halves scaled apart), then
   // epilogue(acc, coord): the accumulator fragment and the tile-local (row, col) of each element.
-  template <bool kPaired, class Epilogue>
+  // `wait`: as in run.
+  template <bool kPaired, class Epilogue, class Wait = NoRowsWait>
   static __device__ __forceinline__ void run_with(char* smem, const Operand& a, const Operand& b,
-                                                  int64_t K, bool vec, Epilogue&& epilogue) {
+                                                  int64_t K, bool vec, Epilogue&& epilogue,
+                                                  Wait&& wait = Wait{}) {
     uint8_t* sa = reinterpret_cast<uint8_t*>(smem);
     uint8_t* sb = sa + cosize_v<SmemLayoutA>;
     float* sas = reinterpret_cast<float*>(smem + kOperandBytes);  // [kStages][kBM]
@@ -222,11 +247,25 @@ struct Fp8TileGemm {
     const int k_tiles = int((K + kBK - 1) / kBK);
     constexpr int kBlocks = size<2>(tCrA);
 
-    // Prologue: the first kStages-1 k-tiles in flight.
+    // Prologue: the first kStages-1 k-tiles in flight; with a wait handed over, B's first
+    // (weights and block scales, one group), the wait, then A's (a group each: rows_wait.cuh).
+    if constexpr (kDefersRows<Wait>) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < k_tiles) load_k_tile<kPaired>(sa, sb, sas, sbs, a, b, K, s, s, vec);
+      for (int s = 0; s < kStages - 1; ++s)
+        if (s < k_tiles) load_b_tile<kPaired>(sb, sbs, b, K, s, s, vec);
       cp_async_fence();
+      wait();
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) load_a_tile(sa, sas, a, K, s, s, vec);
+        cp_async_fence();
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < k_tiles) load_k_tile<kPaired>(sa, sb, sas, sbs, a, b, K, s, s, vec);
+        cp_async_fence();
+      }
     }
 
     for (int kt = 0; kt < k_tiles; ++kt) {

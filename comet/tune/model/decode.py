@@ -34,8 +34,8 @@ comm round, not of the whole dispatch; the GEMM blocks walk the m-tiles in raste
 group's rounds are done (``first``) and the last group's GEMM follows the dispatch's end:
 ``max(first + G, C + G g / m)`` for ``m`` m-tiles, dispatch ``C`` and GEMM ``G``.  While the
 first group's rows travel the GEMM blocks load the weights of their first pipeline stages
-(small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one; "weights before rows": the
-sm_90a path, csrc/cuda/weights_first.cuh; the model credits it to every path), at most what the
+(small_tile.STAGES: 5 for the 128-row tile, 8 for the 64-row one, the sm_90a kernels'; "weights
+before rows": csrc/cuda/weights_first.cuh with TMA, csrc/cuda/rows_wait.cuh with cp.async), at most what the
 stream moves in ``first``.  layer1's h is local, so its GEMM streams w1 from the
 start, and its comm blocks reduce and send each column band after the GEMM publishes it: ``max(P,
 C) + min(P, C) / cols`` (docs/design.md's two-stage pipeline with ``cols`` equal chunks).  Each
