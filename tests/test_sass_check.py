@@ -102,3 +102,23 @@ def test_fp8_kernels_need_their_tensor_core_opcode(monkeypatch):
     _, problems = _problems(monkeypatch, "csrc/cuda/fused_sm89_fp8_layer1.cu",
                             [("sm_89", [("_Z6helperv", FILL)])])
     assert len(problems) == 1 and "no fused kernel" in problems[0]
+
+
+HBM8 = "_ZN5comet3gpu44_GLOBAL__N__7bdece7d_11_hbm_read_cu_8b9cf40f15hbm_read_kernelILi8EEEvPK5uint4lPj"
+LDG = "LDG.E.EF.128 R4, desc[UR8][R2.64]"
+XOR = "LOP3.LUT R4, R5, R4, R42, 0x96, !PT"
+
+
+def test_hbm_read_kernel_needs_its_loads_before_their_use(monkeypatch):
+    """hbm_read_kernel<8>: eight 128-bit loads, then the XORs, passes; loads interleaved with
+    their XORs four at a time (what ptxas made of it under a register limit) is flagged."""
+    assert sass_check.kind(HBM8) == "hbm_read"
+    filler = ["IMAD R0, R1, R2, R3"] * 40
+    good = [LDG] * 8 + [XOR] * 8 + filler
+    bad = ([LDG] * 4 + [XOR] * 4) * 2 + filler
+    assert sass_check.stats(good)["before_use"] == 8
+    assert sass_check.stats(bad)["before_use"] == 4 and sass_check.stats(bad)["in_flight"] == 8
+    _, problems = _problems(monkeypatch, "hbm_read.cu", [("sm_90a", [(HBM8, good)])])
+    assert problems == []
+    _, problems = _problems(monkeypatch, "hbm_read.cu", [("sm_90a", [(HBM8, bad)])])
+    assert len(problems) == 1 and "at most 4" in problems[0] and "want 8" in problems[0]

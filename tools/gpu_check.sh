@@ -19,14 +19,16 @@
 #            as threads of one process on this one GPU (the protocol across ranks)
 #   bench    bench/kernels.py --variants: comet beside torch._grouped_mm, the unfused torch layer
 #            and a dense matmul, 4096 and 32 tokens, three model shapes (the README's table)
+#   hbm      tools/hbm_stream.py: HBM read rate against streaming blocks and bytes in flight,
+#            beside the cost model's assumption (a block's share of HBM, Little's law)
 #   ncu      Nsight Compute on one Mixtral-shaped 4096-token call of each: the fused kernels'
 #            duration, DRAM bytes, L2 hit rate and SM throughput, beside torch's grouped GEMM
 #   tune     python -m comet.tune on the device (world of one, Mixtral, 4096 tokens): measured
 #            splits stored in $OUT/tune-cache, then the bench's Mixtral rows again with them
 #   multi    with 2+ GPUs: torchrun over all of them, tests/gpu
 # Writes $OUT/report.md (the summary: every command, its exit code and time, and its figures),
-# one log per step, kernels.json, ncu.csv. About 9-12 minutes on a 16-core H200 machine (an
-# estimate from the steps, not a timed run).
+# one log per step, kernels.json, hbm_stream.json, ncu.csv. About 9-12 minutes on a 16-core H200
+# machine (an estimate from the steps, not a timed run).
 set -u
 OUT_DIR=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUT_DIR"
@@ -34,7 +36,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 REPORT=$OUT_DIR/report.md
-STEPS=${GPU_CHECK_STEPS:-"env build guard tests sim bench ncu tune multi"}
+STEPS=${GPU_CHECK_STEPS:-"env build guard tests sim bench hbm ncu tune multi"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export COMET_CACHE_DIR=$OUT_DIR/tune-cache  # never the user's ~/.cache/comet
@@ -95,6 +97,9 @@ if want sim; then
 fi
 if want bench; then
   TAIL=60 run bench 600 "$PY" bench/kernels.py --variants --out "$OUT_DIR"
+fi
+if want hbm; then
+  TAIL=50 run hbm 120 "$PY" tools/hbm_stream.py --out "$OUT_DIR"
 fi
 if want ncu && command -v ncu >/dev/null; then
   # The first Mixtral call's kernels (bench/kernels.py checks comet, then times every row with

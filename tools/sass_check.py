@@ -9,6 +9,9 @@ a few instructions - are skipped):
     many loads in flight per thread;
   - layer1 fused kernels (fused_kernel<T, 1>): 128-bit loads of C and 128-bit stores of partials;
   - the combine kernel: 128-bit loads of partials and 128-bit stores of the output;
+  - the HBM read-rate kernel (hbm_read_kernel<L>, tools/hbm_stream.py): a straight run of L
+    128-bit loads with no LOP3 (the XOR that uses them) between: what it measures is L loads in
+    flight per thread, and ptxas interleaves uses with loads when it saves registers;
   - the FP8 fused kernels on their tensor-core architecture (FP8_MMA_RULES): fused_sm90_fp8_layer*
     for sm_90a must contain FP8 wgmma (QGMMA.*.E4M3.E4M3), fused_sm89_fp8_layer* for sm_89 FP8
     mma.sync (QMMA.16832.F32.E4M3.E4M3). Without them the GEMM fell back to something that is not
@@ -34,6 +37,9 @@ STUB_INSTRUCTIONS = 40
 # one before a tile-rows argument and/or one bool (sm89::fused_kernel<kLayer, kM, kAct>:
 # "...Li0ELi64ELb1EEEv...").
 LAYER_ARG = re.compile(r"Li([01])E(?:Li(?:64|128)E)?(?:Lb[01]E)?EEv")
+# hbm_read_kernel<kLoads> (csrc/cuda/hbm_read.cu): its loads in flight per thread.
+HBM_READ_ARG = re.compile(r"hbm_read_kernelILi(\d+)E")
+USE = re.compile(r"\bLOP3\b")
 # (source file name prefix, architecture, the SASS opcode its fused kernels must contain, what).
 FP8_MMA_RULES = (
     ("fused_sm90_fp8_layer", "sm_90a", re.compile(r"\bQGMMA\.\S*E4M3\.E4M3\b"),
@@ -87,22 +93,30 @@ def functions(sass: str):
 
 
 def stats(body: list[str]) -> dict:
-    """128-bit loads and stores, and the longest run of 128-bit loads without a 128-bit store."""
-    loads = stores = run = best = 0
+    """128-bit loads and stores, the longest run of 128-bit loads without a 128-bit store
+    (in_flight), and without a LOP3 either (before_use)."""
+    loads = stores = run = best = used_run = before_use = 0
     for line in body:
         if "LDGSTS" in line:
             continue
         if LOAD128.search(line):
             loads += 1
             run += 1
+            used_run += 1
             best = max(best, run)
+            before_use = max(before_use, used_run)
         elif STORE128.search(line):
             stores += 1
-            run = 0
-    return dict(loads=loads, stores=stores, in_flight=best, instructions=len(body))
+            run = used_run = 0
+        elif USE.search(line):
+            used_run = 0
+    return dict(loads=loads, stores=stores, in_flight=best, before_use=before_use,
+                instructions=len(body))
 
 
 def kind(mangled: str) -> str | None:
+    if HBM_READ_ARG.search(mangled):
+        return "hbm_read"
     if "fused_kernel" in mangled:
         m = LAYER_ARG.search(mangled)
         return f"layer{m.group(1)}" if m else None
@@ -145,6 +159,11 @@ def check(obj: str, source: str, tool: str, unroll: int):
         if k == "layer0" and s["in_flight"] < unroll:
             problems.append(f"{source}: {name} ({arch}): at most {s['in_flight']} 128-bit loads "
                             f"in a row in the row copy, want {unroll} (kCopyUnroll)")
+        if k == "hbm_read":
+            want = int(HBM_READ_ARG.search(name).group(1))
+            if s["before_use"] < want:
+                problems.append(f"{source}: {name} ({arch}): at most {s['before_use']} 128-bit "
+                                f"loads before their first use, want {want}")
         if k in ("layer1", "combine") and (s["loads"] < 1 or s["stores"] < 1):
             problems.append(f"{source}: {name} ({arch}): {s['loads']} 128-bit loads, "
                             f"{s['stores']} 128-bit stores in the {k} comm path, want both")

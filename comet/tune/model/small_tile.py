@@ -63,11 +63,17 @@ def padded_rows(rows: Iterable[float], tile_m: int) -> float:
     return float(sum(math.ceil(r / tile_m - 1e-9) * tile_m for r in rows if r > 0))
 
 
-def block_stream_rate(spec: GpuSpec, tile_m: int) -> float:
-    """HBM bytes/s one GEMM block streams weights at: its share of HBM, or what its pipeline
-    stages keep in flight over the HBM latency (Little's law), whichever is less."""
-    in_flight = STAGES.get(int(tile_m), STAGES[DEFAULT_TILE[0]]) * WEIGHT_STAGE_BYTES
+def stream_rate(spec: GpuSpec, in_flight: float) -> float:
+    """HBM bytes/s of one streaming block (one per SM) with ``in_flight`` bytes outstanding: its
+    SM's share of HBM, or its bytes in flight over the HBM latency (Little's law), whichever is
+    less. Both are assumptions; tools/hbm_stream.py measures the rate on a GPU beside this."""
     return min(spec.hbm_bw / spec.sm_count, in_flight / HBM_LATENCY_S)
+
+
+def block_stream_rate(spec: GpuSpec, tile_m: int) -> float:
+    """HBM bytes/s one GEMM block streams weights at (:func:`stream_rate`), its pipeline stages'
+    weight bytes in flight."""
+    return stream_rate(spec, STAGES.get(int(tile_m), STAGES[DEFAULT_TILE[0]]) * WEIGHT_STAGE_BYTES)
 
 
 def pick_tile(options: Sequence[Tuple[Tuple[int, int], float, float, float]]) -> Tuple[int, int]:
