@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
         const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
         const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, N);
         T* out = Y + mt.row_begin * N + col0;
-        Tile::run(smem, a, b, K, vec, out, N,
-                  bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr, wait);
+        run_plain_tile<Tile>(smem, a, b, K, vec, out, N,
+                             bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr,
+                             wait);
       }
     });
   } else {
@@ -118,8 +119,8 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
       const typename Tile::Operand a{A + mt.row_begin * K, mt.rows};
       const typename Tile::Operand b = weight_tile<Tile, kMnB>(B, mt.expert, col0, K, H);
       float* out = C + mt.row_begin * H + col0;
-      Tile::run(smem, a, b, K, vec, out, H,
-                bias != nullptr ? bias + int64_t(mt.expert) * H + col0 : nullptr);
+      run_plain_tile<Tile>(smem, a, b, K, vec, out, H,
+                           bias != nullptr ? bias + int64_t(mt.expert) * H + col0 : nullptr);
     });
   }
 }

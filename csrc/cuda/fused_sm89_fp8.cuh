@@ -86,8 +86,8 @@ __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bo
       int(N - col0 < Tile::kBN ? N - col0 : Tile::kBN), K,
       p.w_scale + (int64_t(mt.expert) * scale_blocks(N) + col0 / Tile::kBN) * scale_blocks(K)};
   const auto* bias = static_cast<const cutlass::bfloat16_t*>(bias_base);  // [El, N] or null
-  Tile::run(smem, a, b, K, vec, out_base + mt.row_begin * N + col0, N,
-            bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr, wait);
+  run_plain_tile<Tile>(smem, a, b, K, vec, out_base + mt.row_begin * N + col0, N,
+                       bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr, wait);
 }
 
 // layer0's tile with the fused activation: h's tile of n-tile nt.

@@ -18,7 +18,10 @@
 // with cp.async.wait_group 0 and a block barrier, as before any tile's first loads.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
+
+#include "epilogue.cuh"
 
 namespace comet::gpu {
 
@@ -30,5 +33,22 @@ struct NoRowsWait {
 
 template <class Wait>
 inline constexpr bool kDefersRows = !std::is_same_v<std::decay_t<Wait>, NoRowsWait>;
+
+// A plain (no activation) tile of either mma.sync tile GEMM (sm80::TileGemm, sm89::Fp8TileGemm):
+// the mainloop, then its in-range part stored into dst (row-major, leading dimension ld), bias[c]
+// added to column c first when bias is not null (epilogue.cuh, store_tile). Every thread of the
+// block calls it; `wait` as above.
+template <class Tile, class Out, class Bias, class Wait = NoRowsWait>
+__device__ inline void run_plain_tile(char* smem, const typename Tile::Operand& a,
+                                      const typename Tile::Operand& b, int64_t K, bool vec,
+                                      Out* dst, int64_t ld, const Bias* bias,
+                                      Wait&& wait = Wait{}) {
+  Tile::template run_with<false>(
+      smem, a, b, K, vec,
+      [&](auto const& acc, auto const& coord) {
+        store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
+      },
+      wait);
+}
 
 }  // namespace comet::gpu

@@ -195,25 +195,10 @@ struct Fp8TileGemm {
     load_b_tile<kPaired>(sb, sbs, b, K, kt, stage, vec);
   }
 
-  // Computes the tile and stores its in-range part into dst (row-major, leading dimension ld),
-  // adding bias[c] to column c first when bias is not null (the tile's slice of its expert's bias
-  // row). `smem` holds kSmemBytes. Every thread of the block must call it.
-  // `wait`: the wait for the tile's rows, when the caller hands it over (rows_wait.cuh).
-  template <class Out, class Wait = NoRowsWait>
-  static __device__ void run(char* smem, const Operand& a, const Operand& b, int64_t K, bool vec,
-                             Out* dst, int64_t ld, const cutlass::bfloat16_t* bias,
-                             Wait&& wait = Wait{}) {
-    run_with<false>(
-        smem, a, b, K, vec,
-        [&](auto const& acc, auto const& coord) {
-          store_tile(acc, coord, a.rows, b.rows, dst, ld, bias);
-        },
-        wait);
-  }
-
   // The mainloop (kPaired: B through the remap, its halves scaled apart), then
   // epilogue(acc, coord): the accumulator fragment and the tile-local (row, col) of each element.
-  // `wait`: as in run.
+  // `smem` holds kSmemBytes; `wait`: the wait for the tile's rows, when the caller hands it over
+  // (rows_wait.cuh, which also has the plain tile: run_plain_tile).
   template <bool kPaired, class Epilogue, class Wait = NoRowsWait>
   static __device__ __forceinline__ void run_with(char* smem, const Operand& a, const Operand& b,
                                                   int64_t K, bool vec, Epilogue&& epilogue,
