@@ -64,28 +64,22 @@ SMEM_PROBE = r"""
 template <int kM>
 void rows(const char* tag) {
   using namespace comet::gpu;
-  std::printf("sm80%s %d %d
-", tag, sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kSmemBytes,
+  std::printf("sm80%s %d %d\n", tag, sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kSmemBytes,
               sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kThreads);
-  std::printf("sm90%s %d %d
-", tag, sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kSmemBytes,
+  std::printf("sm90%s %d %d\n", tag, sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kSmemBytes,
               sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kThreads);
-  std::printf("sm90_fp8%s %d %d
-", tag, sm90::Fp8GemmConfig<kM>::kSmemBytes,
+  std::printf("sm90_fp8%s %d %d\n", tag, sm90::Fp8GemmConfig<kM>::kSmemBytes,
               sm90::Fp8GemmConfig<kM>::kThreads);
-  std::printf("sm89_fp8%s %d %d
-", tag, sm89::Fp8TileGemm<kM>::kSmemBytes,
+  std::printf("sm89_fp8%s %d %d\n", tag, sm89::Fp8TileGemm<kM>::kSmemBytes,
               sm89::Fp8TileGemm<kM>::kThreads);
   // The fused activation's epilogue pairs accumulator halves (epilogue.cuh, store_tile_act).
   using B16 = sm80::TileGemm<cutlass::bfloat16_t, false, kM>;
   using F16 = sm80::TileGemm<cutlass::half_t, false, kM>;
-  std::printf("pairs:sm80%s %d 0
-", tag,
+  std::printf("pairs:sm80%s %d 0\n", tag,
               int(fragment_halves_pair<typename B16::TiledMma, B16::kBM, B16::kBN>() &&
                   fragment_halves_pair<typename F16::TiledMma, F16::kBM, F16::kBN>()));
   using F8 = sm89::Fp8TileGemm<kM>;
-  std::printf("pairs:sm89_fp8%s %d 0
-", tag,
+  std::printf("pairs:sm89_fp8%s %d 0\n", tag,
               int(fragment_halves_pair<typename F8::TiledMma, F8::kBM, F8::kBN>()));
 }
 int main() {
