@@ -31,9 +31,9 @@ FUNC = re.compile(r"Function : (\S+)")
 ARCH = re.compile(r"arch = (sm_\w+)")
 STUB_INSTRUCTIONS = 40
 # kLayer, the template's last int argument of a void function template ("...Li0EEEv..."), or the
-# one before a tile-rows argument and/or one bool (sm89::fused_kernel<kLayer, kM, kAct>:
-# "...Li0ELi64ELb1EEEv...").
-LAYER_ARG = re.compile(r"Li([01])E(?:Li(?:64|128)E)?(?:Lb[01]E)?EEv")
+# one before a tile-rows argument and/or bools (sm89::fused_kernel<kLayer, kM, kAct, kHFp8>:
+# "...Li0ELi64ELb1ELb0EEEv...").
+LAYER_ARG = re.compile(r"Li([01])E(?:Li(?:64|128)E)?(?:Lb[01]E)*EEv")
 # (source file name prefix, architecture, the SASS opcode its fused kernels must contain, what).
 FP8_MMA_RULES = (
     ("fused_sm90_fp8_layer", "sm_90a", re.compile(r"\bQGMMA\.\S*E4M3\.E4M3\b"),
