@@ -103,30 +103,29 @@ __device__ __forceinline__ void compute_tile(char* smem, const CallParams& p, bo
             bias != nullptr ? bias + int64_t(mt.expert) * N + col0 : nullptr);
 }
 
-// The operands of layer0's GEMM tile with the fused activation whose first h column is j0: A the
-// m-tile's packed rows, B through the B-row remap (half rows per half: kBN / 2 gated, kBN plain),
-// the gate half's weight scales from w0's block row j0 / 128, the up half's from (F + j0) / 128.
+// The operands of layer0's GEMM tile with the fused activation whose first h column is j0 (both
+// activation tiles): A the m-tile's packed rows (layer0_a), B through the B-row remap (paired_b:
+// half rows per half, kBN / 2 gated, kBN plain; the gate half's weight scales from w0's block row
+// j0 / 128, the up half's from (F + j0) / 128).
 template <class Tile>
-struct PairedOperands {
-  typename Tile::Operand a, b;
-};
+__device__ __forceinline__ typename Tile::Operand layer0_a(const CallParams& p, const MTile& mt) {
+  return {a_values<0>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
+          p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld};
+}
 template <class Tile>
-__device__ __forceinline__ PairedOperands<Tile> paired_operands(const CallParams& p,
-                                                                const MTile& mt, int64_t j0) {
+__device__ __forceinline__ typename Tile::Operand paired_b(const CallParams& p, const MTile& mt,
+                                                           int64_t j0) {
   const Activation act = Activation(p.activation);
   const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
-  const bool gated = activation_gated(act);
-  const int half = gated ? Tile::kBN / 2 : Tile::kBN;
+  const int half = activation_gated(act) ? Tile::kBN / 2 : Tile::kBN;
   const float* scales = p.w_scale + int64_t(mt.expert) * scale_blocks(N0) * scale_blocks(K);
-  PairedOperands<Tile> o{
-      {a_values<0>(p) + mt.row_begin * p.a_ld, mt.rows, p.a_ld,
-       p.a_scale + mt.row_begin * p.a_scale_ld, p.a_scale_ld},
-      {static_cast<const uint8_t*>(p.w0) + (int64_t(mt.expert) * N0 + j0) * K,
-       int(F - j0 < half ? F - j0 : half), K, scales + (j0 / Tile::kBN) * scale_blocks(K)}};
-  o.b.half = half;
-  o.b.up = F;
-  o.b.scale_up = gated ? scales + ((F + j0) / Tile::kBN) * scale_blocks(K) : o.b.scale;
-  return o;
+  typename Tile::Operand b{static_cast<const uint8_t*>(p.w0) + (int64_t(mt.expert) * N0 + j0) * K,
+                           int(F - j0 < half ? F - j0 : half), K,
+                           scales + (j0 / Tile::kBN) * scale_blocks(K)};
+  b.half = half;
+  b.up = F;
+  b.scale_up = activation_gated(act) ? scales + ((F + j0) / Tile::kBN) * scale_blocks(K) : b.scale;
+  return b;
 }
 
 // layer0's tile with the fused activation: h's tile of n-tile nt.
@@ -138,9 +137,8 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
   const int64_t K = p.hidden, N0 = p.cols, F = activation_cols(act, N0);
   const int half = activation_gated(act) ? Tile::kBN / 2 : Tile::kBN;
   const int64_t j0 = int64_t(nt) * half;
-  const PairedOperands<Tile> ops = paired_operands<Tile>(p, mt, j0);
-  const typename Tile::Operand& a = ops.a;
-  const typename Tile::Operand& b = ops.b;
+  const typename Tile::Operand a = layer0_a<Tile>(p, mt);
+  const typename Tile::Operand b = paired_b<Tile>(p, mt, j0);
   const auto* bias = static_cast<const cutlass::bfloat16_t*>(p.b0);  // [El, N0] or null
   const cutlass::bfloat16_t* bias_gate =
       bias != nullptr ? bias + int64_t(mt.expert) * N0 + j0 : nullptr;
@@ -167,9 +165,8 @@ __device__ __forceinline__ void activation_fp8_tile(char* smem, const CallParams
   const int half = h_fp8_half(act);
 #pragma unroll 1  // one mainloop in the code, run once or twice
   for (int off = 0; off < int(kScaleBlock) && j0 + off < F; off += half) {
-    const PairedOperands<Tile> ops = paired_operands<Tile>(p, mt, j0 + off);
-    Tile::template run_with<true>(smem, ops.a, ops.b, p.hidden, vec,
-                                  Epilogue{p, mt, nt, off, smem});
+    Tile::template run_with<true>(smem, layer0_a<Tile>(p, mt), paired_b<Tile>(p, mt, j0 + off),
+                                  p.hidden, vec, Epilogue{p, mt, nt, off, smem});
   }
 }
 #endif

@@ -52,7 +52,7 @@ struct HFp8Out {
   int64_t row_bytes;  // fp8_row_bytes(F)
   int64_t f;          // h's columns F
   int64_t j0;         // the block's first h column (a multiple of 128)
-  int32_t rows_valid; // the tile's real rows
+  int32_t rows_valid;  // the tile's real rows
   float* stash;       // [kOut][kThreads] fp32: the first sub-tile's values
   uint32_t* amax;     // [kBM]: each row's amax bits
   float* current;     // [kOut][kThreads] fp32: the last sub-tile's values (in the operand stages)
