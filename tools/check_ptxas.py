@@ -59,34 +59,38 @@ NVSHMEM_FUNCTION = re.compile(r"nvshmem")
 SMEM_PROBE = r"""
 #include <cstdio>
 #include "fused_sm80.cuh"
+#include "fused_sm89_fp8.cuh"
 #include "fused_sm90.cuh"
-#include "sm89_fp8_tile_gemm.cuh"
 template <int kM>
 void rows(const char* tag) {
   using namespace comet::gpu;
-  std::printf("sm80%s %d %d
-", tag, sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kSmemBytes,
+  std::printf("sm80%s %d %d\n", tag, sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kSmemBytes,
               sm80::TileGemm<cutlass::bfloat16_t, false, kM>::kThreads);
-  std::printf("sm90%s %d %d
-", tag, sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kSmemBytes,
+  std::printf("sm90%s %d %d\n", tag, sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kSmemBytes,
               sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>::kThreads);
-  std::printf("sm90_fp8%s %d %d
-", tag, sm90::Fp8GemmConfig<kM>::kSmemBytes,
+  std::printf("sm90_fp8%s %d %d\n", tag, sm90::Fp8GemmConfig<kM>::kSmemBytes,
               sm90::Fp8GemmConfig<kM>::kThreads);
-  std::printf("sm89_fp8%s %d %d
-", tag, sm89::Fp8TileGemm<kM>::kSmemBytes,
+  std::printf("sm89_fp8%s %d %d\n", tag, sm89::Fp8TileGemm<kM>::kSmemBytes,
               sm89::Fp8TileGemm<kM>::kThreads);
   // The fused activation's epilogue pairs accumulator halves (epilogue.cuh, store_tile_act).
   using B16 = sm80::TileGemm<cutlass::bfloat16_t, false, kM>;
   using F16 = sm80::TileGemm<cutlass::half_t, false, kM>;
-  std::printf("pairs:sm80%s %d 0
-", tag,
+  std::printf("pairs:sm80%s %d 0\n", tag,
               int(fragment_halves_pair<typename B16::TiledMma, B16::kBM, B16::kBN>() &&
                   fragment_halves_pair<typename F16::TiledMma, F16::kBM, F16::kBN>()));
   using F8 = sm89::Fp8TileGemm<kM>;
-  std::printf("pairs:sm89_fp8%s %d 0
-", tag,
+  std::printf("pairs:sm89_fp8%s %d 0\n", tag,
               int(fragment_halves_pair<typename F8::TiledMma, F8::kBM, F8::kBN>()));
+  // layer0's FP8-h kernels (h_fp8_epilogue.cuh): their shared memory, and the row layout their
+  // amax relies on (a "pairs:" line: 1 when it holds).
+  std::printf("sm80_hfp8%s %d %d\n", tag, sm80::kKernelSmem<cutlass::bfloat16_t, false, kM, true>,
+              B16::kThreads);
+  std::printf("sm89_fp8_hfp8%s %d %d\n", tag, sm89::kKernelSmem<kM, true>, F8::kThreads);
+  std::printf("pairs:hfp8_rows_sm80%s %d 0\n", tag,
+              int(h_fp8_rows_in_quads<typename B16::TiledMma, B16::kBM, B16::kBN>() &&
+                  h_fp8_rows_in_quads<typename F16::TiledMma, F16::kBM, F16::kBN>()));
+  std::printf("pairs:hfp8_rows_sm89_fp8%s %d 0\n", tag,
+              int(h_fp8_rows_in_quads<typename F8::TiledMma, F8::kBM, F8::kBN>()));
 }
 int main() {
   rows<128>("");
@@ -165,17 +169,23 @@ def parse(text: str, source: str, notes: list[str] | None = None):
 # Kernel family (the probe's key) -> the architecture its device code is built for; on any other
 # it is an empty, never-launched stub.
 FAMILY_ARCH = {"sm80": None, "sm90": "sm_90a", "sm90_fp8": "sm_90a", "sm89_fp8": "sm_89"}
+FAMILY_ARCH.update({"sm80_hfp8": None, "sm89_fp8_hfp8": "sm_89"})
 FAMILY_ARCH.update({f + "_64": a for f, a in FAMILY_ARCH.items()})
 
 
 # A fused kernel's tile rows are its last template argument (sm80 / sm89: fused_kernel<..., 64>;
 # sm90: GemmConfig<..., 64> / Fp8GemmConfig<64>); the 64-row kernels' probe keys end in "_64".
 ROWS_64 = re.compile(r"[<,] ?64>")
+HFP8 = re.compile(r", (64|128), true, true>$")
 
 
 def kernel_family(name: str) -> str | None:
     """The SMEM_PROBE key of a kernel's short name, None for kernels without dynamic smem."""
     tag = "_64" if ROWS_64.search(name) else ""
+    hfp8 = HFP8.search(name)  # layer0's FP8-h kernels (more shared memory)
+    if hfp8 and ("sm80::" in name or "sm89::" in name):
+        return ("sm89_fp8" if "sm89::" in name else "sm80") + "_hfp8" + (
+            "_64" if hfp8.group(1) == "64" else "")
     if "sm90::" in name:
         return ("sm90_fp8" if "Fp8GemmConfig" in name else "sm90") + tag
     if "sm89::" in name:
@@ -275,10 +285,13 @@ def main(argv=None) -> int:
     pairs = {k: v[0] for k, v in smem.items() if k.startswith("pairs:")}
     smem = {k: v for k, v in smem.items() if not k.startswith("pairs:")}
     for k, ok in sorted(pairs.items()):
-        print(f"fused activation: {k[6:]} accumulator halves pair in one thread: "
-              f"{'yes' if ok else 'NO'}")
+        rows_check = k.startswith("pairs:hfp8_rows")
+        print(f"fused activation: {k[6:]} " + ("rows by slot and quad (h_fp8's amax): "
+              if rows_check else "accumulator halves pair in one thread: ") +
+              ("yes" if ok else "NO"))
         if not ok:
-            problems.append(f"{k[6:]}: store_tile_act's pairing does not hold for its TiledMma")
+            what = "h_fp8_epilogue.cuh's row layout" if rows_check else "store_tile_act's pairing"
+            problems.append(f"{k[6:]}: {what} does not hold for its TiledMma")
     names = demangle(sorted({r["kernel"] for r in rows}))
     header = ("kernel", "arch", "regs", "smem static", "smem dynamic", "stack", "spill st",
               "spill ld", "source")

@@ -34,9 +34,10 @@ FUNC = re.compile(r"Function : (\S+)")
 ARCH = re.compile(r"arch = (sm_\w+)")
 STUB_INSTRUCTIONS = 40
 # kLayer, the template's last int argument of a void function template ("...Li0EEEv..."), or the
-# one before a tile-rows argument and/or one bool (sm89::fused_kernel<kLayer, kM, kAct>:
-# "...Li0ELi64ELb1EEEv...").
-LAYER_ARG = re.compile(r"Li([01])E(?:Li(?:64|128)E)?(?:Lb[01]E)?EEv")
+# one before a tile-rows argument and/or bools (sm89::fused_kernel<kLayer, kM, kAct, kHFp8>:
+# "...Li0ELi64ELb1ELb0EEEv..."), or followed by a bool first (sm80::fused_kernel<T, kLayer,
+# kMnB, kM, kAct, ...>: "...Li0ELb1ELi64ELb0EEEv...").
+LAYER_ARG = re.compile(r"Li([01])E(?:Lb[01]E)?(?:Li(?:64|128)E)?(?:Lb[01]E)*EEv")
 # hbm_read_kernel<kLoads> (csrc/cuda/hbm_read.cu): its loads in flight per thread.
 HBM_READ_ARG = re.compile(r"hbm_read_kernelILi(\d+)E")
 USE = re.compile(r"\bLOP3\b")

@@ -557,10 +557,11 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     once; returned in y0's place (docs/api.md). Fused into the GEMM's epilogue on the CPU
     backend, the sm_80 path's CUDA kernels (sm_80 / sm_86 / sm_89 and newer GPUs) and the sm_89
     FP8 kernel (gated forms: N0 a multiple of 128); applied after the op from the rounded y0
-    elsewhere on CUDA (sm_90 GPUs, h_fp8; not fused there yet).
+    elsewhere on CUDA (sm_90 GPUs; not fused there yet).
     h_fp8=True (with an activation): h comes quantised for an FP8 layer1, ((h float8_e4m3fn
     [M, F], h_scale float32 [M, ceil(F/128)]), Layout): quantize_rows' bits of the fp32 h,
-    quantised in the epilogue (not differentiable).
+    quantised in the epilogue (CPU backend and the CUDA kernels that fuse the activation; where
+    the activation is applied after the op, quantize_rows of that h), not differentiable.
     sm_margin: SMs (CPU backend: resident-block slots) the call's kernels leave free for other
     kernels of the device that peers wait on (docs/gpu.md, "SM margin"); default the buffer's.
     Returns (y0 [M, N0] in the dispatch layout, or h with an activation, Layout).
@@ -571,7 +572,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
         buf.fail_call(0, "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass "
                          "activation= too")
     if activation is not None and _unfused_activation(x, w0, w0_transposed, activation,
-                                                      dispatch_fp8, h_fp8):
+                                                      dispatch_fp8):
         h, layout = _activated_after(buf, activation, x, w0, w0_transposed, lambda: moe_layer0(
             x, w0, topk_ids, num_experts=num_experts, b0=b0, w0_transposed=w0_transposed,
             max_rows=max_rows, group=group, n_comm=n_comm, tile=tile, buffer=buffer,
@@ -602,14 +603,15 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     return h, layout
 
 
-def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8, h_fp8) -> bool:
+def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8) -> bool:
     """Whether the op cannot fuse the activation of this call (csrc/cuda/ops_cuda.cpp refuses it
     there, the same rule): on CUDA the sm_80 path's kernels (sm_80 / sm_86 / sm_89 and newer
-    GPUs) and the sm_89 FP8 kernel fuse it; h_fp8, any call on an sm_90 GPU (the sm_90a kernels)
-    and a gated form in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet)."""
+    GPUs) and the sm_89 FP8 kernel fuse it, h_fp8 included; any call on an sm_90 GPU (the sm_90a
+    kernels) and a gated form in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet).
+    (h_fp8 does not change the rule: every kernel that fuses the activation fuses it too.)"""
     if not (isinstance(x, torch.Tensor) and x.device.type == "cuda"):
         return False
-    if h_fp8 or torch.cuda.get_device_capability(x.device)[0] == 9:
+    if torch.cuda.get_device_capability(x.device)[0] == 9:
         return True
     fp8 = bool(dispatch_fp8) or _is_fp8(x) or _is_fp8(w0)
     shaped = isinstance(w0, torch.Tensor) and w0.dim() == 3

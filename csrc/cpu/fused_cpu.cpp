@@ -255,9 +255,9 @@ void Layer0Call::run(void* a, void* y0, int32_t* row_source, int32_t* row_token,
   // n-tiles over the output's columns: with a gated activation each covers F's columns, its gate
   // and up halves read from both halves of w0 (comet/activation.h).
   const int64_t out_n = p_.out_cols();
-  // FP8 h: n-tiles of whole 128-column scale blocks, so a tile quantises its blocks on its own
-  // (the result never depends on the tile)
-  const int64_t tile_n = p_.h_fp8 ? ceil_div(l_.tile_n, kScaleBlock) * kScaleBlock : l_.tile_n;
+  // FP8 h: n-tiles of whole 128-column scale blocks (comet/activation.h, the rule the CUDA
+  // kernels share), so a tile quantises its blocks on its own
+  const int64_t tile_n = activation_tile_cols(l_.tile_n, p_.h_fp8);
   const int32_t NT = int32_t(ceil_div(out_n, tile_n));
   GemmScheduleArgs ga{epoch_, mtiles_.data(), MT, NT, order_.data(), flags.data(), nullptr,
                       nullptr};

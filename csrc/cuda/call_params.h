@@ -202,6 +202,9 @@ struct CallParams {
   // is h [rows_cap, activation_cols(activation, cols)] and num_ntiles counts h's n-tiles (a
   // gated tile covers tile_n / 2 of h's columns, its GEMM tile_n columns through the B-row remap).
   int32_t activation;
+  // layer0 with an activation: h leaves as packed FP8 rows (comet/fp8_rows.h) of
+  // fp8_row_bytes(activation_cols) bytes, n-tiles of 128 h columns (activation_tile_cols).
+  int32_t h_fp8;
   // FP8 GEMM operands (the FP8 kernels only: kind == F8E4M3; both operands FP8 on CUDA):
   //   A's values: layer0 the packed rows of a (row stride a_ld = row_bytes bytes), layer1 h
   //   (a_ld = N1); A's 1 x 128 block scales: row r, K block kb at a_scale[r * a_scale_ld + kb]

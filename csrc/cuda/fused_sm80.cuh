@@ -20,10 +20,16 @@
 // its GEMM the gate rows [j0, ..) and up rows [F + j0, ..) of w0 (comet/activation.h's remap in
 // TileGemm's B loader); the epilogue pairs them in registers (store_tile_act). Plain forms: y0's
 // tiles, the function applied in the epilogue.
+//
+// With h_fp8 (p.h_fp8, kHFp8: one more instantiation, the others unchanged): n-tiles of 128 h
+// columns, one 1 x 128 scale block each, a gated one computed as two GEMM tiles of 64 h columns
+// through the same mainloop, h written as packed FP8 rows (h_fp8_epilogue.cuh); the kernel's
+// shared memory grows by the first GEMM tile's fp32 values (kHFp8SmemBytes).
 #pragma once
 
 #include "comet/gemm_schedule.h"
 #include "comm_blocks.cuh"
+#include "h_fp8_epilogue.cuh"
 #include "launch.h"
 #include "sm80_tile_gemm.cuh"
 
@@ -71,7 +77,34 @@ __device__ __forceinline__ void activation_tile(char* smem, const CallParams& p,
       wait);
 }
 
-template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
+// layer0's tile with the fused activation and FP8 h: h's n-tile nt of 128 columns (one scale
+// block), a gated form's as two GEMM tiles of 64 h columns (h_fp8_epilogue.cuh). The shared memory
+// after the GEMM tile's holds the first one's values and the rows' amax.
+template <class Tile, bool kMnB, class T>
+__device__ __forceinline__ void activation_fp8_tile(char* smem, const CallParams& p,
+                                                    const MTile& mt, int32_t nt, bool vec) {
+  static_assert(Tile::kBN == kHFp8TileN && Tile::kThreads == kHFp8Threads &&
+                    kHFp8CurrentBytes<Tile::kBM> <= Tile::kSmemBytes,
+                "h_fp8_epilogue.cuh's tile, its last values in the operand stages");
+  using Epilogue = HFp8Epilogue<T, Tile::kBM, Tile::kSmemBytes>;
+  const Activation act = Activation(p.activation);
+  const int64_t F = activation_cols(act, p.cols), j0 = h_fp8_block(nt, act);
+  const int half = h_fp8_half(act);
+#pragma unroll 1  // one mainloop in the code, run once or twice
+  for (int off = 0; off < int(kScaleBlock) && j0 + off < F; off += half) {
+    const int64_t js = j0 + off;  // this GEMM tile's first h column
+    const typename Tile::Operand a{reinterpret_cast<const T*>(p.a) + mt.row_begin * p.hidden,
+                                   mt.rows};
+    typename Tile::Operand b =
+        weight_tile<Tile, kMnB>(static_cast<const T*>(p.w0), mt.expert, js, p.hidden, p.cols);
+    b.rows = int(F - js < half ? F - js : half);
+    b.half = half;
+    b.up = F;
+    Tile::template run_with<true>(smem, a, b, p.hidden, vec, Epilogue{p, mt, nt, off, smem});
+  }
+}
+
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false, bool kHFp8 = false>
 __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p, bool vec) {
   using Tile = TileGemm<T, kMnB, kM>;
@@ -92,9 +125,13 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
     const T* B = static_cast<const T*>(p.w0);
     const T* bias = static_cast<const T*>(p.b0);  // [El, N] or null
     T* Y = static_cast<T*>(p.y0);
-    // Weights before rows: the tile's mainloop takes the wait for its rows (rows_wait.cuh).
+    // Weights before rows: the tile's mainloop takes the wait for its rows (rows_wait.cuh); an
+    // h_fp8 tile (two GEMM tiles through one mainloop in the code) waits before its first loads.
     layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
-      if constexpr (kAct) {
+      if constexpr (kHFp8) {
+        wait();
+        activation_fp8_tile<Tile, kMnB, T>(smem, p, mt, nt, vec);
+      } else if constexpr (kAct) {
         activation_tile<Tile, kMnB, T>(smem, p, mt, nt, vec, wait);
       } else {
         const int64_t col0 = int64_t(nt) * Tile::kBN;
@@ -125,40 +162,59 @@ __global__ void __launch_bounds__(TileGemm<T, kMnB, kM>::kThreads, 1)
   }
 }
 
+// The kernel's dynamic shared memory: its tile's, and with h_fp8 the epilogue's (kHFp8SmemBytes:
+// 32.5 KiB more at 128 rows, 96.5 KiB in all, within sm_86 / sm_89's 99 KiB per block).
+template <class T, bool kMnB, int kM, bool kHFp8>
+constexpr int kKernelSmem = TileGemm<T, kMnB, kM>::kSmemBytes + (kHFp8 ? kHFp8SmemBytes<kM> : 0);
+static_assert(kKernelSmem<cutlass::bfloat16_t, false, 128, true> <= 99 * 1024,
+              "sm_86 / sm_89's shared memory per block");
+
 // Sets the dynamic shared memory limit (needed before the occupancy query and the launch).
-template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false, bool kHFp8 = false>
 FusedKernelInfo info() {
   using Tile = TileGemm<T, kMnB, kM>;
-  auto* k = &fused_kernel<T, kLayer, kMnB, kM, kAct>;
-  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
-  return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, Tile::kSmemBytes};
+  constexpr int smem = kKernelSmem<T, kMnB, kM, kHFp8>;
+  auto* k = &fused_kernel<T, kLayer, kMnB, kM, kAct, kHFp8>;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return FusedKernelInfo{reinterpret_cast<const void*>(k), Tile::kThreads, smem};
 }
 
-template <class T, int kLayer, bool kMnB, int kM, bool kAct = false>
+template <class T, int kLayer, bool kMnB, int kM, bool kAct = false, bool kHFp8 = false>
 void launch(const CallParams& p, bool vec, int grid, cudaStream_t stream) {
   using Tile = TileGemm<T, kMnB, kM>;
-  info<T, kLayer, kMnB, kM, kAct>();
-  fused_kernel<T, kLayer, kMnB, kM, kAct><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, vec);
+  constexpr int smem = kKernelSmem<T, kMnB, kM, kHFp8>;
+  info<T, kLayer, kMnB, kM, kAct, kHFp8>();
+  fused_kernel<T, kLayer, kMnB, kM, kAct, kHFp8><<<grid, Tile::kThreads, smem, stream>>>(p, vec);
 }
 
 // b_mn_major: the weights are the ops' transposed layout, read in place (MN-major B). tile_m:
 // the tile's rows, 128 or 64 (few rows per expert; Checker::launch admits no other). act
-// (layer0 only): the fused activation's instantiation.
+// (layer0 only): the fused activation's instantiation; h_fp8 (with act): its FP8-h one.
 template <class T, int kLayer, int kM>
-FusedKernelInfo info_rows(bool b_mn_major, bool act) {
-  if constexpr (kLayer == 0)
+FusedKernelInfo info_rows(bool b_mn_major, bool act, bool h_fp8) {
+  if constexpr (kLayer == 0) {
+    if (act && h_fp8)
+      return b_mn_major ? info<T, 0, true, kM, true, true>() : info<T, 0, false, kM, true, true>();
     if (act) return b_mn_major ? info<T, 0, true, kM, true>() : info<T, 0, false, kM, true>();
+  }
   return b_mn_major ? info<T, kLayer, true, kM>() : info<T, kLayer, false, kM>();
 }
 template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major, int tile_m, bool act = false) {
-  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major, act)
-                      : info_rows<T, kLayer, 128>(b_mn_major, act);
+FusedKernelInfo info(bool b_mn_major, int tile_m, bool act = false, bool h_fp8 = false) {
+  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major, act, h_fp8)
+                      : info_rows<T, kLayer, 128>(b_mn_major, act, h_fp8);
 }
 
 template <class T, int kLayer, int kM>
 void launch_rows(const CallParams& p, bool b_mn_major, bool vec, int grid, cudaStream_t stream) {
   if constexpr (kLayer == 0) {
+    if (p.activation != int32_t(Activation::None) && p.h_fp8) {
+      if (b_mn_major)
+        launch<T, 0, true, kM, true, true>(p, vec, grid, stream);
+      else
+        launch<T, 0, false, kM, true, true>(p, vec, grid, stream);
+      return;
+    }
     if (p.activation != int32_t(Activation::None)) {
       if (b_mn_major)
         launch<T, 0, true, kM, true>(p, vec, grid, stream);

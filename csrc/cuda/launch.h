@@ -100,9 +100,10 @@ struct FusedKernelInfo {
 // K-contiguous layout. vec: 16-byte operand copies allowed (K % 8 == 0, 16-byte aligned operands,
 // and N % 8 == 0 when b_mn_major).
 // One pair per translation unit (fused_sm80_layer0.cu / fused_sm80_layer1.cu). layer0 with a fused
-// activation (p.activation, comet/activation.h) runs its own instantiation: act names it here.
+// activation (p.activation, comet/activation.h) runs its own instantiation: act names it here;
+// h_fp8 (with act, p.h_fp8): the one writing h as packed FP8 rows (h_fp8_epilogue.cuh).
 FusedKernelInfo fused_sm80_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m,
-                                       bool act = false);
+                                       bool act = false, bool h_fp8 = false);
 FusedKernelInfo fused_sm80_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm80_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, bool vec,
                               int grid, cudaStream_t stream);
@@ -129,13 +130,14 @@ void launch_fused_sm90_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 //  sm_90a (fused_sm90_fp8_layer*.cu): CUTLASS's blockwise-scaled FP8 wgmma mainloop; K % 16 == 0
 //   and 16-byte aligned operands (TMA); devices of compute capability 9.0.
 //  sm_89 (fused_sm89_fp8_layer*.cu, compiled for sm_89 only): FP8 mma.sync (Ada); every K. layer0
-//   with a fused activation (p.activation) runs its own instantiation: act names it here.
+//   with a fused activation (p.activation) runs its own instantiation: act names it here; h_fp8
+//   (with act, p.h_fp8): the one writing h as packed FP8 rows.
 // sm_80 has no FP8 tensor cores: the ops refuse FP8 there.
 FusedKernelInfo fused_sm90_fp8_layer0_info(int tile_m);
 FusedKernelInfo fused_sm90_fp8_layer1_info(int tile_m);
 void launch_fused_sm90_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm90_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);
-FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m, bool act = false);
+FusedKernelInfo fused_sm89_fp8_layer0_info(int tile_m, bool act = false, bool h_fp8 = false);
 FusedKernelInfo fused_sm89_fp8_layer1_info(int tile_m);
 void launch_fused_sm89_fp8_layer0(const CallParams& p, int grid, cudaStream_t stream);
 void launch_fused_sm89_fp8_layer1(const CallParams& p, int grid, cudaStream_t stream);

@@ -128,6 +128,7 @@ void preload_kernels(int device) {
       for (bool b_mn : {false, true}) {
         fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm).func);
         fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm, true).func);  // fused activation
+        fused.push_back(fused_sm80_layer0_info(kind, b_mn, tm, true, true).func);  // and h_fp8
         fused.push_back(fused_sm80_layer1_info(kind, b_mn, tm).func);
         if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
           fused.push_back(fused_sm90_layer0_info(kind, b_mn, tm).func);
@@ -142,6 +143,7 @@ void preload_kernels(int device) {
     } else if ((prop.major == 8 && prop.minor == 9) || newer_gpu(prop)) {
       fused.push_back(fused_sm89_fp8_layer0_info(tm).func);
       fused.push_back(fused_sm89_fp8_layer0_info(tm, true).func);  // fused activation
+      fused.push_back(fused_sm89_fp8_layer0_info(tm, true, true).func);  // and h_fp8
       fused.push_back(fused_sm89_fp8_layer1_info(tm).func);
     }
   }
@@ -709,8 +711,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                    w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n, 1, call_margin(b, sm_margin)});
   // The fused activation (comet/activation.h) runs in the sm_80 path's kernels and the sm_89 FP8
-  // kernel; the others refuse it here (on every rank, before any kernel) rather than ignore it,
-  // and comet.moe_layer0 applies it after the op there (comet/layers/ops.py mirrors this rule).
+  // kernel, h_fp8 included (h_fp8_epilogue.cuh); the others refuse it here (on every rank, before
+  // any kernel) rather than ignore it, and comet.moe_layer0 applies it after the op there
+  // (comet/layers/ops.py mirrors this rule). h_fp8's own checks are check_layer0's, as on the CPU.
   if (activation && !c.failed()) {
     const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(dev);  // cached by ATen
     const std::string act = "activation='" + std::string(*activation) + "'";
@@ -718,8 +721,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                               "the op there";
     const int64_t n0 = w0_out(w0, w0_transposed);
     const bool fp8_call = is_fp8(x) || is_fp8(w0) || dispatch_fp8;
-    c.value(!h_fp8, "h_fp8=True is not fused into the CUDA kernels yet" + after) &&
-        c.value(prop.major != 9, act + " is not fused into the sm_90a kernels yet (this GPU is "
+    c.value(prop.major != 9, act + " is not fused into the sm_90a kernels yet (this GPU is "
                                  "sm_" + std::to_string(prop.major * 10 + prop.minor) + ")" +
                                      after) &&
         // FP8: each half of a gated tile within one 128-row weight scale block (fused_sm89_fp8.cuh)
@@ -749,9 +751,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   LaunchPlan lp = plan_launch(c, 0, kind, dev, H, activation_gated(act) ? F : N0, nullptr,
                               shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm, tile_m,
                               b.multi_node(), call_margin(b, sm_margin), b);
+  const bool h8 = shaped && h_fp8 && act != Activation::None;  // h as packed FP8 rows
   if (act != Activation::None && !lp.sm90 && !c.failed())  // its own instantiation
-    lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(int(tile_m), true)
-                           : fused_sm80_layer0_info(kind, lp.b_mn, int(tile_m), true);
+    lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(int(tile_m), true, h8)
+                           : fused_sm80_layer0_info(kind, lp.b_mn, int(tile_m), true, h8);
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
   const CheckResult check = c.result();
@@ -760,12 +763,14 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   const CallMeta me =
       make_meta(OpKind::Layer0, b, num_experts, k, H, N0, int32_t(kind), T, max_rows, check,
                 tp_size);
-  // n-tiles of h: a gated form's tile covers kTileN / 2 of its columns (comet/activation.h).
+  // n-tiles of h: a gated form's GEMM tile covers kTileN / 2 of its columns, with h_fp8 rounded
+  // up to whole scale blocks (comet/activation.h, the CPU backend's rule too).
+  const int64_t tile_h = activation_tile_cols(activation_gated(act) ? kTileN / 2 : kTileN, h8);
   CallParams p = base_params(b, OpKind::Layer0, ok ? E : W, ok ? k : 1, n_comm, lp,
-                             int32_t(ceil_div(F, activation_gated(act) ? kTileN / 2 : kTileN)),
-                             device_max_rows(max_rows, ok), tp);
+                             int32_t(ceil_div(F, tile_h)), device_max_rows(max_rows, ok), tp);
   set_call_sizes(p, OpKind::Layer0, kind, elem, ok, T, H, N0, tcap, k, E, b.topology(), out_kind);
   p.activation = int32_t(act);
+  p.h_fp8 = h8 ? 1 : 0;
   // FP8 x: its scales (contiguous now, while no proxy spins: it may allocate); packed into the
   // symmetric region below, with x's values. dispatch_fp8: x is quantised there, on the sending
   // side, by one kernel writing the packed rows (fp8_pack.cu).
@@ -805,7 +810,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
     // rows_cap below), y0 in bfloat16.
     a = fp8 ? at::empty({std::max<int64_t>(rows_cap, 1), p.row_bytes}, opts.dtype(at::kByte))
             : at::empty({rows_cap, H}, opts);
-    y0 = at::empty({rows_cap, F}, opts.dtype(fp8 ? at::kBFloat16 : x.scalar_type()));
+    // h_fp8: h as packed FP8 rows (comet/fp8_rows.h), as the CPU op returns it; the kernel writes
+    // every byte of the rows it computes, padding included.
+    y0 = h8 ? at::empty({rows_cap, fp8_row_bytes(F)}, opts.dtype(at::kByte))
+            : at::empty({rows_cap, F}, opts.dtype(fp8 ? at::kBFloat16 : x.scalar_type()));
     row_source = at::empty({rows_cap}, i32);
     row_token = at::empty({rows_cap}, i32);
     row_slot = at::empty({rows_cap}, i32);

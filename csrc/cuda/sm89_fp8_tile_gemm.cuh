@@ -54,14 +54,15 @@ namespace comet::gpu::sm89 {
 using namespace cute;
 
 // kM: the tile's rows, 128 or 64 (few rows per expert: the same warps, half the M repeats, one
-// stage of A half as large).
-template <int kM = 128>
+// stage of A half as large). kPipe: the pipeline's stages, 3 (below); layer0's FP8-h kernel with
+// 128-row tiles runs 2, leaving room for its epilogue's 32.5 KiB (fused_sm89_fp8.cuh).
+template <int kM = 128, int kPipe = 3>
 struct Fp8TileGemm {
   static_assert(kM == 64 || kM == 128, "the 2 (M) x 4 (N) warps of 32 x 64 cover 64 or 128 rows");
   using T = cutlass::float_e4m3_t;
   // kBK = 128 bytes: one k-tile per scale block. 3 stages of (128 + 128) x 128 bytes = 96 KB, the
   // most that fits sm_89's 99 KB of shared memory per block (4 stages would need 128 KB).
-  static constexpr int kBM = kM, kBN = 128, kBK = 128, kStages = 3, kThreads = 256;
+  static constexpr int kBM = kM, kBN = 128, kBK = 128, kStages = kPipe, kThreads = 256;
   static constexpr int kChunk = 16;  // elements (bytes) per 16-byte vector
   static constexpr int kScaleBlock = 128;
   static_assert(kBK == kScaleBlock, "the mainloop applies the scales once per k-tile");

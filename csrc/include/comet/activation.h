@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "comet/config.h"
+#include "comet/fp8_rows.h"  // kScaleBlock
 
 #if !COMET_DEVICE_CODE
 #include <cmath>
@@ -40,6 +41,16 @@ COMET_HD int64_t activation_cols(Activation a, int64_t n0) {
 // The GEMM column (w0 row) of output column j's gate (or its only input) and of its up half.
 COMET_HD int64_t activation_gate_col(int64_t j) { return j; }
 COMET_HD int64_t activation_up_col(int64_t j, int64_t f) { return f + j; }
+
+// h's columns per layer0 n-tile: the backend's tile of h (`tile_h`: the CPU tile's n; the CUDA
+// mma.sync kernels' GEMM tile_n / 2 for a gated form, tile_n for a plain one), rounded up to whole
+// 1 x 128 scale blocks with h_fp8, so that each tile quantises its own blocks and the bits never
+// depend on the tile. The schedule's n-tile count is ceil(F / activation_tile_cols(...)) on every
+// backend. (A CUDA tile of 128 h columns of a gated form computes them as two GEMM tiles of 64 h
+// columns, one after the other: csrc/cuda/h_fp8_epilogue.cuh.)
+COMET_HD int64_t activation_tile_cols(int64_t tile_h, bool h_fp8) {
+  return h_fp8 ? ceil_div(tile_h, kScaleBlock) * kScaleBlock : tile_h;
+}
 
 // The B-row remap of a tile of h's columns [j0, j0 + half): the tile's GEMM computes 2 * half
 // columns (gated forms; plain forms and no activation: `half` columns), whose B row i (a w0 row,
