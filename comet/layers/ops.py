@@ -604,14 +604,16 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
 
 def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8, h_fp8) -> bool:
     """Whether the op cannot fuse the activation of this call (csrc/cuda/ops_cuda.cpp refuses it
-    there, the same rule): on CUDA the sm_80 path's kernels (sm_80 / sm_86 / sm_89 and newer
-    GPUs) and the sm_89 FP8 kernel fuse it; h_fp8, any call on an sm_90 GPU (the sm_90a kernels)
-    and a gated form in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet)."""
+    there, the same rule): on CUDA the 16-bit kernels of both paths (sm_80 and sm_90a) and the
+    sm_89 FP8 kernel fuse it; h_fp8, FP8 on an sm_90 GPU (the sm_90a FP8 kernel) and a gated form
+    in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet)."""
     if not (isinstance(x, torch.Tensor) and x.device.type == "cuda"):
         return False
-    if h_fp8 or torch.cuda.get_device_capability(x.device)[0] == 9:
+    if h_fp8:
         return True
     fp8 = bool(dispatch_fp8) or _is_fp8(x) or _is_fp8(w0)
+    if fp8 and torch.cuda.get_device_capability(x.device)[0] == 9:
+        return True
     shaped = isinstance(w0, torch.Tensor) and w0.dim() == 3
     n0 = w0.shape[2 if w0_transposed else 1] if shaped else 0
     return fp8 and activation in _act.GATED and n0 % 128 != 0

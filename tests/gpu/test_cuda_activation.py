@@ -1,10 +1,11 @@
 """moe_layer0(activation=...) on CUDA, one process per GPU (see conftest.py for the command).
 WRITTEN, NEVER RUN: no machine of this project has had a GPU for it; the file skips without one.
 
-The sm_80 path's 16-bit kernels (sm_80 / sm_86 / sm_89 and newer GPUs) fuse the activation into
-layer0's epilogue (B-row remap, gate and up accumulators paired in registers); on sm_90 GPUs, with
-FP8 operands and with h_fp8 the op refuses `activation=` (an error on every rank before any
-kernel, the buffer then serving the next call) and comet.moe_layer0 applies it after the op.
+The 16-bit kernels of both paths (the sm_80 path on sm_80 / sm_86 / sm_89 and newer GPUs, the
+sm_90a TMA + wgmma kernels on sm_90) fuse the activation into layer0's epilogue (B-row remap, gate
+and up accumulators paired in registers); with FP8 operands on sm_90 and with h_fp8 the op
+refuses `activation=` (an error on every rank before any kernel, the buffer then serving the next
+call) and comet.moe_layer0 applies it after the op.
 Checked here, on whichever the GPU runs: each activation against a float64 oracle of the rank's
 rows written in this file (bf16 tolerance), with biases, transposed weights, awkward shapes (odd
 H, odd F, F spanning a partial n-tile, E_local = 3, dropped slots, more than one m-tile),
@@ -35,11 +36,6 @@ def _buffer():
     from comet.buffers import symm_cuda
 
     return symm_cuda.buffer_for(None, _device())
-
-
-def _fuses() -> bool:
-    """Whether this GPU's kernels fuse the activation (the sm_80 path's; not sm_90's yet)."""
-    return torch.cuda.get_device_capability(_device())[0] != 9
 
 
 def _oracle(name, y):
@@ -99,6 +95,27 @@ def test_activation_matches_float64_oracle(name, case, transposed):
     assert torch.equal(h.view(torch.int16), again.view(torch.int16))  # bitwise run to run
 
 
+@pytest.mark.parametrize("tile", [(128, 128), (64, 128)], ids=["tile128", "tile64"])
+@pytest.mark.parametrize("name", ["swiglu", "silu"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_activation_both_tile_heights(name, tile, transposed):
+    """Both tile heights of each path (on sm_90 the 128-row tile's two MMA warpgroups and the
+    64-row tile's one), both weight layouts, against the oracle; H % 8 == 0 and F % 8 == 0 so the
+    sm_90a kernels take it there. F = 136: h's last n-tile is partial (8 columns), its up box
+    reads past the gate half's end."""
+    case = _big_case()
+    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
+    b0s = make_biases(case, BF16)[0]
+    dev = _device()
+    w0 = w0s[RANK].transpose(1, 2).contiguous() if transposed else w0s[RANK]
+    h, lay = comet.moe_layer0(xs[RANK].to(dev), w0.to(dev), ids[RANK].to(dev),
+                              num_experts=case.experts, b0=b0s[RANK].to(dev), activation=name,
+                              w0_transposed=transposed, tile=tile, buffer=_buffer())
+    want = _expected(name, case, xs, w0s, b0s, ids, lay)
+    if want is not None:
+        torch.testing.assert_close(h.cpu().double(), want, **TOL)
+
+
 @pytest.mark.parametrize("name", ["swiglu", "gelu"])
 def test_activation_with_max_rows_and_no_bias(name):
     case = _big_case()
@@ -140,23 +157,19 @@ def test_activation_under_tensor_parallelism():
 
 
 def test_op_fuses_or_refuses_on_every_rank():
-    """The op itself: fused on the sm_80 path's GPUs (the oracle's values), refused on sm_90
-    (ValueError on every rank, the buffer then serving the next call)."""
+    """The op itself: fused for 16-bit operands on every GPU (the oracle's values); h_fp8 and an
+    odd N0 refused (ValueError on every rank, the buffer then serving the next call)."""
     case = cases_for(WORLD)[0]
     xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
     dev = _device()
     buf = _buffer()
     args = (xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev), case.experts, buf.handle,
             8, 0, 128, 128)
-    if _fuses():
-        h, _a, _rc, _sp, src, tok, slot = torch.ops.comet.moe_layer0(*args, activation="swiglu")
-        rows = [_oracle("swiglu", xs[s][t].double() @ torch.cat(w0s)[int(ids[s][t, j])].double().T)
-                for s, t, j in zip(src.tolist(), tok.tolist(), slot.tolist())]
-        if rows:
-            torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
-    else:
-        with pytest.raises(ValueError, match="not fused into the sm_90a kernels yet"):
-            torch.ops.comet.moe_layer0(*args, activation="swiglu")
+    h, _a, _rc, _sp, src, tok, slot = torch.ops.comet.moe_layer0(*args, activation="swiglu")
+    rows = [_oracle("swiglu", xs[s][t].double() @ torch.cat(w0s)[int(ids[s][t, j])].double().T)
+            for s, t, j in zip(src.tolist(), tok.tolist(), slot.tolist())]
+    if rows:
+        torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
     with pytest.raises(ValueError, match="h_fp8=True is not fused into the CUDA kernels"):
         torch.ops.comet.moe_layer0(*args, activation="swiglu", h_fp8=True)
     with pytest.raises(ValueError, match="pairs w0's gate and up halves"):
