@@ -310,6 +310,23 @@ struct ActParams {
 template <class C, bool kAct>
 using KernelParams = cute::conditional_t<kAct, ActParams<C>, typename C::Params>;
 
+// The register split of the producer and MMA warpgroups (setmaxnreg): the fused instantiation's
+// own where its config has one (GemmConfig's kAct*Registers).
+template <class C, bool kAct>
+constexpr uint32_t load_registers() {
+  if constexpr (kAct)
+    return C::kActLoadRegisters;
+  else
+    return C::kLoadRegisters;
+}
+template <class C, bool kAct>
+constexpr uint32_t mma_registers() {
+  if constexpr (kAct)
+    return C::kActMmaRegisters;
+  else
+    return C::kMmaRegisters;
+}
+
 template <class P>
 __host__ __device__ __forceinline__ const P& main_params(const P& mp) {
   return mp;
@@ -428,9 +445,13 @@ __device__ __forceinline__ void producer_walk(const CallParams& p, const WaitCon
 
 // kAct (layer0): the fused activation's instantiation (kp: ActParams<C>; see PairedB): B through
 // the remap, the epilogue store_activation_tile. The plain kernel (kAct false) is unchanged.
+// Force-inlined: the fused kernel calls it directly (its body too large for the compiler to
+// inline it otherwise, and a kernel with wgmma must contain no real call: gpu_context.cuh); the
+// plain kernel through gemm_block below, as it always did.
 template <class C, int kLayer, bool kAct>
-__device__ __forceinline__ void gemm_block(const CallParams& p, const KernelParams<C, kAct>& kp,
-                                           char* smem, uint64_t epoch) {
+__device__ __forceinline__ void gemm_block_body(const CallParams& p,
+                                                const KernelParams<C, kAct>& kp, char* smem,
+                                                uint64_t epoch) {
   static_assert(!kAct || kLayer == 0, "the activation is fused into layer0 only");
   const typename C::Params& mp = main_params(kp);
   using T = typename C::Element;
@@ -476,7 +497,7 @@ __device__ __forceinline__ void gemm_block(const CallParams& p, const KernelPara
 
   Mainloop collective;
   if (warp_group == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<kAct ? C::kActLoadRegisters : C::kLoadRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<load_registers<C, kAct>()>();
     if constexpr (kScaled) {
       if (warp_in_group == 1) {
         // The scales of the same tiles in the same order (and, layer0, after the same waits: the
@@ -518,32 +539,38 @@ __device__ __forceinline__ void gemm_block(const CallParams& p, const KernelPara
       // Weights before rows (weights_first.cuh): a tile's first stages of B are loaded before
       // the wait for its rows, which layer0_gemm_deferred hands to the load.
       ProducerContext ctx(wc);
-      layer0_gemm_deferred(ctx, g, ng, ga,
-                           [&](const MTile& mt, int32_t nt, auto&& wait) COMET_LAMBDA_INLINE {
-        auto [gA, gB] = tile_views(mt, nt);
-        if constexpr (kAct) {
-          // h's n-tile nt: columns [j0, j0 + half); its B rows from activation_b_row.
-          const Activation act = Activation(p.activation);
-          const int64_t F = activation_cols(act, n_out);
-          const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
-          const int64_t j0 = int64_t(nt) * half;
-          constexpr int kBox = PairedB<C>::kHalf;  // B rows per box
-          Tensor mBh = kp.b_half.get_tma_tensor(
-              C::kBMn ? make_shape(int(n_out), int(K), int(p.experts_local))
-                      : make_shape(int(b_rows), int(K), 1));
-          load_weights_first<typename C::Mainloop>(
-              mp, pipeline, state, ss.tensors, gA(_, _, 0, _, 0),
-              paired_b_loads<C>(kp.b_half, ss.tensors, mBh, activation_b_row(0, half, F, j0),
-                                activation_b_row(kBox, half, F, j0), mt.expert, n_out),
-              k_tiles, wait);
-        } else {
+      if constexpr (kAct) {
+        // Force-inlined (the kernel must contain no real call: gpu_context.cuh); the plain
+        // kernel's lambda below is left to the compiler, as it always was.
+        layer0_gemm_deferred(
+            ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) COMET_LAMBDA_INLINE {
+              auto [gA, gB] = tile_views(mt, nt);
+              // h's n-tile nt: columns [j0, j0 + half); its B rows from activation_b_row.
+              const Activation act = Activation(p.activation);
+              const int64_t F = activation_cols(act, n_out);
+              const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
+              const int64_t j0 = int64_t(nt) * half;
+              constexpr int kBox = PairedB<C>::kHalf;  // B rows per box
+              Tensor mBh = kp.b_half.get_tma_tensor(
+                  C::kBMn ? make_shape(int(n_out), int(K), int(p.experts_local))
+                          : make_shape(int(b_rows), int(K), 1));
+              load_weights_first<typename C::Mainloop>(
+                  mp, pipeline, state, ss.tensors, gA(_, _, 0, _, 0),
+                  paired_b_loads<C>(kp.b_half, ss.tensors, mBh, activation_b_row(0, half, F, j0),
+                                    activation_b_row(kBox, half, F, j0), mt.expert, n_out),
+                  k_tiles, wait);
+              state.advance(k_tiles);
+            });
+      } else {
+        layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
+          auto [gA, gB] = tile_views(mt, nt);
           load_weights_first<typename C::Mainloop>(
               mp, pipeline, state, ss.tensors, gA(_, _, 0, _, 0),
               whole_b_loads<typename C::Mainloop>(mp, ss.tensors, gB(_, _, 0, _, 0)), k_tiles,
               wait);
-        }
-        state.advance(k_tiles);
-      });
+          state.advance(k_tiles);
+        });
+      }
     } else {
       auto load_tile = [&](const MTile& mt, int32_t nt) {
         auto [gA, gB] = tile_views(mt, nt);
@@ -571,7 +598,7 @@ __device__ __forceinline__ void gemm_block(const CallParams& p, const KernelPara
   }
 
   // MMA warpgroups: mainloop, then a predicated epilogue straight from the accumulators.
-  cutlass::arch::warpgroup_reg_alloc<kAct ? C::kActMmaRegisters : C::kMmaRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<mma_registers<C, kAct>()>();
   const int mma_thread = int(threadIdx.x) - 128;
   PipelineState state;
   typename C::TiledMma tiled_mma;
@@ -579,10 +606,7 @@ __device__ __forceinline__ void gemm_block(const CallParams& p, const KernelPara
   Tensor tCcC = thr_mma.partition_C(make_identity_tensor(take<0, 2>(typename C::TileShape{})));
   ConsumerContext ctx(128, C::kMmaThreads, C::kConsumerBarrier);
 
-  // Force-inlined (as the tile walks' lambdas below): a kernel with wgmma must contain no real
-  // call (gpu_context.cuh), and the fused activation's epilogue makes this body large enough for
-  // the compiler to keep it out of line otherwise.
-  auto compute_tile = [&](const MTile& mt, int32_t nt, auto* out) COMET_LAMBDA_INLINE {
+  auto compute_tile = [&](const MTile& mt, int32_t nt, auto* out) {
     Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename C::TileShape{}));
     // The blockwise mainloop adds each scaled k-tile into acc (acc += partial * scale) and never
     // zeroes it; the 16-bit mainloop's first wgmma overwrites it.
@@ -594,34 +618,54 @@ __device__ __forceinline__ void gemm_block(const CallParams& p, const KernelPara
     // (fp32) before the comm blocks' top-k weighting.
     using Bias = typename C::Out0;  // the 16-bit kernels' T; bf16 with FP8 operands
     const Bias* bias = static_cast<const Bias*>(kLayer == 0 ? p.b0 : p.b1);
-    if constexpr (kAct) {
-      // h's n-tile nt (as the producer's): gate column c of the accumulator pairs with up column
-      // c + 64 in the same thread (fragment_halves_pair: tools/check_ptxas.py checks it for these
-      // TiledMmas); h [rows_cap, F] is y0's storage.
-      const Activation act = Activation(p.activation);
-      const int64_t F = activation_cols(act, n_out);
-      const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
-      const int64_t j0 = int64_t(nt) * half;
-      const int cols = int(F - j0 < half ? F - j0 : half);
-      store_activation_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * F + j0, F,
-                            bias != nullptr ? bias + int64_t(mt.expert) * n_out + j0 : nullptr,
-                            act);
-    } else {
-      const int64_t col0 = int64_t(nt) * C::kTileN;
-      const int cols = int(n_out - col0 < C::kTileN ? n_out - col0 : C::kTileN);
-      store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out,
-                 bias != nullptr ? bias + int64_t(mt.expert) * n_out + col0 : nullptr);
-    }
+    const int64_t col0 = int64_t(nt) * C::kTileN;
+    const int cols = int(n_out - col0 < C::kTileN ? n_out - col0 : C::kTileN);
+    store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out,
+               bias != nullptr ? bias + int64_t(mt.expert) * n_out + col0 : nullptr);
+  };
+  // The fused activation's tile (kAct: h's n-tile nt, as the producer's): gate column c of the
+  // accumulator pairs with up column c + 64 in the same thread (fragment_halves_pair:
+  // tools/check_ptxas.py checks it for these TiledMmas); h [rows_cap, F] is y0's storage.
+  // Force-inlined, as the walk's lambda below: a kernel with wgmma must contain no real call
+  // (gpu_context.cuh), and the activation's epilogue makes the body large enough for the compiler
+  // to keep it out of line otherwise.
+  // Its mainloop is compute_tile's, written out again so that the plain kernel's code stays as it
+  // was.
+  auto act_tile = [&](const MTile& mt, int32_t nt, auto* out) COMET_LAMBDA_INLINE {
+    Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename C::TileShape{}));
+    if constexpr (kScaled) clear(acc);
+    collective.mma(pipeline, state, acc, k_tiles, mma_thread, ss.tensors, mp);
+    collective.mma_tail(pipeline, state, k_tiles);
+    state.advance(k_tiles);
+    using Bias = typename C::Out0;
+    const Bias* bias = static_cast<const Bias*>(p.b0);
+    const Activation act = Activation(p.activation);
+    const int64_t F = activation_cols(act, n_out);
+    const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
+    const int64_t j0 = int64_t(nt) * half;
+    const int cols = int(F - j0 < half ? F - j0 : half);
+    store_activation_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * F + j0, F,
+                          bias != nullptr ? bias + int64_t(mt.expert) * n_out + j0 : nullptr,
+                          act);
   };
   if constexpr (kLayer == 0) {
     auto* y0 = static_cast<typename C::Out0*>(p.y0);
-    layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) COMET_LAMBDA_INLINE {
-      compute_tile(mt, nt, y0);
-    });
+    if constexpr (kAct)
+      layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) COMET_LAMBDA_INLINE {
+        act_tile(mt, nt, y0);
+      });
+    else
+      layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, y0); });
   } else {
     float* c = p.c;
     layer1_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, c); });
   }
+}
+
+template <class C, int kLayer>
+__device__ void gemm_block(const CallParams& p, const typename C::Params& mp, char* smem,
+                           uint64_t epoch) {
+  gemm_block_body<C, kLayer, false>(p, mp, smem, epoch);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -646,7 +690,10 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     }
     return;
   }
-  gemm_block<C, kLayer, kAct>(p, mp, smem, epoch);
+  if constexpr (kAct)
+    gemm_block_body<C, kLayer, true>(p, mp, smem, epoch);
+  else
+    gemm_block<C, kLayer>(p, mp, smem, epoch);
 #endif
 }
 

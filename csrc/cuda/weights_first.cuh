@@ -61,10 +61,9 @@ __device__ __forceinline__ auto whole_b_loads(const Params& mp, Storage& st, con
 // (the caller advances it by k_tiles, as after collective.load).
 template <class Mainloop, class Pipeline, class PipelineState, class Params, class Storage,
           class TensorA, class LoadB, class Wait>
-__device__ __forceinline__ void load_weights_first(const Params& mp, Pipeline& pipeline,
-                                                   PipelineState state, Storage& st,
-                                                   const TensorA& gA, const LoadB& load_b,
-                                                   int k_tiles, Wait&& wait) {
+__device__ void load_weights_first(const Params& mp, Pipeline& pipeline, PipelineState state,
+                                   Storage& st, const TensorA& gA, const LoadB& load_b,
+                                   int k_tiles, Wait&& wait) {
   using namespace cute;
   using Barrier = typename Pipeline::ProducerBarrierType;
   constexpr int kStages = size<2>(typename Mainloop::SmemLayoutA{});
