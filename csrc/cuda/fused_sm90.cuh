@@ -311,21 +311,15 @@ template <class C, bool kAct>
 using KernelParams = cute::conditional_t<kAct, ActParams<C>, typename C::Params>;
 
 // The register split of the producer and MMA warpgroups (setmaxnreg): the fused instantiation's
-// own where its config has one (GemmConfig's kAct*Registers).
+// own (GemmConfig's kAct*Registers; the FP8 configs have no fused instantiation).
 template <class C, bool kAct>
-constexpr uint32_t load_registers() {
-  if constexpr (kAct)
-    return C::kActLoadRegisters;
-  else
-    return C::kLoadRegisters;
-}
-template <class C, bool kAct>
-constexpr uint32_t mma_registers() {
-  if constexpr (kAct)
-    return C::kActMmaRegisters;
-  else
-    return C::kMmaRegisters;
-}
+struct Registers {
+  static constexpr uint32_t kLoad = C::kLoadRegisters, kMma = C::kMmaRegisters;
+};
+template <class C>
+struct Registers<C, true> {
+  static constexpr uint32_t kLoad = C::kActLoadRegisters, kMma = C::kActMmaRegisters;
+};
 
 template <class P>
 __host__ __device__ __forceinline__ const P& main_params(const P& mp) {
@@ -497,7 +491,7 @@ __device__ __forceinline__ void gemm_block_body(const CallParams& p,
 
   Mainloop collective;
   if (warp_group == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<load_registers<C, kAct>()>();
+    cutlass::arch::warpgroup_reg_dealloc<Registers<C, kAct>::kLoad>();
     if constexpr (kScaled) {
       if (warp_in_group == 1) {
         // The scales of the same tiles in the same order (and, layer0, after the same waits: the
@@ -598,7 +592,7 @@ __device__ __forceinline__ void gemm_block_body(const CallParams& p,
   }
 
   // MMA warpgroups: mainloop, then a predicated epilogue straight from the accumulators.
-  cutlass::arch::warpgroup_reg_alloc<mma_registers<C, kAct>()>();
+  cutlass::arch::warpgroup_reg_alloc<Registers<C, kAct>::kMma>();
   const int mma_thread = int(threadIdx.x) - 128;
   PipelineState state;
   typename C::TiledMma tiled_mma;
