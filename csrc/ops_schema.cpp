@@ -36,12 +36,13 @@
 //
 //   activation (layer0): "swiglu" / "geglu" / "silu" / "gelu" fused into the GEMM's epilogue
 //     (comet/activation.h): y0 is then h, [M, N0/2] for the gated forms (w0 = [gate; up]) or
-//     [M, N0], computed from the fp32 accumulators (bias added) and rounded once. CPU backend
-//     only for now: the CUDA kernels refuse it (the comet.moe_layer0 wrapper applies it after
-//     the op there).
+//     [M, N0], computed from the fp32 accumulators (bias added) and rounded once. CUDA: the
+//     16-bit kernels of both paths and the sm_89 FP8 kernel; FP8 on sm_90 is refused (the
+//     comet.moe_layer0 wrapper applies it after the op there).
 //   h_fp8 (layer0, with an activation): h is emitted quantised, as FP8 packed rows uint8
 //     [rows, fp8_row_bytes(cols)] (values and 1 x 128 scales, comet/fp8_rows.h: quantize_rows'
-//     bits of the fp32 h); rows past M (max_rows) hold zeros with scale 1.
+//     bits of the fp32 h); rows past M (max_rows) hold zeros with scale 1 on the CPU backend,
+//     unspecified on CUDA. CUDA: the sm_80 path and sm_89; refused on sm_90.
 //
 // fp8_quantize_rows / fp8_quantize_blocks: comet.fp8's quantisers (csrc/fp8_quant.cpp).
 #include <torch/library.h>

@@ -497,3 +497,39 @@ def test_b_row_remap_covers_each_w0_row_once(f, half):
             assert r == (-1 if col >= f else col if i < half else f + col), (j0, i)
         seen += [r for r in rows if r >= 0]
     assert sorted(seen) == list(range(2 * f))
+
+
+# -- Where CUDA fuses it: the wrapper's mirror of the op's rule (csrc/cuda/ops_cuda.cpp) ---------
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0)], ids=lambda c: f"sm{c[0]}{c[1]}")
+def test_cuda_fusion_rule_mirrors_the_op(cap, monkeypatch):
+    """comet.moe_layer0 applies the activation after the op exactly where moe_layer0_cuda refuses
+    it: 16-bit operands fuse on every GPU (sm_80 path, sm_90a kernels), FP8 on sm_90 does not,
+    a gated FP8 form needs N0 % 128 == 0, h_fp8 fuses except on sm_90 (the sm_80 path's and
+    sm_89's epilogues quantise, sm_90a's do not yet); CPU tensors always fuse. The CUDA tensors
+    are fake (no GPU needed), the capability is the test's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from comet.layers.ops import _unfused_activation
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    with FakeTensorMode():
+        x16 = torch.empty(4, 64, device="cuda", dtype=torch.bfloat16)
+        x8 = torch.empty(4, 64, device="cuda", dtype=torch.float8_e4m3fn)
+        w_256 = torch.empty(2, 256, 64, device="cuda", dtype=torch.bfloat16)  # N0 = 256
+        w_144 = torch.empty(2, 144, 64, device="cuda", dtype=torch.bfloat16)  # F = 72
+        w8_144 = torch.empty(2, 144, 64, device="cuda", dtype=torch.float8_e4m3fn)
+    fp8_here = cap == (9, 0)  # the sm_90a kernels fuse neither FP8 nor h_fp8
+    for name in ACTS:
+        for w in (w_256, w_144):
+            assert not _unfused_activation(x16, w, False, name, False, False)
+            assert _unfused_activation(x16, w, False, name, False, True) == fp8_here  # h_fp8
+        assert _unfused_activation(x8, w8_144, False, name, False, False) == (
+            fp8_here or name in GATED)
+        assert _unfused_activation(x16, w_256, False, name, True, False) == fp8_here
+        assert _unfused_activation(x16, w_144, False, name, True, False) == (
+            fp8_here or name in GATED)
+        assert _unfused_activation(x16, w_144.transpose(1, 2), True, name, True, False) == (
+            fp8_here or name in GATED)
+        cpu = torch.empty(4, 64, dtype=torch.bfloat16)
+        assert not _unfused_activation(cpu, torch.empty(2, 144, 64), False, name, True, True)

@@ -91,6 +91,17 @@ void rows(const char* tag) {
                   h_fp8_rows_in_quads<typename F16::TiledMma, F16::kBM, F16::kBN>()));
   std::printf("pairs:hfp8_rows_sm89_fp8%s %d 0\n", tag,
               int(h_fp8_rows_in_quads<typename F8::TiledMma, F8::kBM, F8::kBN>()));
+  // sm_90a: the wgmma TiledMma of each tile height (128 rows: two MMA warpgroups, 64: one), of
+  // every instantiation the fused activation runs (both dtypes, both B layouts).
+  using S0 = sm90::GemmConfig<cutlass::bfloat16_t, sm90::KMajorB, kM>;
+  using S1 = sm90::GemmConfig<cutlass::bfloat16_t, sm90::MnMajorB, kM>;
+  using S2 = sm90::GemmConfig<cutlass::half_t, sm90::KMajorB, kM>;
+  using S3 = sm90::GemmConfig<cutlass::half_t, sm90::MnMajorB, kM>;
+  std::printf("pairs:sm90%s %d 0\n", tag,
+              int(fragment_halves_pair<typename S0::TiledMma, S0::kTileM, S0::kTileN>() &&
+                  fragment_halves_pair<typename S1::TiledMma, S1::kTileM, S1::kTileN>() &&
+                  fragment_halves_pair<typename S2::TiledMma, S2::kTileM, S2::kTileN>() &&
+                  fragment_halves_pair<typename S3::TiledMma, S3::kTileM, S3::kTileN>()));
 }
 int main() {
   rows<128>("");
@@ -207,9 +218,9 @@ def compile_one(source: str, outdir: str, objdump: str | None):
     return source, proc.returncode, proc.stdout + proc.stderr, secs, sass
 
 
-def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
-    """{family: (bytes, threads)} from a host-only probe (empty on failure); also
-    {"pairs:<family>": (1 or 0, 0)}, the fused activation's pairing check."""
+def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]] | None:
+    """{family: (bytes, threads)} from a host-only probe (None when it does not build or run);
+    also {"pairs:<family>": (1 or 0, 0)}, the fused activation's pairing check."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.cu")
         exe = os.path.join(tmp, "probe")
@@ -217,9 +228,15 @@ def dynamic_smem(archs: list[str]) -> dict[str, tuple[int, int]]:
             f.write(SMEM_PROBE)
         cmd = comet_build.nvcc_command(ROOT, src, ["90a" if "90a" in archs else archs[0]])
         cmd = [c for c in cmd if c != "-c"] + ["-o", exe]
-        if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
-            return {}
-        out = subprocess.run([exe], capture_output=True, text=True).stdout
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode != 0:
+            print("check_ptxas: the host probe does not build:\n" + built.stderr[-3000:],
+                  file=sys.stderr)
+            return None
+        ran = subprocess.run([exe], capture_output=True, text=True)
+        if ran.returncode != 0:
+            return None
+        out = ran.stdout
     res = {}
     for line in out.splitlines():
         key, smem, threads = line.split()
@@ -281,6 +298,10 @@ def main(argv=None) -> int:
         print(f"total compile time {time.time() - t0:.0f} s with {args.jobs} job(s)")
 
     smem = {} if args.no_smem_probe or args.log else dynamic_smem(archs)
+    if smem is None:  # no probe: neither the dynamic shared memory nor the pairing is known
+        problems.append("the host probe (dynamic shared memory, the fused activation's "
+                        "accumulator pairing) did not build or run")
+        smem = {}
     # The probe's "pairs:<family> <ok> 0" lines: the fused activation's accumulator pairing.
     pairs = {k: v[0] for k, v in smem.items() if k.startswith("pairs:")}
     smem = {k: v for k, v in smem.items() if not k.startswith("pairs:")}

@@ -572,7 +572,7 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
         buf.fail_call(0, "comet.moe_layer0: h_fp8=True quantises the fused activation's h: pass "
                          "activation= too")
     if activation is not None and _unfused_activation(x, w0, w0_transposed, activation,
-                                                      dispatch_fp8):
+                                                      dispatch_fp8, h_fp8):
         h, layout = _activated_after(buf, activation, x, w0, w0_transposed, lambda: moe_layer0(
             x, w0, topk_ids, num_experts=num_experts, b0=b0, w0_transposed=w0_transposed,
             max_rows=max_rows, group=group, n_comm=n_comm, tile=tile, buffer=buffer,
@@ -603,17 +603,17 @@ def moe_layer0(x, w0, topk_ids, *, num_experts: int, b0=None, w0_transposed: boo
     return h, layout
 
 
-def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8) -> bool:
+def _unfused_activation(x, w0, w0_transposed, activation, dispatch_fp8, h_fp8) -> bool:
     """Whether the op cannot fuse the activation of this call (csrc/cuda/ops_cuda.cpp refuses it
     there, the same rule): on CUDA the sm_80 path's kernels (sm_80 / sm_86 / sm_89 and newer
-    GPUs) and the sm_89 FP8 kernel fuse it, h_fp8 included; any call on an sm_90 GPU (the sm_90a
-    kernels) and a gated form in FP8 whose F = N0 / 2 is not a multiple of 64 do not (yet).
-    (h_fp8 does not change the rule: every kernel that fuses the activation fuses it too.)"""
+    GPUs) and the sm_89 FP8 kernel fuse it, h_fp8 included, and the sm_90a 16-bit kernels without
+    h_fp8; on an sm_90 GPU h_fp8 and FP8 operands are not fused (yet), nor anywhere a gated form
+    in FP8 whose F = N0 / 2 is not a multiple of 64."""
     if not (isinstance(x, torch.Tensor) and x.device.type == "cuda"):
         return False
-    if torch.cuda.get_device_capability(x.device)[0] == 9:
-        return True
     fp8 = bool(dispatch_fp8) or _is_fp8(x) or _is_fp8(w0)
+    if (fp8 or h_fp8) and torch.cuda.get_device_capability(x.device)[0] == 9:
+        return True
     shaped = isinstance(w0, torch.Tensor) and w0.dim() == 3
     n0 = w0.shape[2 if w0_transposed else 1] if shaped else 0
     return fp8 and activation in _act.GATED and n0 % 128 != 0

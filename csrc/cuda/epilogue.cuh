@@ -139,12 +139,31 @@ __host__ bool fragment_halves_pair() {
   return true;
 }
 
+// One output element of store_tile_act: its gate (or only) accumulator i and up accumulator
+// i + kOut, each with its bias (gate0 / up0: the biases of the thread's first column c0, or null;
+// dc: the element's column - c0). A function of its own, force-inlined: the wgmma kernels must
+// contain no real call (gpu_context.cuh), and the activation's math makes this body large enough
+// for the compiler to keep it out of line if it were a lambda called from every unrolled element.
+template <bool kGated, int kOut, class B, class Acc>
+__device__ __forceinline__ float act_value(const Acc& acc, int i, const B* gate0, const B* up0,
+                                           int dc, Activation act) {
+  float g = acc(i);
+  if (gate0 != nullptr) g += bias_one(gate0 + dc);
+  float u = 0.0f;
+  if constexpr (kGated) {
+    u = acc(i + kOut);
+    if (up0 != nullptr) u += bias_one(up0 + dc);
+  }
+  return activate(act, g, u);
+}
+
 // layer0's fused activation (comet/activation.h) in place of store_tile: h[r, c] of the tile's
 // in-range rows and h columns, act applied in fp32 to the accumulators with their bias added,
 // rounded once. kGated: the tile's GEMM ran through the B-row remap, so the first half of the
 // fragment holds gate columns c < half and acc(i + size / 2) is the up column c + half of the
-// same row (the mma.sync layouts of the kernels that call this: fragment_halves_pair), and h's tile is half as wide; bias_up is then the tile's slice of the up
-// half's bias. Plain forms: every element is its own h column, bias_up unused.
+// same row (the mma.sync and wgmma layouts of the kernels that call this: fragment_halves_pair),
+// and h's tile is half as wide; bias_up is then the tile's slice of the up half's bias. Plain
+// forms: every element is its own h column, bias_up unused.
 template <bool kGated, class T, class B, class Acc, class Coord>
 __device__ __forceinline__ void store_tile_act(const Acc& acc, const Coord& coord, int rows,
                                                int cols, T* dst, int64_t ld, const B* bias_gate,
@@ -155,17 +174,8 @@ __device__ __forceinline__ void store_tile_act(const Acc& acc, const Coord& coor
   const int c0 = cute::get<1>(coord(0));
   const int r0 = cute::get<0>(coord(0));
   T* const base = dst + int64_t(r0) * ld + c0;
-  // One output element: its gate (or only) accumulator i, and up accumulator i + kOut.
-  auto value = [&](int i, int dc) {
-    float g = acc(i);
-    if (bias_gate != nullptr) g += bias_one(bias_gate + c0 + dc);
-    float u = 0.0f;
-    if constexpr (kGated) {
-      u = acc(i + kOut);
-      if (bias_up != nullptr) u += bias_one(bias_up + c0 + dc);
-    }
-    return activate(act, g, u);
-  };
+  const B* const gate0 = bias_gate != nullptr ? bias_gate + c0 : nullptr;
+  const B* const up0 = bias_up != nullptr ? bias_up + c0 : nullptr;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kOut; i += 2) {
     const int r = cute::get<0>(coord(i));
@@ -176,11 +186,13 @@ __device__ __forceinline__ void store_tile_act(const Acc& acc, const Coord& coor
     if (r >= rows) continue;
     T* p = base + (int64_t(r - r0) * ld + (c - c0));
     if (adjacent && c + 1 < cols && (reinterpret_cast<uintptr_t>(p) & (2 * sizeof(T) - 1)) == 0) {
-      store_two(p, value(i, c - c0), value(i + 1, c1 - c0));
+      store_two(p, act_value<kGated, kOut>(acc, i, gate0, up0, c - c0, act),
+                act_value<kGated, kOut>(acc, i + 1, gate0, up0, c1 - c0, act));
     } else {
-      if (c < cols) store_one(p, value(i, c - c0));
+      if (c < cols) store_one(p, act_value<kGated, kOut>(acc, i, gate0, up0, c - c0, act));
       if (r1 < rows && c1 < cols)
-        store_one(base + (int64_t(r1 - r0) * ld + (c1 - c0)), value(i + 1, c1 - c0));
+        store_one(base + (int64_t(r1 - r0) * ld + (c1 - c0)),
+                  act_value<kGated, kOut>(acc, i + 1, gate0, up0, c1 - c0, act));
     }
   }
 }

@@ -130,6 +130,15 @@ struct GemmConfig {
   static constexpr int kTileM = kM, kTileN = 128, kTileK = 64;
   static constexpr uint32_t kLoadRegisters = 40;
   static constexpr uint32_t kMmaRegisters = 232;
+  // The fused activation's instantiation (PairedB): its TMA warp also keeps the two boxes' rows,
+  // and its epilogue the activation's math. Measured with ptxas (sm_90a): 40 / 232 spills (128
+  // rows: a row in the producer), and in the 64-row kernel 56 / 232 and 56 / 240 still do (a
+  // kernel-long pointer kept in local memory through the producer's code); 128 rows 48 / 224
+  // (128 x 48 + 256 x 224 = 63488 of the 65536 registers) and 64 rows 72 / 240 (one MMA
+  // warpgroup: 128 x 72 + 128 x 240) do not.
+  static constexpr uint32_t kActLoadRegisters = kM == 128 ? 48 : 72;
+  static constexpr uint32_t kActMmaRegisters = kM == 128 ? 224 : 240;
+  static_assert(128 * kActLoadRegisters + kMmaThreads * kActMmaRegisters <= 65536);
   static constexpr int kConsumerBarrier = 1;  // named barrier of the MMA warpgroups
 
   // TMA descriptors, built on the host: A [a_rows, K] (K contiguous) and B, the `experts`
@@ -140,20 +149,29 @@ struct GemmConfig {
   //    and B L = experts, so the descriptors come from two calls with the same arguments and B's
   //    is taken from the second (the same smem layout, box and TMA type: only the extents
   //    differ; the second call's A descriptor is discarded).
+  static typename Mainloop::StrideB b_stride(int64_t n, int64_t k, int64_t experts) {
+    if constexpr (!kBMn)
+      return make_stride(int64_t(k), Int<1>{}, int64_t(experts * n * k));
+    else
+      return make_stride(Int<1>{}, int64_t(n), int64_t(k * n));
+  }
+  // B's (N, K, L) extents as the B descriptor sees them (the L of the second call for MnMajorB).
+  static auto b_shape(int64_t n, int64_t k, int64_t experts) {
+    return kBMn ? make_shape(int(n), int(k), int(experts)) : make_shape(int(experts * n), int(k), 1);
+  }
   static Params make_params(const void* a, int64_t a_rows, int64_t a_ld, const void* b, int64_t n,
                             int64_t k, int64_t experts) {
     using StrideA = typename Mainloop::StrideA;
     using StrideB = typename Mainloop::StrideB;
     const StrideA da = make_stride(int64_t(a_ld), Int<1>{}, int64_t(a_rows * a_ld));
+    const StrideB db = b_stride(n, k, experts);
     if constexpr (!kBMn) {
       const int64_t b_rows = experts * n;
-      const StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
       const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
                                               static_cast<const T*>(b), db};
       return Mainloop::to_underlying_arguments(make_shape(int(a_rows), int(b_rows), int(k), 1),
                                                args, nullptr);
     } else {
-      const StrideB db = make_stride(Int<1>{}, int64_t(n), int64_t(k * n));
       const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
                                               static_cast<const T*>(b), db};
       Params mp = Mainloop::to_underlying_arguments(
@@ -226,11 +244,17 @@ struct Fp8GemmConfig {
   static constexpr int kConsumerBarrier = 1;
 
   // A [a_rows, K] with row stride a_ld bytes; B one [experts * n, K] matrix (K contiguous).
+  static typename Mainloop::StrideB b_stride(int64_t n, int64_t k, int64_t experts) {
+    return make_stride(int64_t(k), Int<1>{}, int64_t(experts * n * k));
+  }
+  static auto b_shape(int64_t n, int64_t k, int64_t experts) {
+    return make_shape(int(experts * n), int(k), 1);
+  }
   static Params make_params(const void* a, int64_t a_rows, int64_t a_ld, const void* b, int64_t n,
                             int64_t k, int64_t experts) {
     const int64_t b_rows = experts * n;
     const typename Mainloop::StrideA da = make_stride(int64_t(a_ld), Int<1>{}, int64_t(a_rows * a_ld));
-    const typename Mainloop::StrideB db = make_stride(int64_t(k), Int<1>{}, int64_t(b_rows * k));
+    const typename Mainloop::StrideB db = b_stride(n, k, experts);
     const typename Mainloop::Arguments args{static_cast<const T*>(a), da,
                                             static_cast<const T*>(b), db,
                                             nullptr, LayoutSFA{}, nullptr, LayoutSFB{}};
@@ -239,7 +263,119 @@ struct Fp8GemmConfig {
   }
 };
 
+// The fused activation's B loads (layer0's activation=, comet/activation.h): a gated tile of h's
+// columns [j0, j0 + 64) runs a 128-column GEMM tile whose B rows 0..63 are w0's gate rows
+// [j0, j0 + 64) and rows 64..127 its up rows [F + j0, F + j0 + 64) (activation_b_row; plain forms:
+// rows j0 + i, the remap the identity). The mainloop's descriptor boxes the whole 128-row tile, so
+// the fused kernels carry a second descriptor over the same weights whose box is half of it, built
+// with the first half of a stage's own (swizzled) smem layout; each stage then takes two boxes,
+// one per half, on the stage's barrier, armed as before with the whole stage's bytes (A's and both
+// halves of B's). The mainloop itself is unchanged: it reads the stage as it always does.
+template <class C>
+struct PairedB {
+  using Mainloop = typename C::Mainloop;
+  static constexpr int kHalf = C::kTileN / 2;
+  using HalfShape = Shape<Int<kHalf>, Int<C::kTileK>>;
+  using StageLayout = decltype(typename Mainloop::SmemLayoutB{}(_, _, Int<0>{}));
+  using HalfLayout = decltype(composition(StageLayout{}, HalfShape{}));
+  // Each half must be one box's destination: a dense block (the TMA box writes one), 1 KiB
+  // aligned (the 128-byte swizzle repeats every 1 KiB, so the second half, one box further, sees
+  // the same pattern as the first). The builder tiles the swizzle atoms N-first for K-major B and
+  // K-first for MN-major B, so both halves are dense in either layout.
+  static_assert(cute::cosize(HalfLayout{}.layout_b()) == kHalf * C::kTileK,
+                "a half of a stage's B tile is one dense block of shared memory");
+  static_assert(StageLayout{}.layout_b()(kHalf, 0) == kHalf * C::kTileK &&
+                    (kHalf * C::kTileK * int(sizeof(typename C::Element))) % 1024 == 0,
+                "the second half follows the first, at a multiple of the swizzle's 1 KiB");
+  using TmaElement = cute::uint_bit_t<cute::sizeof_bits_v<typename C::Element>>;
+  using GTensor = decltype(make_tensor(static_cast<const TmaElement*>(nullptr),
+                                       repeat_like(typename Mainloop::StrideB{}, int32_t(0)),
+                                       typename Mainloop::StrideB{}));
+  using Tiler = Shape<Int<C::kTileM>, Int<kHalf>, Int<C::kTileK>>;
+  using Tma = decltype(make_tma_copy_B_sm90(typename Mainloop::GmemTiledCopyB{},
+                                            std::declval<GTensor>(), HalfLayout{}, Tiler{},
+                                            typename C::ClusterShape{}));
+  static Tma make(const GTensor& g) {
+    return make_tma_copy_B_sm90(typename Mainloop::GmemTiledCopyB{}, g, HalfLayout{}, Tiler{},
+                                typename C::ClusterShape{});
+  }
+};
+
+// The fused kernels' parameters: the mainloop's, and the half-tile B descriptor.
+template <class C>
+struct ActParams {
+  typename C::Params main;
+  typename PairedB<C>::Tma b_half;
+};
+template <class C, bool kAct>
+using KernelParams = cute::conditional_t<kAct, ActParams<C>, typename C::Params>;
+
+// The register split of the producer and MMA warpgroups (setmaxnreg): the fused instantiation's
+// own (GemmConfig's kAct*Registers; the FP8 configs have no fused instantiation).
+template <class C, bool kAct>
+struct Registers {
+  static constexpr uint32_t kLoad = C::kLoadRegisters, kMma = C::kMmaRegisters;
+};
+template <class C>
+struct Registers<C, true> {
+  static constexpr uint32_t kLoad = C::kActLoadRegisters, kMma = C::kActMmaRegisters;
+};
+
+template <class P>
+__host__ __device__ __forceinline__ const P& main_params(const P& mp) {
+  return mp;
+}
+template <class C>
+__host__ __device__ __forceinline__ const typename C::Params& main_params(const ActParams<C>& ap) {
+  return ap.main;
+}
+
+// B as make_params gave it to the mainloop ((N, K, L) extents and strides), under the half box.
+template <class C>
+ActParams<C> make_act_params(const typename C::Params& mp, const void* b, int64_t n, int64_t k,
+                             int64_t experts) {
+  using PB = PairedB<C>;
+  const auto g = make_tensor(static_cast<const typename PB::TmaElement*>(b),
+                             make_layout(C::b_shape(n, k, experts), C::b_stride(n, k, experts)));
+  return ActParams<C>{mp, PB::make(g)};
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Both halves' boxes of a stage, gate half first (weights_first.cuh's BoxLoads each).
+template <class Half>
+struct PairLoads {
+  Half gate, up;
+  template <class Barrier>
+  __device__ __forceinline__ void operator()(Barrier* bar, int k, int stage) const {
+    gate(bar, k, stage);
+    up(bar, k, stage);
+  }
+};
+
+// B's loads of a fused-activation tile: two boxes per stage, B rows [0, 64) of the tile from w0
+// row `gate_row` on and rows [64, 128) from `up_row` on (rows of the [El * N0, K] view's expert, or
+// columns of MnMajorB's, as whole_b_loads' tile origin). mB: the half descriptor's TMA tensor.
+template <class C, class Tma, class Storage, class TensorB>
+__device__ __forceinline__ auto paired_b_loads(const Tma& tma, Storage& st, const TensorB& mB,
+                                               int64_t gate_row, int64_t up_row, int32_t expert,
+                                               int64_t n) {
+  using Half = typename PairedB<C>::HalfShape;
+  Tensor sB = make_tensor(make_smem_ptr(st.smem_B.data()), typename C::Mainloop::SmemLayoutB{});
+  Tensor sH = flat_divide(sB, Half{});  // (HALF, BLK_K, 2, 1, PIPE)
+  auto thr = tma.get_slice(0);
+  auto box = [&](int64_t row) {
+    const auto origin = C::kBMn ? make_coord(int(row), 0, int(expert))
+                                : make_coord(int(int64_t(expert) * n + row), 0, 0);
+    // (HALF, BLK_K, k): the half tile's k-tiles
+    return thr.partition_S(local_tile(domain_offset(origin, mB), Half{}, make_coord(0, _))(
+        _, _, _, 0));
+  };
+  // (TMA, TMA_N, TMA_K, PIPE): the stage's two halves
+  return PairLoads<decltype(box_loads(tma, box(gate_row), thr.partition_D(sH(_, _, 0, 0, _))))>{
+      box_loads(tma, box(gate_row), thr.partition_D(sH(_, _, 0, 0, _))),
+      box_loads(tma, box(up_row), thr.partition_D(sH(_, _, 1, 0, _)))};
+}
 
 // The FP8 mainloop's scale producer (warp 1 of the producer warpgroup): for each k-tile of the
 // tile, the A scales of its 128 rows (rows past the m-tile read as 0: they feed accumulators the
@@ -301,9 +437,17 @@ __device__ __forceinline__ void producer_walk(const CallParams& p, const WaitCon
   }
 }
 
-template <class C, int kLayer>
-__device__ void gemm_block(const CallParams& p, const typename C::Params& mp, char* smem,
-                           uint64_t epoch) {
+// kAct (layer0): the fused activation's instantiation (kp: ActParams<C>; see PairedB): B through
+// the remap, the epilogue store_activation_tile. The plain kernel (kAct false) is unchanged.
+// Force-inlined: the fused kernel calls it directly (its body too large for the compiler to
+// inline it otherwise, and a kernel with wgmma must contain no real call: gpu_context.cuh); the
+// plain kernel through gemm_block below, as it always did.
+template <class C, int kLayer, bool kAct>
+__device__ __forceinline__ void gemm_block_body(const CallParams& p,
+                                                const KernelParams<C, kAct>& kp, char* smem,
+                                                uint64_t epoch) {
+  static_assert(!kAct || kLayer == 0, "the activation is fused into layer0 only");
+  const typename C::Params& mp = main_params(kp);
   using T = typename C::Element;
   using Mainloop = typename C::Mainloop;
   using Pipeline = typename C::Pipeline;
@@ -347,7 +491,7 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
 
   Mainloop collective;
   if (warp_group == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<C::kLoadRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<Registers<C, kAct>::kLoad>();
     if constexpr (kScaled) {
       if (warp_in_group == 1) {
         // The scales of the same tiles in the same order (and, layer0, after the same waits: the
@@ -389,13 +533,38 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
       // Weights before rows (weights_first.cuh): a tile's first stages of B are loaded before
       // the wait for its rows, which layer0_gemm_deferred hands to the load.
       ProducerContext ctx(wc);
-      layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
-        auto [gA, gB] = tile_views(mt, nt);
-        load_weights_first<typename C::Mainloop>(mp, pipeline, state, ss.tensors,
-                                                 gA(_, _, 0, _, 0), gB(_, _, 0, _, 0), k_tiles,
-                                                 wait);
-        state.advance(k_tiles);
-      });
+      if constexpr (kAct) {
+        // Force-inlined (the kernel must contain no real call: gpu_context.cuh); the plain
+        // kernel's lambda below is left to the compiler, as it always was.
+        layer0_gemm_deferred(
+            ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) COMET_LAMBDA_INLINE {
+              auto [gA, gB] = tile_views(mt, nt);
+              // h's n-tile nt: columns [j0, j0 + half); its B rows from activation_b_row.
+              const Activation act = Activation(p.activation);
+              const int64_t F = activation_cols(act, n_out);
+              const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
+              const int64_t j0 = int64_t(nt) * half;
+              constexpr int kBox = PairedB<C>::kHalf;  // B rows per box
+              Tensor mBh = kp.b_half.get_tma_tensor(
+                  C::kBMn ? make_shape(int(n_out), int(K), int(p.experts_local))
+                          : make_shape(int(b_rows), int(K), 1));
+              load_weights_first<typename C::Mainloop>(
+                  mp, pipeline, state, ss.tensors, gA(_, _, 0, _, 0),
+                  paired_b_loads<C>(kp.b_half, ss.tensors, mBh, activation_b_row(0, half, F, j0),
+                                    activation_b_row(kBox, half, F, j0), mt.expert, n_out),
+                  k_tiles, wait);
+              state.advance(k_tiles);
+            });
+      } else {
+        layer0_gemm_deferred(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt, auto&& wait) {
+          auto [gA, gB] = tile_views(mt, nt);
+          load_weights_first<typename C::Mainloop>(
+              mp, pipeline, state, ss.tensors, gA(_, _, 0, _, 0),
+              whole_b_loads<typename C::Mainloop>(mp, ss.tensors, gB(_, _, 0, _, 0)), k_tiles,
+              wait);
+          state.advance(k_tiles);
+        });
+      }
     } else {
       auto load_tile = [&](const MTile& mt, int32_t nt) {
         auto [gA, gB] = tile_views(mt, nt);
@@ -423,7 +592,7 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
   }
 
   // MMA warpgroups: mainloop, then a predicated epilogue straight from the accumulators.
-  cutlass::arch::warpgroup_reg_alloc<C::kMmaRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<Registers<C, kAct>::kMma>();
   const int mma_thread = int(threadIdx.x) - 128;
   PipelineState state;
   typename C::TiledMma tiled_mma;
@@ -448,21 +617,57 @@ __device__ void gemm_block(const CallParams& p, const typename C::Params& mp, ch
     store_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * n_out + col0, n_out,
                bias != nullptr ? bias + int64_t(mt.expert) * n_out + col0 : nullptr);
   };
+  // The fused activation's tile (kAct: h's n-tile nt, as the producer's): gate column c of the
+  // accumulator pairs with up column c + 64 in the same thread (fragment_halves_pair:
+  // tools/check_ptxas.py checks it for these TiledMmas); h [rows_cap, F] is y0's storage.
+  // Force-inlined, as the walk's lambda below: a kernel with wgmma must contain no real call
+  // (gpu_context.cuh), and the activation's epilogue makes the body large enough for the compiler
+  // to keep it out of line otherwise.
+  // Its mainloop is compute_tile's, written out again so that the plain kernel's code stays as it
+  // was.
+  auto act_tile = [&](const MTile& mt, int32_t nt, auto* out) COMET_LAMBDA_INLINE {
+    Tensor acc = partition_fragment_C(tiled_mma, take<0, 2>(typename C::TileShape{}));
+    if constexpr (kScaled) clear(acc);
+    collective.mma(pipeline, state, acc, k_tiles, mma_thread, ss.tensors, mp);
+    collective.mma_tail(pipeline, state, k_tiles);
+    state.advance(k_tiles);
+    using Bias = typename C::Out0;
+    const Bias* bias = static_cast<const Bias*>(p.b0);
+    const Activation act = Activation(p.activation);
+    const int64_t F = activation_cols(act, n_out);
+    const int64_t half = activation_gated(act) ? C::kTileN / 2 : C::kTileN;
+    const int64_t j0 = int64_t(nt) * half;
+    const int cols = int(F - j0 < half ? F - j0 : half);
+    store_activation_tile(acc, tCcC, mt.rows, cols, out + mt.row_begin * F + j0, F,
+                          bias != nullptr ? bias + int64_t(mt.expert) * n_out + j0 : nullptr,
+                          act);
+  };
   if constexpr (kLayer == 0) {
     auto* y0 = static_cast<typename C::Out0*>(p.y0);
-    layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, y0); });
+    if constexpr (kAct)
+      layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) COMET_LAMBDA_INLINE {
+        act_tile(mt, nt, y0);
+      });
+    else
+      layer0_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, y0); });
   } else {
     float* c = p.c;
     layer1_gemm(ctx, g, ng, ga, [&](const MTile& mt, int32_t nt) { compute_tile(mt, nt, c); });
   }
 }
 
+template <class C, int kLayer>
+__device__ void gemm_block(const CallParams& p, const typename C::Params& mp, char* smem,
+                           uint64_t epoch) {
+  gemm_block_body<C, kLayer, false>(p, mp, smem, epoch);
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-template <class C, int kLayer>
+template <class C, int kLayer, bool kAct = false>
 __global__ void __launch_bounds__(C::kThreads, 1)
     fused_kernel(const __grid_constant__ CallParams p,
-                 const __grid_constant__ typename C::Params mp) {
+                 const __grid_constant__ KernelParams<C, kAct> mp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) char smem[];
   const uint64_t epoch = p.state->epoch;  // set by this call's begin kernel
@@ -479,13 +684,16 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     }
     return;
   }
-  gemm_block<C, kLayer>(p, mp, smem, epoch);
+  if constexpr (kAct)
+    gemm_block_body<C, kLayer, true>(p, mp, smem, epoch);
+  else
+    gemm_block<C, kLayer>(p, mp, smem, epoch);
 #endif
 }
 
-template <class C, int kLayer>
+template <class C, int kLayer, bool kAct = false>
 FusedKernelInfo info() {
-  auto* k = &fused_kernel<C, kLayer>;
+  auto* k = &fused_kernel<C, kLayer, kAct>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   return FusedKernelInfo{reinterpret_cast<const void*>(k), C::kThreads, C::kSmemBytes};
 }
@@ -493,7 +701,8 @@ FusedKernelInfo info() {
 // B: p.w0 / p.w1 in BMajor's layout (MnMajorB: the ops' transposed weights as given; the caller
 // checked N % 8 == 0 and 16-byte alignment, TMA's conditions on B's strides and base).
 // FP8 (Fp8GemmConfig): A's row stride is p.a_ld (layer0's packed rows are longer than H).
-template <class C, int kLayer>
+// kAct: layer0's fused activation (its own instantiation, with the half-tile B descriptor).
+template <class C, int kLayer, bool kAct = false>
 void launch(const CallParams& p, int grid, cudaStream_t stream) {
   const int64_t K = kLayer == 0 ? p.hidden : p.cols;
   const int64_t n_out = kLayer == 0 ? p.cols : p.hidden;
@@ -504,26 +713,43 @@ void launch(const CallParams& p, int grid, cudaStream_t stream) {
   const int64_t a_ld = C::kBlockScaled ? p.a_ld : K;
   const void* b = kLayer == 0 ? p.w0 : p.w1;
   const typename C::Params mp = C::make_params(a, a_rows, a_ld, b, n_out, K, p.experts_local);
-  info<C, kLayer>();
-  fused_kernel<C, kLayer><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
+  info<C, kLayer, kAct>();
+  if constexpr (kAct)
+    fused_kernel<C, kLayer, true><<<grid, C::kThreads, C::kSmemBytes, stream>>>(
+        p, make_act_params<C>(mp, b, n_out, K, p.experts_local));
+  else
+    fused_kernel<C, kLayer><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, mp);
 }
 
 // What the fused_sm90_layer*.cu entry points instantiate: the kernel for B's layout and the
 // call's tile rows (p.tile_m: 128, or 64 for few rows per expert; Checker::launch admits no
-// other).
+// other). act (layer0 only): the fused activation's instantiation (p.activation).
 template <class T, int kLayer, int kM>
-FusedKernelInfo info_rows(bool b_mn_major) {
+FusedKernelInfo info_rows(bool b_mn_major, bool act) {
+  if constexpr (kLayer == 0)
+    if (act)
+      return b_mn_major ? info<GemmConfig<T, MnMajorB, kM>, 0, true>()
+                        : info<GemmConfig<T, KMajorB, kM>, 0, true>();
   return b_mn_major ? info<GemmConfig<T, MnMajorB, kM>, kLayer>()
                     : info<GemmConfig<T, KMajorB, kM>, kLayer>();
 }
 template <class T, int kLayer>
-FusedKernelInfo info(bool b_mn_major, int tile_m) {
-  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major)
-                      : info_rows<T, kLayer, 128>(b_mn_major);
+FusedKernelInfo info(bool b_mn_major, int tile_m, bool act = false) {
+  return tile_m == 64 ? info_rows<T, kLayer, 64>(b_mn_major, act)
+                      : info_rows<T, kLayer, 128>(b_mn_major, act);
 }
 
 template <class T, int kLayer, int kM>
 void launch_rows(const CallParams& p, bool b_mn_major, int grid, cudaStream_t stream) {
+  if constexpr (kLayer == 0) {
+    if (p.activation != int32_t(Activation::None)) {
+      if (b_mn_major)
+        launch<GemmConfig<T, MnMajorB, kM>, 0, true>(p, grid, stream);
+      else
+        launch<GemmConfig<T, KMajorB, kM>, 0, true>(p, grid, stream);
+      return;
+    }
+  }
   if (b_mn_major)
     launch<GemmConfig<T, MnMajorB, kM>, kLayer>(p, grid, stream);
   else

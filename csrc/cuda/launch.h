@@ -115,8 +115,10 @@ void launch_fused_sm80_layer1(ScalarKind kind, const CallParams& p, bool b_mn_ma
 // b_mn_major: the weights (p.w0 / p.w1) are the ops' transposed layout, read in place
 // (w0 [El, H, N0], w1 [El, N1, H]; N contiguous), which also needs N % 8 == 0; else the usual
 // K-contiguous layout (w0 [El, N0, H], w1 [El, H, N1]).
-// One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu).
-FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m);
+// One pair per translation unit (fused_sm90_layer0.cu / fused_sm90_layer1.cu). layer0 with a fused
+// activation (p.activation, comet/activation.h) runs its own instantiation: act names it here.
+FusedKernelInfo fused_sm90_layer0_info(ScalarKind kind, bool b_mn_major, int tile_m,
+                                       bool act = false);
 FusedKernelInfo fused_sm90_layer1_info(ScalarKind kind, bool b_mn_major, int tile_m);
 void launch_fused_sm90_layer0(ScalarKind kind, const CallParams& p, bool b_mn_major, int grid,
                               cudaStream_t stream);

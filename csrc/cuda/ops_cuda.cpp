@@ -132,6 +132,7 @@ void preload_kernels(int device) {
         fused.push_back(fused_sm80_layer1_info(kind, b_mn, tm).func);
         if (prop.major == 9) {  // the sm_90a kernels have no image for other GPUs
           fused.push_back(fused_sm90_layer0_info(kind, b_mn, tm).func);
+          fused.push_back(fused_sm90_layer0_info(kind, b_mn, tm, true).func);  // fused activation
           fused.push_back(fused_sm90_layer1_info(kind, b_mn, tm).func);
         }
       }
@@ -710,9 +711,10 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   check_layer0(c, {x, w0, topk_ids, num_experts, b0, w0_transposed, max_rows, tp_size, x_scale,
                    w0_scale, out_dtype, dispatch_fp8, activation_arg(activation), h_fp8},
                W, {n_comm, n_gemm, tile_m, tile_n, 1, call_margin(b, sm_margin)});
-  // The fused activation (comet/activation.h) runs in the sm_80 path's kernels and the sm_89 FP8
-  // kernel, h_fp8 included (h_fp8_epilogue.cuh); the others refuse it here (on every rank, before
-  // any kernel) rather than ignore it, and comet.moe_layer0 applies it after the op there
+  // The fused activation (comet/activation.h) runs in the 16-bit kernels of both paths (sm_80,
+  // sm_90a) and the sm_89 FP8 kernel, h_fp8 on the sm_80 path and sm_89 (h_fp8_epilogue.cuh);
+  // the others (sm_90a FP8, h_fp8 on an sm_90 GPU) refuse it here (on every rank, before any
+  // kernel) rather than ignore it, and comet.moe_layer0 applies it after the op there
   // (comet/layers/ops.py mirrors this rule). h_fp8's own checks are check_layer0's, as on the CPU.
   if (activation && !c.failed()) {
     const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(dev);  // cached by ATen
@@ -721,9 +723,12 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                               "the op there";
     const int64_t n0 = w0_out(w0, w0_transposed);
     const bool fp8_call = is_fp8(x) || is_fp8(w0) || dispatch_fp8;
-    c.value(prop.major != 9, act + " is not fused into the sm_90a kernels yet (this GPU is "
-                                 "sm_" + std::to_string(prop.major * 10 + prop.minor) + ")" +
-                                     after) &&
+    c.value(!h_fp8 || prop.major != 9,
+            "h_fp8=True is not fused into the sm_90a kernels yet (this GPU is sm_" +
+                std::to_string(prop.major * 10 + prop.minor) + ")" + after) &&
+        c.value(!fp8_call || prop.major != 9,
+                act + " is not fused into the sm_90a FP8 kernel yet (this GPU is sm_" +
+                    std::to_string(prop.major * 10 + prop.minor) + ")" + after) &&
         // FP8: each half of a gated tile within one 128-row weight scale block (fused_sm89_fp8.cuh)
         c.value(!fp8_call || !activation_gated(layer0_activation(activation)) || n0 % 128 == 0,
                 act + " on the FP8 CUDA kernel needs F = N0 / 2 a multiple of 64 (each half of a "
@@ -752,8 +757,9 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
                               shaped ? w0.data_ptr() : nullptr, w_mn, n_comm, n_gemm, tile_m,
                               b.multi_node(), call_margin(b, sm_margin), b);
   const bool h8 = shaped && h_fp8 && act != Activation::None;  // h as packed FP8 rows
-  if (act != Activation::None && !lp.sm90 && !c.failed())  // its own instantiation
+  if (act != Activation::None && !c.failed())  // its own instantiation
     lp.info = lp.fp8 == 89 ? fused_sm89_fp8_layer0_info(int(tile_m), true, h8)
+              : lp.sm90    ? fused_sm90_layer0_info(kind, lp.b_mn, int(tile_m), true)
                            : fused_sm80_layer0_info(kind, lp.b_mn, int(tile_m), true, h8);
   int64_t tcap = shaped ? token_capacity(b, OpKind::Layer0, kind, H, k, E, elem, tp) : 0;
   check_fits(c, max_rows, T, tcap);
@@ -905,7 +911,7 @@ Layer0Result moe_layer0_cuda(const at::Tensor& x, const at::Tensor& w0, const at
   LaunchPlan run = lp;
   if (run.sm90 && rows_cap < 1) run.sm90 = false;
   if (!run.sm90 && lp.sm90) {
-    run.info = fused_sm80_layer0_info(kind, lp.b_mn, lp.tile_m);
+    run.info = fused_sm80_layer0_info(kind, lp.b_mn, lp.tile_m, act != Activation::None);
   }
   launch_layer(0, kind, p, run, stream);
   proxy.end();

@@ -1,11 +1,13 @@
 """moe_layer0(activation=...) on CUDA, one process per GPU (see conftest.py for the command).
 WRITTEN, NEVER RUN: no machine of this project has had a GPU for it; the file skips without one.
 
-The sm_80 path's 16-bit kernels (sm_80 / sm_86 / sm_89 and newer GPUs) fuse the activation into
-layer0's epilogue (B-row remap, gate and up accumulators paired in registers), h_fp8 too (h as
-packed FP8 rows, each 1 x 128 block quantised in the epilogue); on sm_90 GPUs and for FP8 gated
-forms with F % 64 != 0 the op refuses `activation=` (an error on every rank before any kernel, the
-buffer then serving the next call) and comet.moe_layer0 applies it after the op.
+The 16-bit kernels of both paths (the sm_80 path on sm_80 / sm_86 / sm_89 and newer GPUs, the
+sm_90a TMA + wgmma kernels on sm_90) fuse the activation into layer0's epilogue (B-row remap, gate
+and up accumulators paired in registers), and the sm_89 FP8 kernel; h_fp8 (h as packed FP8 rows,
+each 1 x 128 block quantised in the epilogue) on the sm_80 path and sm_89. With FP8 operands or
+h_fp8 on sm_90, and for FP8 gated forms with F % 64 != 0, the op refuses `activation=` (an error
+on every rank before any kernel, the buffer then serving the next call) and comet.moe_layer0
+applies it after the op.
 Checked here, on whichever the GPU runs: each activation against a float64 oracle of the rank's
 rows written in this file (bf16 tolerance), with biases, transposed weights, awkward shapes (odd
 H, odd F, F spanning a partial n-tile, E_local = 3, dropped slots, more than one m-tile),
@@ -23,6 +25,7 @@ import torch
 import comet
 from comet.layers import activation as _act
 from tests.cases import Case, cases_for, make_biases, make_inputs
+from tests.gpu.conftest import require_fp8
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -41,8 +44,9 @@ def _buffer():
     return symm_cuda.buffer_for(None, _device())
 
 
-def _fuses() -> bool:
-    """Whether this GPU's kernels fuse the activation (the sm_80 path's; not sm_90's yet)."""
+def _quantises() -> bool:
+    """Whether this GPU's kernels quantise h in the epilogue (h_fp8): the sm_80 path's and the
+    sm_89 FP8 kernel's, not sm_90a's (on an sm_90 GPU the wrapper quantises after the op)."""
     return torch.cuda.get_device_capability(_device())[0] != 9
 
 
@@ -103,6 +107,27 @@ def test_activation_matches_float64_oracle(name, case, transposed):
     assert torch.equal(h.view(torch.int16), again.view(torch.int16))  # bitwise run to run
 
 
+@pytest.mark.parametrize("tile", [(128, 128), (64, 128)], ids=["tile128", "tile64"])
+@pytest.mark.parametrize("name", ["swiglu", "silu"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_activation_both_tile_heights(name, tile, transposed):
+    """Both tile heights of each path (on sm_90 the 128-row tile's two MMA warpgroups and the
+    64-row tile's one), both weight layouts, against the oracle; H % 8 == 0 and F % 8 == 0 so the
+    sm_90a kernels take it there. F = 136: h's last n-tile is partial (8 columns), its up box
+    reads past the gate half's end."""
+    case = _big_case()
+    xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
+    b0s = make_biases(case, BF16)[0]
+    dev = _device()
+    w0 = w0s[RANK].transpose(1, 2).contiguous() if transposed else w0s[RANK]
+    h, lay = comet.moe_layer0(xs[RANK].to(dev), w0.to(dev), ids[RANK].to(dev),
+                              num_experts=case.experts, b0=b0s[RANK].to(dev), activation=name,
+                              w0_transposed=transposed, tile=tile, buffer=_buffer())
+    want = _expected(name, case, xs, w0s, b0s, ids, lay)
+    if want is not None:
+        torch.testing.assert_close(h.cpu().double(), want, **TOL)
+
+
 @pytest.mark.parametrize("name", ["swiglu", "gelu"])
 def test_activation_with_max_rows_and_no_bias(name):
     case = _big_case()
@@ -144,30 +169,26 @@ def test_activation_under_tensor_parallelism():
 
 
 def test_op_fuses_or_refuses_on_every_rank():
-    """The op itself: fused on the sm_80 path's GPUs (the oracle's values), refused on sm_90
-    (ValueError on every rank, the buffer then serving the next call)."""
+    """The op itself: fused for 16-bit operands on every GPU (the oracle's values); h_fp8 and an
+    odd N0 refused (ValueError on every rank, the buffer then serving the next call)."""
     case = cases_for(WORLD)[0]
     xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
     dev = _device()
     buf = _buffer()
     args = (xs[RANK].to(dev), w0s[RANK].to(dev), ids[RANK].to(dev), case.experts, buf.handle,
             8, 0, 128, 128)
-    if _fuses():
-        h, _a, _rc, _sp, src, tok, slot = torch.ops.comet.moe_layer0(*args, activation="swiglu")
-        rows = [_oracle("swiglu", xs[s][t].double() @ torch.cat(w0s)[int(ids[s][t, j])].double().T)
-                for s, t, j in zip(src.tolist(), tok.tolist(), slot.tolist())]
-        if rows:
-            torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
-    else:
-        with pytest.raises(ValueError, match="not fused into the sm_90a kernels yet"):
-            torch.ops.comet.moe_layer0(*args, activation="swiglu")
-    if _fuses():  # h_fp8: packed FP8 rows, uint8 [M, fp8.row_bytes(F)]
+    h, _a, _rc, _sp, src, tok, slot = torch.ops.comet.moe_layer0(*args, activation="swiglu")
+    rows = [_oracle("swiglu", xs[s][t].double() @ torch.cat(w0s)[int(ids[s][t, j])].double().T)
+            for s, t, j in zip(src.tolist(), tok.tolist(), slot.tolist())]
+    if rows:
+        torch.testing.assert_close(h.cpu().double(), torch.stack(rows), **TOL)
+    if _quantises():  # h_fp8: packed FP8 rows, uint8 [M, fp8.row_bytes(F)]
         from comet import fp8
 
         hq = torch.ops.comet.moe_layer0(*args, activation="swiglu", h_fp8=True)[0]
         assert hq.dtype == torch.uint8 and hq.shape[1] == fp8.row_bytes(case.n0 // 2)
     else:
-        with pytest.raises(ValueError, match="not fused into the sm_90a kernels yet"):
+        with pytest.raises(ValueError, match="h_fp8=True is not fused into the sm_90a kernels"):
             torch.ops.comet.moe_layer0(*args, activation="swiglu", h_fp8=True)
     with pytest.raises(ValueError, match="pairs w0's gate and up halves"):
         torch.ops.comet.moe_layer0(*args[:1], w0s[RANK][:, :19].contiguous().to(dev), *args[2:],
@@ -259,7 +280,7 @@ def test_h_fp8_against_float64_oracle(name, case):
     (q, s), lay = comet.moe_layer0(*args, **kw, h_fp8=True)
     f = _act.out_cols(name, case.n0)
     assert q.dtype == torch.float8_e4m3fn and q.shape[1] == f
-    if not _fuses():
+    if not _quantises():
         y0, _ = comet.moe_layer0(*args, **{**kw, "activation": None})
         want_q, want_s = fp8.quantize_rows(_act.apply(name, y0).float())
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -276,8 +297,8 @@ def test_h_fp8_against_float64_oracle(name, case):
 def test_h_fp8_bitwise_across_splits_and_tiles(name):
     """The packed rows (values, scales, padding) do not depend on the comm / GEMM block split or
     the tile rows (each 128-column block is quantised inside one tile)."""
-    if not _fuses():
-        pytest.skip("the sm_90a kernels do not fuse the activation")
+    if not _quantises():
+        pytest.skip("the sm_90a kernels do not quantise h (h_fp8) in their epilogue")
     case = H_FP8_CASES[1]
     xs, w0s, _w1s, ids, _ = make_inputs(case, BF16)
     b0s = make_biases(case, BF16)[0]
@@ -305,7 +326,7 @@ def test_h_fp8_with_max_rows():
     assert q.shape == (bound, case.n0 // 2) and s.shape == (bound, -(-(case.n0 // 2) // 128))
     assert torch.equal(q[:m].view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:m], s0)
     want = _expected("swiglu", case, xs, w0s, None, ids, lay)
-    if want is not None and _fuses():
+    if want is not None and _quantises():
         _check_h_fp8(q0, s0, want)
 
 
@@ -325,8 +346,7 @@ def _fp8_call(case):
     from the dequantised values. Skips without FP8 tensor cores."""
     from comet import fp8
 
-    if torch.cuda.get_device_capability(_device()) not in ((8, 9), (9, 0)):
-        pytest.skip("FP8 needs sm_89 or sm_90")
+    require_fp8(_device())
     xs, w0s, _w1s, ids, _ = make_inputs(case)
     b0s = make_biases(case, BF16)[0]
     xq = [fp8.quantize_rows(x) for x in xs]
@@ -364,7 +384,7 @@ def test_fp8_h_fp8(name, case):
 
     args, kw, oracle = _fp8_call(case)
     (q, s), lay = comet.moe_layer0(*args, **kw, activation=name, h_fp8=True)
-    fused = _fuses() and (name not in _act.GATED or case.n0 % 128 == 0)
+    fused = _quantises() and (name not in _act.GATED or case.n0 % 128 == 0)
     if not fused:
         y0, _ = comet.moe_layer0(*args, **kw)
         want_q, want_s = fp8.quantize_rows(_act.apply(name, y0).float())

@@ -6,12 +6,18 @@
 #include <cstddef>
 #include <cstdint>
 
+// COMET_LAMBDA_INLINE: a lambda the callers' kernels must inline (after the parameter list). A
+// CUDA kernel with wgmma must contain no real call (csrc/cuda/gpu_context.cuh), and whether a
+// lambda's call is inlined is otherwise the compiler's choice, which a larger body (a fused
+// epilogue) can tip.
 #if defined(__CUDACC__)
 #define COMET_HD __host__ __device__ __forceinline__
 #define COMET_DEVICE_CODE 1
+#define COMET_LAMBDA_INLINE __attribute__((always_inline))
 #else
 #define COMET_HD inline
 #define COMET_DEVICE_CODE 0
+#define COMET_LAMBDA_INLINE
 #endif
 
 namespace comet {

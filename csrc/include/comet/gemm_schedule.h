@@ -47,8 +47,9 @@ COMET_HD void layer0_gemm_deferred(Ctx& ctx, int32_t gemm_block, int32_t gemm_bl
   const int64_t tiles = a.num_mtiles * a.num_ntiles;
   for (int64_t i = gemm_block; i < tiles; i += gemm_blocks) {
     const TileCoord tc = schedule_tile(0, i, a, gemm_blocks);
-    compute(a.mtiles[tc.mtile], tc.ntile,
-            [&] { ctx.wait(&a.mtile_ready[tc.mtile], a.epoch, WaitSite::RowTile, tc.mtile); });
+    compute(a.mtiles[tc.mtile], tc.ntile, [&]() COMET_LAMBDA_INLINE {
+      ctx.wait(&a.mtile_ready[tc.mtile], a.epoch, WaitSite::RowTile, tc.mtile);
+    });
     ctx.delay();
   }
 }
@@ -58,7 +59,7 @@ template <class Ctx, class Compute>
 COMET_HD void layer0_gemm(Ctx& ctx, int32_t gemm_block, int32_t gemm_blocks,
                           const GemmScheduleArgs& a, Compute&& compute) {
   layer0_gemm_deferred(ctx, gemm_block, gemm_blocks, a,
-                       [&](const MTile& mt, int32_t nt, auto&& wait) {
+                       [&](const MTile& mt, int32_t nt, auto&& wait) COMET_LAMBDA_INLINE {
                          wait();
                          compute(mt, nt);
                        });
