@@ -98,14 +98,7 @@ __device__ __forceinline__ float h_fp8_value(const Acc& acc, int i, int c, int c
   constexpr int kOut = kGated ? decltype(cute::size(acc))::value / 2
                               : decltype(cute::size(acc))::value;
   if (c >= cols) return 0.0f;
-  float g = acc(i);
-  if (bias_gate != nullptr) g += bias_one(bias_gate + c);
-  float u = 0.0f;
-  if constexpr (kGated) {
-    u = acc(i + kOut);
-    if (bias_up != nullptr) u += bias_one(bias_up + c);
-  }
-  return activate(act, g, u);
+  return act_value<kGated, kOut>(acc, i, bias_gate, bias_up, c, act);  // epilogue.cuh's element
 }
 
 // One or two values of a packed row at h column j (j + 1 when `two`; columns >= f are padding,
