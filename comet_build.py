@@ -273,6 +273,21 @@ def build_ext_class():
     return CometBuildExt
 
 
+def object_clashes(sources: list[str]) -> list[tuple[str, str]]:
+    """Pairs of sources that would compile to the same object file: the build names an object by
+    its source's directory and stem, so x.cu and x.cpp of one directory collide (ninja stops with
+    "multiple rules generate x.o")."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for src in sources:
+        key = os.path.splitext(os.path.normpath(src))[0]
+        if key in seen:
+            clashes.append((seen[key], src))
+        else:
+            seen[key] = src
+    return clashes
+
+
 def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_flags: list[str]):
     """comet._C with the CPU backend plus the CUDA kernels, op registrations and NVSHMEM side."""
     from torch.utils import cpp_extension
@@ -280,6 +295,9 @@ def cuda_extension(root: str, sources: list[str], include_dirs_: list[str], cxx_
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     cuda_cpp = sorted(os.path.relpath(p, root)
                       for p in glob.glob(os.path.join(root, "csrc", "cuda", "*.cpp")))
+    for a, b in object_clashes(list(sources) + cuda_cpp + cuda_sources(root)):
+        raise RuntimeError(f"comet build: {a} and {b} would compile to the same object file; "
+                           "rename one")
     nv_inc, nv_lib = nvshmem_dirs()
     cu13 = _nvidia_dir("cu13", "include")  # headers /usr/local/cuda lacks (docs/toolchain.md)
     incs = list(include_dirs_) + [os.path.join(root, "csrc", "cuda")] + cutlass_include_dirs()

@@ -341,7 +341,8 @@ def main(argv=None) -> int:
     if smem:
         print("\n(smem dynamic: the fused kernels' dynamic shared memory per block; "
               "threads per block: " + ", ".join(f"{k} {v[1]}" for k, v in sorted(smem.items()))
-              + "; stack frames of the fused kernels are the timeout path's printf buffer)")
+              + "; stack frames of the fused kernels are the timeout path's printf buffer and, "
+              "where a tile calls the readiness wait, the registers saved around that call)")
     if sass_rows:
         sass_names = demangle(sorted({r[0] for r in sass_rows}))
         print("\nSASS of the comm paths (128-bit global/generic loads and stores; 'in flight': "

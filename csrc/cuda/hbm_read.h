@@ -1,5 +1,5 @@
 // The HBM read-rate kernel of tools/hbm_stream.py (hbm_read.cu) and its host op
-// (hbm_read.cpp: torch.ops.comet_cuda.hbm_read_bench).
+// (hbm_read_op.cpp: torch.ops.comet_cuda.hbm_read_bench).
 #pragma once
 
 #include <cuda_runtime.h>
