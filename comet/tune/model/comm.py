@@ -168,12 +168,18 @@ def prologue_time(shape: MoEShape, spec: GpuSpec, layer: int) -> float:
     the group spans nodes), and each prologue thread's share of the T*k routing slots (a few
     passes at ~0.05 us per element)."""
     _check_layer(layer)
-    blocks = prologue_grid(shape)
-    threads = blocks * 256
+    threads = prologue_grid(shape) * 256
     per_thread = 3 * math.ceil(shape.T * shape.k / threads) * 0.05e-6
     alpha = spec.alpha if shape.nodes == 1 else max(spec.alpha, spec.nic_alpha)
-    return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S + PROLOGUE_BARRIERS[layer] * barrier_time(blocks)
-            + 2 * alpha + per_thread)
+    return prologue_launches_and_barriers(shape, layer) + 2 * alpha + per_thread
+
+
+def prologue_launches_and_barriers(shape: MoEShape, layer: int) -> float:
+    """The part of prologue_time that folding the prologue into the fused kernel would remove:
+    its kernels' launch gaps and grid barriers (their work and round trips stay)."""
+    _check_layer(layer)
+    return (PROLOGUE_LAUNCHES[layer] * KERNEL_GAP_S
+            + PROLOGUE_BARRIERS[layer] * barrier_time(prologue_grid(shape)))
 
 
 def prologue_grid(shape: MoEShape) -> int:

@@ -59,8 +59,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from .comm import (KERNEL_GAP_S, PROLOGUE_BARRIERS, PROLOGUE_LAUNCHES, barrier_time, combine_time,
-                   comm_time, prologue_grid, prologue_time, stream_ops_time)
+from .comm import (KERNEL_GAP_S, combine_time, comm_time, prologue_launches_and_barriers,
+                   prologue_time, stream_ops_time)
 from .fp8 import FP8_SCALE_BLOCK, FP8_SCALE_BYTES
 from .gemm import DEFAULT_TILE, _tile_seconds, gemm_dims, raster_group
 from .hardware import GpuSpec
@@ -239,9 +239,7 @@ def decode_fused(p: DecodePoint, spec: GpuSpec) -> Dict[str, float]:
     fused = pro + KERNEL_GAP_S + k0 + act + KERNEL_GAP_S + k1 + comb
     # folded: the prologue's launches and grid barriers gone (its memsets and copies, its work and its metadata
     # exchange's round trips stay, inside the fused kernel)
-    folded = fused - sum(PROLOGUE_LAUNCHES[l] * KERNEL_GAP_S
-                         + PROLOGUE_BARRIERS[l] * barrier_time(prologue_grid(p.shape(l)))
-                         for l in (0, 1))
+    folded = fused - sum(prologue_launches_and_barriers(p.shape(l), l) for l in (0, 1))
     return {"n_comm0": n0, "n_comm1": n1, "tile_m0": t0[0], "tile_m1": t1[0], "prologue": pro, "layer0": k0, "activation": act,
             "layer1": k1, "combine": comb, "fused": fused, "folded": folded}
 
